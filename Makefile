@@ -1,0 +1,25 @@
+# The two commands a new user needs (see README.md):
+#   make lab   install the course into .venv and open JupyterLab on labs/
+#   make test  install the course into .venv and run the whole test suite
+# Installing is skipped when requirements.txt and pyproject.toml have not changed.
+
+PYTHON ?= /usr/bin/python3
+VENV := .venv
+STAMP := $(VENV)/.installed
+ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
+
+.PHONY: lab test install
+
+install: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "Python >= 3.10 is needed; run make with PYTHON=/path/to/python3.11")'
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check -r requirements.txt
+	touch $@
+
+lab: $(STAMP)
+	$(VENV)/bin/jupyter lab --ServerApp.root_dir=labs $(ALLOW_ROOT)
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)

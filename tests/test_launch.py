@@ -1,0 +1,276 @@
+"""minidist.launch: results, output, failures, hangs, interrupts, and no process left behind."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+from minidist.launch import RankError, RankTimeout, run
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def square_after_all_reduce(rank, world_size, offset):
+    total = torch.tensor([float(rank)])
+    dist.all_reduce(total)
+    print(f"sum of ranks is {total.item():g}")
+    return rank * rank + offset, total.item()
+
+
+def raise_on_rank_two(rank, world_size):
+    if rank == 2:
+        raise ValueError("rank two is broken")
+    dist.all_reduce(torch.ones(4))  # the peers block here until rank 2's connection breaks
+    return rank
+
+
+def rank_zero_waits_forever(rank, world_size):
+    if rank == 0:
+        dist.recv(torch.zeros(1), src=1)  # rank 1 never sends
+    return rank
+
+
+def descendants() -> set[int]:
+    return {child.pid for child in psutil.Process().children(recursive=True)}
+
+
+def rank_processes() -> set[int]:
+    """Processes forked by a fork server (our ranks), identified by their parent's command."""
+    pids = set()
+    for process in psutil.process_iter(["pid", "ppid"]):
+        try:
+            parent = psutil.Process(process.info["ppid"])
+            if "forkserver" in " ".join(parent.cmdline()):
+                pids.add(process.info["pid"])
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return pids
+
+
+def wait_until_gone(pids: set[int], seconds: float) -> set[int]:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        alive = {pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status()
+                 != psutil.STATUS_ZOMBIE}
+        if not alive:
+            return set()
+        time.sleep(0.1)
+    return alive
+
+
+def python(code: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True, text=True, timeout=120, **kwargs,
+    )
+
+
+def test_results_come_back_in_rank_order_and_output_is_prefixed(capfd):
+    results = run(square_after_all_reduce, 4, 10)
+    assert results == [(10, 6.0), (11, 6.0), (14, 6.0), (19, 6.0)]
+    out = capfd.readouterr().out
+    for rank in range(4):
+        assert f"[rank{rank}] sum of ranks is 6" in out
+
+
+def test_one_rank_and_keyword_arguments():
+    def scaled(rank, world_size, *, scale):
+        return scale * (rank + 1)
+
+    assert run(scaled, 1, scale=3) == [3]
+
+
+def test_function_defined_in_python_dash_c_runs_on_four_ranks():
+    done = python("""
+        import torch, torch.distributed as dist
+        from minidist.launch import run
+
+        class Point:  # a class that exists only in this script
+            def __init__(self, x):
+                self.x = x
+
+        def gather_ranks(rank, world_size):
+            t = torch.tensor([rank])
+            out = [torch.zeros(1, dtype=torch.long) for _ in range(world_size)]
+            dist.all_gather(out, t)
+            print("hello from", rank)
+            return Point([int(x) for x in out])
+
+        print([p.x for p in run(gather_ranks, 4)])
+    """)
+    assert done.returncode == 0, done.stderr
+    assert "[[0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 2, 3]]" in done.stdout
+    assert "[rank3] hello from 3" in done.stdout
+
+
+def test_script_without_main_guard_is_not_re_run_by_ranks(tmp_path):
+    script = tmp_path / "lab.py"
+    script.write_text("from minidist.launch import run\nprint('top', run(lambda r, n: r, 2))\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("top") == 1
+
+
+def test_failing_rank_is_named_with_its_traceback_and_peers_are_killed():
+    start = time.monotonic()
+    with pytest.raises(RankError) as caught:
+        run(raise_on_rank_two, 4)
+    assert time.monotonic() - start < 10
+    error = caught.value
+    assert error.rank == 2
+    assert "rank 2 of 4 failed: ValueError: rank two is broken" in str(error)
+    assert 'raise ValueError("rank two is broken")' in str(error)
+    assert not isinstance(error, RankTimeout)
+    assert wait_until_gone(rank_processes(), 5) == set()
+
+
+def test_rank_that_dies_without_an_exception_is_named():
+    def exit_hard(rank, world_size):
+        if rank == 1:
+            os._exit(3)
+        dist.barrier()
+
+    with pytest.raises(RankError, match="rank 1 of 2 failed: the process exited with code 3"):
+        run(exit_hard, 2)
+
+
+def test_stuck_rank_is_named_with_where_it_was_stuck():
+    start = time.monotonic()
+    with pytest.raises(RankTimeout) as caught:
+        run(rank_zero_waits_forever, 2, timeout=2)
+    assert time.monotonic() - start < 2 + 5
+    assert caught.value.ranks == [0]
+    message = str(caught.value)
+    assert "rank(s) 0 of 2 did not finish within 2 s (rank(s) 1 finished)" in message
+    assert "in rank_zero_waits_forever" in message and "in recv" in message
+    assert wait_until_gone(rank_processes(), 5) == set()
+
+
+def test_many_runs_in_a_row_and_two_programs_at_once():
+    program = """
+        from minidist.launch import run
+        import torch, torch.distributed as dist
+        def total(rank, world_size):
+            t = torch.ones(1)
+            dist.all_reduce(t)
+            return t.item()
+        for _ in range(10):
+            assert run(total, 3) == [3.0] * 3
+        print("ok")
+    """
+    procs = [
+        subprocess.Popen([sys.executable, "-c", textwrap.dedent(program)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        assert out.strip().endswith("ok")
+
+
+@pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL])
+def test_interrupt_or_killed_caller_leaves_no_rank_behind(how):
+    program = """
+        import time
+        from minidist.launch import run
+        def sleep_forever(rank, world_size):
+            print("started", flush=True)
+            time.sleep(600)
+        run(sleep_forever, 3, timeout=600)
+    """
+    caller = subprocess.Popen([sys.executable, "-c", textwrap.dedent(program)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    started = 0
+    while started < 3:
+        line = caller.stdout.readline()
+        assert line, caller.stderr.read()
+        started += "started" in line
+    ranks = {p.pid for p in psutil.Process(caller.pid).children(recursive=True)}
+    assert len(ranks) >= 4  # the fork server and three ranks
+    caller.send_signal(how)
+    caller.wait(timeout=10)
+    if how == signal.SIGINT:
+        assert "KeyboardInterrupt" in caller.stderr.read()
+    assert wait_until_gone(ranks, 10) == set()
+
+
+def test_torchrun_runs_the_same_code_in_place(tmp_path):
+    script = tmp_path / "lab.py"
+    script.write_text(textwrap.dedent("""
+        import torch, torch.distributed as dist
+        from minidist.launch import run
+        def total(rank, world_size):
+            t = torch.tensor([rank + 1.0])
+            dist.all_reduce(t)
+            return rank, t.item()
+        print("results", run(total, 2))
+    """))
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                "--standalone", str(script)]
+    done = subprocess.run(torchrun, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("results [(0, 3.0), (1, 3.0)]") == 2
+
+    wrong = [*torchrun[:3], "--nproc-per-node=3", *torchrun[4:]]
+    done = subprocess.run(wrong, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "run(..., world_size=2) but this job has 3 processes" in done.stderr
+
+
+def test_slurm_srun_environment_runs_in_place(tmp_path):
+    """What `srun -n 2 python lab.py` gives each task (without a Slurm cluster here)."""
+    script = tmp_path / "lab.py"
+    script.write_text(textwrap.dedent("""
+        import torch, torch.distributed as dist
+        from minidist.launch import run
+        def total(rank, world_size):
+            t = torch.tensor([10.0 ** rank])
+            dist.all_reduce(t)
+            return t.item()
+        print("results", run(total, 2))
+    """))
+    port = str(20000 + os.getpid() % 20000)
+    tasks = []
+    for rank in range(2):
+        env = {
+            **os.environ, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank),
+            "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0", "SLURM_JOB_ID": "42",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+        }
+        tasks.append(subprocess.Popen([sys.executable, str(script)], env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    for task in tasks:
+        out, err = task.communicate(timeout=60)
+        assert task.returncode == 0, err
+        assert "results [11.0, 11.0]" in out
+
+
+def test_one_task_slurm_job_still_starts_its_own_ranks(monkeypatch):
+    """A notebook in a one-task Slurm job (JupyterHub's SlurmSpawner) is not a rank."""
+    for name, value in {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_STEP_ID": "0",
+                        "SLURM_LOCALID": "0"}.items():
+        monkeypatch.setenv(name, value)
+    assert run(square_after_all_reduce, 2, 0) == [(0, 1.0), (1, 1.0)]
+
+
+def test_bad_arguments_are_explained():
+    with pytest.raises(ValueError, match="world_size must be a positive int, got 0"):
+        run(square_after_all_reduce, 0, 1)
+    with pytest.raises(ValueError, match="backend must be 'gloo' or 'nccl'"):
+        run(square_after_all_reduce, 2, 1, backend="mpi")
+    with pytest.raises(ValueError, match="backend='nccl' needs one GPU per rank"):
+        if torch.cuda.device_count() >= 64:
+            pytest.skip("this machine has 64 GPUs")
+        run(square_after_all_reduce, 64, 1, backend="nccl")
+    with pytest.raises(ValueError, match="cannot send"):
+        run(square_after_all_reduce, 2, (x for x in range(3)))
