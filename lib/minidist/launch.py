@@ -28,9 +28,11 @@ from __future__ import annotations
 import contextlib
 import datetime
 import faulthandler
+import linecache
 import multiprocessing
 import multiprocessing.connection
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -351,8 +353,10 @@ class _Supervisor:
         if message[0] == "result":
             rank.result = message[1]
             return []
-        _, when, peer_error, description, rank_traceback = message
+        _, when, peer_error, description, frames, exception_text = message
         rank.reported_error = True
+        # Formatted here, not in the rank: only the caller's linecache holds notebook cells.
+        rank_traceback = "".join(traceback.format_list(frames)) + exception_text
         return [_Failure(peer_error, when, rank.rank, description, rank_traceback)]
 
     def _on_exit(self, rank: _RankProcess) -> list[_Failure]:
@@ -437,7 +441,7 @@ class _Supervisor:
         )
         for rank in stuck:
             stack = _user_frames(rank.captured_stderr)
-            message += f"\nWhere rank {rank.rank} was stuck (most recent call first):\n{stack}\n"
+            message += f"\nWhere rank {rank.rank} was stuck (most recent call last):\n{stack}\n"
         return RankTimeout(message, [rank.rank for rank in stuck])
 
     def _kill_all(self) -> None:
@@ -465,14 +469,16 @@ def _signal(pid: int, signum: int, whole_group: bool = False) -> None:
 
 
 def _user_frames(dump: list[str]) -> str:
-    """faulthandler's dump without the launcher's own frames; lines are 'File "...", line N'."""
+    """faulthandler's dump without the launcher's frames, each with its source line."""
     launcher_frames = ("multiprocessing", "minidist/launch.py", '"<string>"')
-    frames = [
-        line.strip()
-        for line in dump
-        if line.strip().startswith("File") and not any(skip in line for skip in launcher_frames)
-    ]
-    return "\n".join(f"  {line}" for line in frames) or "  (no stack was printed)"
+    frames = []
+    for line in dump:
+        frame = re.match(r'\s*File "(.+)", line (\d+) in (.+)', line)
+        if frame and not any(skip in line for skip in launcher_frames):
+            filename, lineno, function = frame.groups()
+            source = linecache.getline(filename, int(lineno)).strip()
+            frames.append(f'  File "{filename}", line {lineno}, in {function}\n    {source}')
+    return "\n".join(reversed(frames)) or "  (no stack was printed)"
 
 
 # --- Inside a rank process ---------------------------------------------------------------------
@@ -540,7 +546,7 @@ def _rank_main(spec: _RankSpec, stdout_w, stderr_w, control, lifeline) -> None:
         sys.stdout.flush()
         control.send((
             "error", time.time(), _is_peer_error(error),
-            f"{type(error).__name__}: {error}".splitlines()[0], _rank_traceback(error),
+            f"{type(error).__name__}: {error}".splitlines()[0], *_rank_traceback(error),
         ))
         os._exit(1)
     sys.stdout.flush()
@@ -551,11 +557,12 @@ def _rank_main(spec: _RankSpec, stdout_w, stderr_w, control, lifeline) -> None:
     os._exit(0)
 
 
-def _rank_traceback(error: BaseException) -> str:
-    """The traceback from the user's function down, without the launcher's frame."""
-    frames = traceback.extract_tb(error.__traceback__)
-    frames = [frame for frame in frames if not frame.filename.endswith("minidist/launch.py")]
-    return "".join(traceback.format_list(frames) + traceback.format_exception_only(error))
+def _rank_traceback(error: BaseException) -> tuple[list[traceback.FrameSummary], str]:
+    """The user's frames (source lines left for the caller to look up) and the exception."""
+    stack = traceback.StackSummary.extract(traceback.walk_tb(error.__traceback__),
+                                           lookup_lines=False)
+    frames = [frame for frame in stack if not frame.filename.endswith("minidist/launch.py")]
+    return frames, "".join(traceback.format_exception_only(error))
 
 
 def _to_cpu(value: Any) -> Any:

@@ -1,0 +1,79 @@
+"""Before/after pictures of the collectives, for lab 01 and the slides.
+
+    draw_collectives()          # one row per collective, 4 ranks
+    draw_collectives(["all_reduce", "reduce_scatter"], world_size=3)
+
+Each rank is a row of boxes, one box per chunk of its tensor. A box shows which chunk it
+holds ("a1" = chunk a from rank 1) or a reduction ("Σa" = chunk a summed over all ranks).
+"""
+
+from __future__ import annotations
+
+import string
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+Layout = list[list[str]]  # per rank, the label of each chunk box ("" = empty)
+
+COLLECTIVES = ("broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter", "send_recv")
+
+
+def _before_after(name: str, n: int) -> tuple[Layout, Layout, str]:
+    """Box labels before and after `name` on `n` ranks, and a one-line description."""
+    chunks = string.ascii_lowercase[:n]
+    own = [[f"{c}{r}" for c in chunks] for r in range(n)]  # every rank holds its own data
+    summed = [f"Σ{c}" for c in chunks]
+    empty = [""] * n
+    if name == "broadcast":
+        return ([list(chunks)] + [empty] * (n - 1), [list(chunks)] * n,
+                "rank 0's tensor is copied to every rank")
+    if name == "reduce":
+        return own, [summed] + [empty] * (n - 1), "the sum of all ranks' tensors lands on rank 0"
+    if name == "all_reduce":
+        return own, [summed] * n, "every rank gets the sum of all ranks' tensors"
+    if name == "all_gather":
+        pieces = [[f"x{r}" if i == r else "" for i in range(n)] for r in range(n)]
+        return pieces, [[f"x{i}" for i in range(n)]] * n, "every rank gets every rank's piece"
+    if name == "reduce_scatter":
+        after = [[summed[i] if i == r else "" for i in range(n)] for r in range(n)]
+        return own, after, "rank r gets chunk r of the sum"
+    if name == "send_recv":
+        before = [list(chunks)] + [empty] * (n - 1)
+        return before, [list(chunks)] * 2 + [empty] * (n - 2), "rank 0 sends its tensor to rank 1"
+    raise ValueError(f"unknown collective {name!r}; choose from {', '.join(COLLECTIVES)}")
+
+
+def draw_collectives(names: list[str] | None = None, world_size: int = 4) -> Figure:
+    """A figure with one row per collective: the ranks' data before and after it."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    names = list(COLLECTIVES) if names is None else names
+    if world_size < 2:
+        raise ValueError(f"world_size must be at least 2 to show communication, got {world_size}")
+    colors = plt.get_cmap("tab10")
+    fig, axes = plt.subplots(len(names), 2, figsize=(8, 1.1 + 0.55 * world_size * len(names)),
+                             squeeze=False)
+    for row, name in enumerate(names):
+        before, after, description = _before_after(name, world_size)
+        for ax, layout, when in ((axes[row][0], before, "before"), (axes[row][1], after, "after")):
+            for rank, boxes in enumerate(layout):
+                y = world_size - 1 - rank
+                ax.text(-0.15, y + 0.4, f"rank {rank}", ha="right", va="center", fontsize=8)
+                for i, label in enumerate(boxes):
+                    reduced = label.startswith("Σ")
+                    face = colors(i) if label else "white"
+                    ax.add_patch(Rectangle((i, y), 0.9, 0.8, facecolor=face, edgecolor="grey",
+                                           alpha=0.9 if reduced else 0.35))
+                    ax.text(i + 0.45, y + 0.4, label, ha="center", va="center", fontsize=8,
+                            fontweight="bold" if reduced else "normal")
+            ax.set_xlim(-1.1, world_size)
+            ax.set_ylim(-0.2, world_size)
+            ax.axis("off")
+            ax.set_title(f"{name} — {when}" if when == "before" else when, fontsize=9, loc="left")
+        axes[row][1].text(world_size, -0.15, description, ha="right", va="top", fontsize=8,
+                          style="italic")
+    fig.tight_layout()
+    return fig
