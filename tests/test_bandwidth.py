@@ -1,0 +1,67 @@
+"""minidist.bandwidth: a tiny sweep returns sane rows, and the table and plot show them."""
+
+from __future__ import annotations
+
+import functools
+
+import matplotlib
+import pytest
+
+from minidist.bandwidth import BENCH_COLLECTIVES, Row, format_table, measure, plot
+from minidist.cost import busbw_factor
+
+matplotlib.use("Agg")
+
+SIZES = [1024, 64 * 1024]
+
+
+@functools.cache
+def _rows(collective: str) -> list[Row]:
+    return measure(2, SIZES, collective=collective, iters=2, warmup=1, repeats=1)
+
+
+@pytest.mark.parametrize("collective", BENCH_COLLECTIVES)
+def test_measure_returns_sane_rows(collective: str) -> None:
+    rows = _rows(collective)
+    assert [(r.implementation, r.nbytes) for r in rows] == [
+        (name, size) for size in SIZES for name in ("minidist", "torch")
+    ]
+    for r in rows:
+        assert (r.collective, r.world_size) == (collective, 2)
+        assert 0 < r.seconds < 1
+        assert r.algbw == pytest.approx(r.nbytes / r.seconds)
+        assert r.busbw == pytest.approx(r.algbw * busbw_factor(collective, 2))
+
+
+def test_adaptive_iterations_and_rounding() -> None:
+    # iters=None picks the count per point; 1001 bytes round down to 250 float32 elements,
+    # and all_gather needs a multiple of N elements.
+    rows = measure(3, [1001], collective="all_gather", implementations=("minidist",),
+                   target_time=0.005, repeats=2)
+    assert [(r.implementation, r.nbytes) for r in rows] == [("minidist", 249 * 4)]
+
+
+def test_format_table_and_plot() -> None:
+    rows = _rows("all_reduce")
+    table = format_table(rows)
+    lines = table.splitlines()
+    assert lines[0] == "all_reduce, N=2 (bandwidths in GB/s)"
+    assert "minidist time" in lines[1] and "torch time" in lines[1] and "ratio" in lines[1]
+    assert lines[3].split()[:2] == ["1", "KiB"] and lines[4].split()[:2] == ["64", "KiB"]
+    ratio = rows[1].seconds / rows[0].seconds
+    assert lines[3].endswith(f"{ratio:5.2f}")
+
+    ax = plot(rows)
+    assert [line.get_label() for line in ax.get_lines()] == ["minidist", "torch"]
+    assert list(ax.get_lines()[0].get_xdata()) == SIZES
+    assert ax.get_xscale() == "log"
+    assert ax.get_title() == "all_reduce, N=2"
+
+
+def test_bad_arguments_are_clear() -> None:
+    with pytest.raises(ValueError, match="valid ones are all_reduce"):
+        measure(2, SIZES, collective="allreduce")
+    with pytest.raises(ValueError, match="implementations"):
+        measure(2, SIZES, implementations=("nccl",))
+    with pytest.raises(ValueError, match="iters"):
+        measure(2, SIZES, iters=0)

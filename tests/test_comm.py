@@ -1,0 +1,286 @@
+"""minidist.comm against torch.distributed's own collectives, on 1 to 4 gloo ranks.
+
+Starting ranks costs about a second, so each world size runs every check in one
+`minidist.launch.run`; each rank returns {check name: [failure descriptions]}, and the tests
+below look up their check and assert that its list is empty.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from minidist import comm
+from minidist.cost import ring_bytes_sent
+from minidist.launch import run
+
+WORLD_SIZES = (1, 2, 3, 4)
+SIZES = (1, 7, 1000, 2**20 + 3)
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _integers(numel: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    """Integers in [-16, 16]: sums over 4 ranks stay within bfloat16's exact integers (<= 256),
+    so every summation order gives the same bits and results can be compared exactly."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(-16, 17, (numel,), generator=generator).to(dtype)
+
+
+def _check_all_reduce(rank: int, world_size: int) -> list[str]:
+    failures = []
+    for numel in SIZES:
+        for dtype in DTYPES:
+            ours = _integers(numel, 1000 * rank + numel, dtype)
+            expected = ours.clone()
+            dist.all_reduce(expected)
+            returned = comm.ring_all_reduce(ours)
+            if returned is not ours or not torch.equal(ours, expected):
+                failures.append(f"sum, numel={numel}, {dtype}")
+    sum_, avg = dist.ReduceOp.SUM, dist.ReduceOp.AVG
+    for op, torch_op in (("sum", sum_), ("avg", avg), (sum_, sum_), (avg, avg)):
+        ours = torch.randn(1003, generator=torch.Generator().manual_seed(rank))
+        expected = ours.clone()
+        dist.all_reduce(expected, op=torch_op)
+        comm.ring_all_reduce(ours, op=op)
+        if not torch.allclose(ours, expected, rtol=1e-5, atol=1e-6):
+            failures.append(f"random float32, op={op}")
+    matrix = _integers(12 * 5, rank, torch.float32).view(12, 5)  # any shape: works on the flat view
+    expected = matrix.clone()
+    dist.all_reduce(expected)
+    if not torch.equal(comm.ring_all_reduce(matrix), expected):
+        failures.append("2-D tensor")
+    return failures
+
+
+def _check_reduce_scatter_and_all_gather(rank: int, world_size: int) -> list[str]:
+    failures = []
+    for numel in (*SIZES, 12 * world_size):
+        bounds = comm.chunk_bounds(numel, world_size)
+        start, end = bounds[rank]
+        data = _integers(numel, 7 * rank + numel, torch.float32)
+        total = data.clone()
+        dist.all_reduce(total)
+
+        # Reduce-scatter: rank r gets chunk r, as a view into the tensor.
+        ours = data.clone()
+        chunk = comm.ring_reduce_scatter(ours)
+        if chunk.data_ptr() != ours[start:].data_ptr() or chunk.numel() != end - start:
+            failures.append(f"reduce_scatter numel={numel}: returned chunk is not chunk {rank}")
+        elif not torch.equal(chunk, total[start:end]):
+            failures.append(f"reduce_scatter numel={numel}: wrong values")
+        if numel % world_size == 0:
+            theirs = torch.empty(numel // world_size)
+            dist.reduce_scatter_single(theirs, data.clone())
+            if not torch.equal(chunk, theirs):
+                failures.append(f"reduce_scatter numel={numel}: differs from torch's")
+
+        # All-gather: only chunk r is valid on rank r at the start.
+        full = _integers(numel, numel, torch.float32)  # the same on every rank
+        ours = torch.full((numel,), -100.0)
+        ours[start:end] = full[start:end]
+        if comm.ring_all_gather(ours) is not ours or not torch.equal(ours, full):
+            failures.append(f"all_gather numel={numel}")
+        if numel % world_size == 0:
+            theirs = torch.empty(numel)
+            dist.all_gather_single(theirs, full[start:end].clone())
+            if not torch.equal(ours, theirs):
+                failures.append(f"all_gather numel={numel}: differs from torch's")
+
+    start, end = comm.chunk_bounds(10, world_size)[rank]
+    mean = torch.full((end - start,), (world_size - 1) / 2)  # the mean of the ranks 0..N-1
+    if not torch.allclose(comm.ring_reduce_scatter(torch.full((10,), float(rank)), "avg"), mean):
+        failures.append("reduce_scatter avg")
+    return failures
+
+
+def _check_broadcast(rank: int, world_size: int) -> list[str]:
+    failures = []
+    for src in range(world_size):
+        for numel in (1, 7, 1000):
+            ours = torch.full((numel,), float(rank))
+            theirs = ours.clone()
+            dist.broadcast(theirs, src)
+            if comm.tree_broadcast(ours, src) is not ours or not torch.equal(ours, theirs):
+                failures.append(f"src={src}, numel={numel}")
+    with comm.count_bytes() as counter:
+        comm.tree_broadcast(torch.zeros(100), src=world_size - 1)
+    # Every rank but src receives the tensor exactly once, so the sends add up to (N-1) * S.
+    total = torch.tensor([counter.bytes_sent])
+    dist.all_reduce(total)
+    if total.item() != (world_size - 1) * 400:
+        failures.append(f"broadcast sent {total.item()} bytes in all, not (N-1) * S")
+    return failures
+
+
+def _check_ring_bytes(rank: int, world_size: int) -> list[str]:
+    failures = []
+    for numel in (24 * world_size, *SIZES):
+        nbytes = numel * 4
+        for name, collective, steps in (
+            ("all_reduce", comm.ring_all_reduce, 2 * (world_size - 1)),
+            ("reduce_scatter", comm.ring_reduce_scatter, world_size - 1),
+            ("all_gather", comm.ring_all_gather, world_size - 1),
+        ):
+            with comm.count_bytes() as counter:
+                collective(torch.zeros(numel))
+            expected = ring_bytes_sent(name, nbytes, world_size)
+            # Chunks differ by at most one element, so each step may be off by one element.
+            slack = 0 if numel % world_size == 0 else steps * 4
+            if abs(counter.bytes_sent - expected) > slack or counter.messages != steps:
+                failures.append(
+                    f"{name} numel={numel}: sent {counter.bytes_sent} B in {counter.messages} "
+                    f"messages, expected {expected:g} B (+-{slack}) in {steps}"
+                )
+    return failures
+
+
+def _check_counting_plain_sends(rank: int, world_size: int) -> list[str]:
+    if world_size == 1:
+        return []  # dist.send to oneself is an error
+    failures = []
+    right, left = (rank + 1) % world_size, (rank - 1) % world_size
+    original = vars(dist.ProcessGroup)["send"]
+    payload, inbox = torch.zeros(10), torch.empty(10)  # 40 bytes
+    made_before = [dist.P2POp(dist.isend, payload, right), dist.P2POp(dist.irecv, inbox, left)]
+
+    with comm.count_bytes() as outer:
+        # dist.send / dist.recv, ordered so the ring cannot deadlock: even ranks send first.
+        for sending in (rank % 2 == 0, rank % 2 == 1):
+            if sending:
+                dist.send(payload, right)
+            else:
+                dist.recv(inbox, left)
+        requests = [dist.isend(payload, right), dist.irecv(inbox, left)]  # gloo's isend waits
+        for request in requests:  # for the matching recv, so post both before waiting
+            request.wait()
+        with comm.count_bytes() as inner:
+            for request in dist.batch_isend_irecv(made_before):  # P2POps made outside the block
+                request.wait()
+            made_inside = [
+                dist.P2POp(dist.isend, payload, right),
+                dist.P2POp(dist.irecv, inbox, left),
+            ]
+            for request in dist.batch_isend_irecv(made_inside):
+                request.wait()
+    if (outer.bytes_sent, outer.messages) != (160, 4):
+        failures.append(f"outer block counted {outer.bytes_sent} B in {outer.messages} messages")
+    if (inner.bytes_sent, inner.messages) != (80, 2):
+        failures.append(f"inner block counted {inner.bytes_sent} B in {inner.messages} messages")
+
+    # After the block: nothing more is counted, and P2POps made inside still work.
+    for request in dist.batch_isend_irecv(made_inside):
+        request.wait()
+    comm.ring_all_reduce(torch.zeros(100))
+    if (outer.bytes_sent, inner.bytes_sent) != (160, 80):
+        failures.append("sends after the block were counted")
+    if vars(dist.ProcessGroup)["send"] is not original:
+        failures.append("ProcessGroup.send was not restored")
+
+    # An exception inside the block restores it too.
+    with pytest.raises(RuntimeError), comm.count_bytes():
+        raise RuntimeError("boom")
+    if vars(dist.ProcessGroup)["send"] is not original:
+        failures.append("ProcessGroup.send was not restored after an exception")
+    return failures
+
+
+def _check_errors(rank: int, world_size: int) -> list[str]:
+    failures = []
+    cases = [
+        ("non-contiguous", lambda: comm.ring_all_reduce(torch.zeros(4, 6).t()), "contiguous"),
+        ("op max", lambda: comm.ring_all_reduce(torch.zeros(4), op="max"), "'sum' or 'avg'"),
+        ("ReduceOp.MAX", lambda: comm.ring_all_reduce(torch.zeros(4), op=dist.ReduceOp.MAX), "op"),
+        ("avg on ints", lambda: comm.ring_all_reduce(torch.zeros(4, dtype=torch.int64), "avg"),
+         "floating-point"),
+        ("bad src", lambda: comm.tree_broadcast(torch.zeros(4), src=world_size), "src"),
+    ]
+    for name, call, phrase in cases:
+        try:
+            call()
+            failures.append(f"{name}: no error")
+        except ValueError as error:
+            if phrase not in str(error):
+                failures.append(f"{name}: unclear message {error}")
+    return failures
+
+
+def _check_subgroup(rank: int, world_size: int) -> list[str]:
+    if world_size < 3:
+        return []
+    members = [1, world_size - 1]  # not starting at 0 and not adjacent: group ranks != global
+    group = dist.new_group(members)  # every rank must call new_group, members or not
+    if rank not in members:
+        return []
+    failures = []
+    ours = _integers(1001, rank, torch.float32)
+    theirs = ours.clone()
+    dist.all_reduce(theirs, group=group)
+    with comm.count_bytes() as counter:
+        comm.ring_all_reduce(ours, group=group)
+    if not torch.equal(ours, theirs):
+        failures.append("all_reduce on a subgroup")
+    if abs(counter.bytes_sent - ring_bytes_sent("all_reduce", 1001 * 4, 2)) > 2 * 4:
+        failures.append(f"subgroup all_reduce sent {counter.bytes_sent} B")
+    ours = torch.full((5,), float(rank))
+    comm.tree_broadcast(ours, src=world_size - 1, group=group)
+    if not torch.equal(ours, torch.full((5,), float(world_size - 1))):
+        failures.append("broadcast on a subgroup from a global src")
+    start, end = comm.chunk_bounds(1001, 2)[members.index(rank)]
+    chunk = comm.ring_reduce_scatter(torch.ones(1001), group=group)
+    if chunk.numel() != end - start or not torch.equal(chunk, torch.full((end - start,), 2.0)):
+        failures.append("reduce_scatter on a subgroup: chunk numbering must follow group ranks")
+    return failures
+
+
+CHECKS = {
+    check.__name__.removeprefix("_check_"): check
+    for check in (
+        _check_all_reduce,
+        _check_reduce_scatter_and_all_gather,
+        _check_broadcast,
+        _check_ring_bytes,
+        _check_counting_plain_sends,
+        _check_errors,
+        _check_subgroup,
+    )
+}
+
+
+def _run_checks(rank: int, world_size: int) -> dict[str, list[str]]:
+    return {name: check(rank, world_size) for name, check in CHECKS.items()}
+
+
+@functools.cache
+def _results(world_size: int) -> list[dict[str, list[str]]]:
+    return run(_run_checks, world_size, timeout=60)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("check", CHECKS)
+def test_against_torch(check: str, world_size: int) -> None:
+    failures = {rank: r[check] for rank, r in enumerate(_results(world_size)) if r[check]}
+    assert not failures, f"{check} failed on N={world_size}: {failures}"
+
+
+def test_chunk_bounds() -> None:
+    assert comm.chunk_bounds(10, 3) == [(0, 4), (4, 7), (7, 10)]
+    assert comm.chunk_bounds(9, 3) == [(0, 3), (3, 6), (6, 9)]
+    assert comm.chunk_bounds(2, 4) == [(0, 1), (1, 2), (2, 2), (2, 2)]
+    assert comm.chunk_bounds(0, 2) == [(0, 0), (0, 0)]
+    with pytest.raises(ValueError, match="world_size"):
+        comm.chunk_bounds(10, 0)
+
+
+def test_needs_a_process_group() -> None:
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="minidist.launch.run"):
+        comm.ring_all_reduce(torch.zeros(4))
+
+
+def test_count_bytes_outside_ranks_counts_nothing() -> None:
+    with comm.count_bytes() as counter:
+        pass
+    assert (counter.bytes_sent, counter.messages) == (0, 0)
