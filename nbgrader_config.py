@@ -1,0 +1,46 @@
+"""nbgrader configuration for Scaling Lab (instructor workflow: solutions/README.md).
+
+nbgrader loads this file from the current directory and from the course root, so every
+`nbgrader` command works from the repo root without flags. Paths derive from this file's own
+location: a copy of the repo (as the tests make) is a course of its own.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+from nbconvert.preprocessors import CSSHTMLHeaderPreprocessor
+from nbgrader.preprocessors import GetGrades
+
+from minidist.grading import HideHiddenTests
+
+c = get_config()  # noqa: F821  (injected by traitlets when it loads this file)
+
+ROOT = Path(__file__).resolve().parent
+
+# Instructor notebooks live in solutions/<lab>/<lab>.ipynb; `nbgrader generate_assignment`
+# writes the student versions to labs/<lab>/<lab>.ipynb, which students get from git. The
+# gradebook is <root>/gradebook.db (nbgrader's default, so it follows --CourseDirectory.root).
+c.CourseDirectory.root = str(ROOT)
+c.CourseDirectory.course_id = "scaling-lab"
+c.CourseDirectory.source_directory = "solutions"
+c.CourseDirectory.release_directory = "labs"
+
+# nbgrader's gradebook shells out to `alembic`: find it next to this Python, so that
+# `.venv/bin/nbgrader` works without activating the venv.
+VENV_BIN = str(Path(sys.executable).parent)
+if VENV_BIN not in os.environ["PATH"].split(os.pathsep):
+    os.environ["PATH"] = os.pathsep.join([VENV_BIN, os.environ["PATH"]])
+
+# Grading runs students' code: a cell that hangs is interrupted after CELL_TIMEOUT_S and scores
+# 0, and the rest of the notebook still runs. minidist's own timeout is set below the cell's,
+# so a deadlocked multi-rank call fails first with RankTimeout, whose message says which ranks
+# were stuck where (the cell interrupt would still kill the ranks, but say less).
+CELL_TIMEOUT_S = 60
+c.Execute.timeout = CELL_TIMEOUT_S
+c.Execute.interrupt_on_timeout = True
+os.environ.setdefault("MINIDIST_TIMEOUT", str(CELL_TIMEOUT_S // 2))
+
+# Feedback goes to students: strip the hidden tests that autograding put back into the
+# test cells, and the tracebacks that quote them.
+c.GenerateFeedback.preprocessors = [GetGrades, HideHiddenTests, CSSHTMLHeaderPreprocessor]

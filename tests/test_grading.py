@@ -1,0 +1,569 @@
+"""The grading harness end to end, on every lab in solutions/ (solutions/README.md).
+
+Each lab is graded in a temporary copy of the course, never the repo's own gradebook or
+labs/, with the instructor commands of solutions/README.md. Submissions are what a student
+would hand in: the released notebook with every answer cell filled in from the solution
+("solution"), left untouched ("untouched"), with one quiz answer wrong ("wrong"), or with one
+quiz cell looping forever and another deadlocking two ranks ("hang").
+
+Quiz cells follow the labs' convention: an autograded-answer cell whose solution region only
+assigns `answer_<name> = ...`, each answer checked by exactly one test cell.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import csv
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from html.parser import HTMLParser
+from pathlib import Path
+
+import nbformat
+import psutil
+import pytest
+from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
+from nbformat import NotebookNode
+from nbgrader.api import Gradebook
+
+from minidist.grading import HideHiddenTests
+
+REPO = Path(__file__).resolve().parents[1]
+LABS = sorted({notebook.parent.name for notebook in REPO.glob("solutions/*/*.ipynb")})
+
+# The instructor commands exactly as solutions/README.md gives them (checked below); they run
+# in the course root with $LAB set.
+GENERATE = '.venv/bin/nbgrader generate_assignment "[0-9][0-9]_*" --force'
+COLLECT = (
+    'for f in incoming/$LAB/*.ipynb; do s=$(basename "$f" .ipynb); '
+    'mkdir -p "submitted/$s/$LAB" && cp "$f" "submitted/$s/$LAB/$LAB.ipynb"; done'
+)
+AUTOGRADE = '.venv/bin/nbgrader autograde "$LAB"'
+FEEDBACK = '.venv/bin/nbgrader generate_feedback "$LAB"'
+EXPORT = ".venv/bin/nbgrader export"
+
+LAB_BUDGET_S = 60  # the course promises every lab runs top to bottom in 60 s on 2 cores
+COMMAND_LIMIT_S = 600  # a grading command that runs longer is killed: the test must not hang
+EXIT_GRACE_S = 5  # processes that exit this soon after their command are not left behind
+MARKER = "SCALING_LAB_GRADING_TEST"  # env var tagging every process a command starts
+
+SOLUTION = ("BEGIN SOLUTION", "END SOLUTION")
+HIDDEN_TESTS = ("BEGIN HIDDEN TESTS", "END HIDDEN TESTS")
+WRONG_ANSWER = "object()  # a value no check accepts"
+INFINITE_LOOP = ["while True:", "    pass"]
+DEADLOCK = [
+    "import torch",
+    "import torch.distributed as dist",
+    "from minidist.launch import run",
+    "",
+    "",
+    "def wait_for_rank1(rank, world_size):",
+    "    if rank == 0:",
+    "        dist.recv(torch.zeros(1), src=1)  # rank 1 never sends",
+    "",
+    "",
+    "run(wait_for_rank1, 2)",
+]
+
+
+# --- Notebooks -----------------------------------------------------------------------------
+
+
+def nbgrader_meta(cell: NotebookNode) -> dict:
+    return cell.metadata.get("nbgrader", {})
+
+
+def read_notebook(path: Path) -> NotebookNode:
+    return nbformat.read(path, as_version=nbformat.NO_CONVERT)
+
+
+def split_region(source: str, delimiters: tuple[str, str]) -> tuple[list[str], list[str]]:
+    """(lines outside, lines inside) the delimited regions; delimiter lines are in neither."""
+    begin, end = delimiters
+    outside: list[str] = []
+    inside: list[str] = []
+    in_region = False
+    for line in source.splitlines():
+        if begin in line or end in line:
+            in_region = begin in line
+        else:
+            (inside if in_region else outside).append(line)
+    return outside, inside
+
+
+def is_delimiter(line: str) -> bool:
+    return any(delimiter in line for delimiter in SOLUTION + HIDDEN_TESTS)
+
+
+def replace_solution(source: str, lines: list[str]) -> str:
+    """`source` with its solution region replaced by `lines`, the rest kept in place."""
+    result: list[str] = []
+    in_region = False
+    for line in source.splitlines():
+        if SOLUTION[0] in line:
+            in_region = True
+            result += lines
+        elif SOLUTION[1] in line:
+            in_region = False
+        elif not in_region:
+            result.append(line)
+    return "\n".join(result)
+
+
+def quiz_cells(solution: NotebookNode) -> dict[str, list[str]]:
+    """Quiz cells, in notebook order: grade id -> the `answer_*` names they assign."""
+    quizzes = {}
+    for cell in solution.cells:
+        meta = nbgrader_meta(cell)
+        if cell.cell_type != "code" or not meta.get("solution") or meta.get("grade"):
+            continue
+        try:
+            body = ast.parse("\n".join(split_region(cell.source, SOLUTION)[1])).body
+        except SyntaxError:
+            continue
+        names = [
+            statement.targets[0].id
+            for statement in body
+            if isinstance(statement, ast.Assign)
+            and len(statement.targets) == 1
+            and isinstance(statement.targets[0], ast.Name)
+            and statement.targets[0].id.startswith("answer_")
+        ]
+        if body and len(names) == len(body):
+            quizzes[meta["grade_id"]] = names
+    return quizzes
+
+
+def checking_cell(solution: NotebookNode, answer: str) -> str:
+    """The grade id of the one test cell that checks `answer`."""
+    checks = [
+        nbgrader_meta(cell)["grade_id"]
+        for cell in solution.cells
+        if nbgrader_meta(cell).get("grade") and re.search(rf"\b{answer}\b", cell.source)
+    ]
+    assert len(checks) == 1, f"{answer} should be checked by exactly one test cell: {checks}"
+    return checks[0]
+
+
+def answered(
+    released: NotebookNode, solution: NotebookNode, replaced: dict[str, list[str]] | None = None
+) -> NotebookNode:
+    """`released` with each answer cell as the solution has it, delimiter lines dropped, or
+    with its solution region replaced by `replaced[grade_id]`."""
+    replaced = replaced or {}
+    solutions = {
+        nbgrader_meta(cell)["grade_id"]: cell.source
+        for cell in solution.cells
+        if nbgrader_meta(cell).get("solution")
+    }
+    submission = copy.deepcopy(released)
+    for cell in submission.cells:
+        grade_id = nbgrader_meta(cell).get("grade_id")
+        if nbgrader_meta(cell).get("solution"):
+            source = solutions[grade_id]
+            if grade_id in replaced:
+                cell.source = replace_solution(source, replaced[grade_id])
+            else:
+                lines = source.splitlines()
+                cell.source = "\n".join(line for line in lines if not is_delimiter(line))
+    return submission
+
+
+def secret_lines(solution: NotebookNode) -> set[str]:
+    """Lines of solutions and hidden tests that would give something away: long enough to
+    mean something, and not also in the part of the notebook that students see anyway."""
+    secret, public = [], []
+    for cell in solution.cells:
+        meta = nbgrader_meta(cell)
+        outside, solution_region = split_region(cell.source, SOLUTION)
+        if meta.get("solution") and SOLUTION[0] not in cell.source:
+            # An answer cell without delimiters is all solution (nbgrader replaces all of it).
+            outside, solution_region = [], outside
+        outside, hidden = split_region("\n".join(outside), HIDDEN_TESTS)
+        secret += solution_region + hidden
+        public += outside
+    public_text = "\n".join(public)
+    return {
+        line.strip()
+        for line in secret
+        if len(line.strip()) >= 6 and not is_delimiter(line) and line.strip() not in public_text
+    }
+
+
+def notebook_text(notebook: NotebookNode) -> str:
+    """Everything a notebook shows: cell sources and outputs."""
+    parts = []
+    for cell in notebook.cells:
+        parts.append(cell.source)
+        for output in cell.get("outputs", []):
+            parts += [output.get("text", ""), output.get("evalue", "")]
+            parts += output.get("traceback", []) + [str(v) for v in output.get("data", {}).values()]
+    return "\n".join(parts)
+
+
+class _VisibleText(HTMLParser):
+    """The text of an HTML page as a browser shows it: no tags, styles or scripts."""
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.parts: list[str] = []
+        self._invisible = 0
+
+    def handle_starttag(self, tag: str, attrs: list) -> None:
+        self._invisible += tag in ("style", "script")
+
+    def handle_endtag(self, tag: str) -> None:
+        self._invisible -= tag in ("style", "script")
+
+    def handle_data(self, data: str) -> None:
+        if not self._invisible:
+            self.parts.append(data)
+
+
+def html_text(path: Path) -> str:
+    parser = _VisibleText()
+    parser.feed(path.read_text())
+    return "".join(parser.parts)
+
+
+def leaks(text: str, secrets: set[str]) -> list[str]:
+    markers = [marker for marker in SOLUTION + HIDDEN_TESTS if marker in text]
+    return markers + sorted(line for line in secrets if line in text)
+
+
+# --- Running commands ----------------------------------------------------------------------
+
+
+@dataclass
+class Ran:
+    output: str
+    seconds: float
+    left_behind: list[str]  # processes still running after the command ended (now killed)
+
+
+def run_in_course(course: Path, command: str, lab: str, **env: str) -> Ran:
+    """Run a shell command in the course root, with $LAB set, and check what it left running.
+
+    Every process it starts inherits a unique MARKER, so a kernel, fork server or rank that
+    outlives it is found even after it was re-parented away from this test."""
+    tag = uuid.uuid4().hex
+    before = {process.pid for process in psutil.Process().children(recursive=True)}
+    start = time.monotonic()
+    # Output goes to a file, not a pipe: a process left behind would keep a pipe open.
+    with tempfile.TemporaryFile("w+") as log:
+        shell = subprocess.Popen(
+            ["bash", "-c", command],
+            cwd=course,
+            env={**os.environ, **env, "LAB": lab, MARKER: tag},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            shell.wait(timeout=COMMAND_LIMIT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(shell.pid, signal.SIGKILL)
+            shell.wait()
+            log.write(f"\n(killed after {COMMAND_LIMIT_S} s)")
+        log.seek(0)
+        output = log.read()
+    seconds = time.monotonic() - start
+    left_behind = _kill_left_behind(tag, before)
+    assert shell.returncode == 0, f"`{command}` failed ({shell.returncode}):\n{output[-5000:]}"
+    return Ran(output, seconds, left_behind)
+
+
+def _kill_left_behind(tag: str, before: set[int]) -> list[str]:
+    candidates = {p for p in psutil.Process().children(recursive=True) if p.pid not in before}
+    for process in psutil.process_iter():
+        try:
+            if process.environ().get(MARKER) == tag:
+                candidates.add(process)
+        except psutil.Error:  # gone, or not ours to read
+            pass
+    _, alive = psutil.wait_procs(candidates, timeout=EXIT_GRACE_S)
+    described = []
+    for process in alive:
+        try:
+            described.append(f"{process.pid}: {' '.join(process.cmdline())}")
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    return described
+
+
+def scores(course: Path, lab: str, student: str) -> dict[str, tuple[float, float]]:
+    """grade cell -> (score, max score) of a student's autograded submission."""
+    with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gradebook:
+        notebook = gradebook.find_submission_notebook(lab, lab, student)
+        return {grade.name: (grade.score, grade.max_score) for grade in notebook.grades}
+
+
+# --- Fixtures: the expensive work, once per lab ----------------------------------------------
+
+
+@pytest.fixture(scope="module", params=LABS)
+def lab(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@dataclass
+class Execution:
+    error: str | None
+    seconds: float
+    slowest_cell_s: float
+
+
+@pytest.fixture(scope="module")
+def executed(lab: str, tmp_path_factory: pytest.TempPathFactory) -> Execution:
+    """The solution notebook run headless, in a copy of its folder (it may write files)."""
+    folder = tmp_path_factory.mktemp(f"{lab}-run") / lab
+    shutil.copytree(REPO / "solutions" / lab, folder)
+    started: dict[int, float] = {}
+    cell_seconds = [0.0]
+    client = NotebookClient(
+        read_notebook(folder / f"{lab}.ipynb"),
+        timeout=LAB_BUDGET_S,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(folder)}},
+        on_cell_execute=lambda cell, cell_index: started.update({cell_index: time.monotonic()}),
+        on_cell_executed=lambda cell, cell_index, execute_reply: cell_seconds.append(
+            time.monotonic() - started[cell_index]
+        ),
+    )
+    start = time.monotonic()
+    error = None
+    try:
+        client.execute()
+    except (CellExecutionError, CellTimeoutError, DeadKernelError) as failure:
+        error = str(failure)
+    return Execution(error, time.monotonic() - start, max(cell_seconds))
+
+
+@dataclass
+class Course:
+    root: Path
+    solution: NotebookNode
+    released: NotebookNode
+    quizzes: dict[str, list[str]]
+    runs: list[Ran] = field(default_factory=list)
+
+    def run(self, command: str, lab: str, **env: str) -> Ran:
+        self.runs.append(run_in_course(self.root, command, lab, **env))
+        return self.runs[-1]
+
+    def submit(self, lab: str, student: str, notebook: NotebookNode) -> None:
+        incoming = self.root / "incoming" / lab
+        incoming.mkdir(parents=True, exist_ok=True)
+        nbformat.write(notebook, incoming / f"{student}.ipynb")
+
+
+@pytest.fixture(scope="module")
+def course(lab: str, tmp_path_factory: pytest.TempPathFactory) -> Course:
+    """A course of just this lab, with the student version generated."""
+    notebooks = [path.name for path in (REPO / "solutions" / lab).glob("*.ipynb")]
+    assert notebooks == [f"{lab}.ipynb"], f"solutions/{lab} should hold one notebook, {lab}.ipynb"
+    root = tmp_path_factory.mktemp(f"{lab}-course")
+    shutil.copy(REPO / "nbgrader_config.py", root)
+    shutil.copytree(REPO / "solutions" / lab, root / "solutions" / lab)
+    (root / ".venv").symlink_to(REPO / ".venv")
+    ran = run_in_course(root, GENERATE, lab)
+    solution = read_notebook(root / "solutions" / lab / f"{lab}.ipynb")
+    released = read_notebook(root / "labs" / lab / f"{lab}.ipynb")
+    quizzes = quiz_cells(solution)
+    assert len(quizzes) >= 3, f"{lab} needs at least 3 quiz cells, found {list(quizzes)}"
+    return Course(root, solution, released, quizzes, [ran])
+
+
+@dataclass
+class Graded:
+    autograde_log: str
+    wrong_cells: set[str]  # the test cells that check the wrong answer
+
+
+@pytest.fixture(scope="module")
+def graded(lab: str, course: Course) -> Graded:
+    """Collect, autograde, give feedback and export, as the instructor does."""
+    wrong_quiz, names = next(iter(course.quizzes.items()))
+    wrong = {wrong_quiz: [f"{name} = {WRONG_ANSWER}" for name in names]}
+    course.submit(lab, "solution", answered(course.released, course.solution))
+    course.submit(lab, "untouched", course.released)
+    course.submit(lab, "wrong", answered(course.released, course.solution, wrong))
+    course.run(COLLECT, lab)
+    autograde = course.run(AUTOGRADE, lab)
+    course.run(FEEDBACK, lab)
+    course.run(EXPORT, lab)
+    return Graded(autograde.output, {checking_cell(course.solution, name) for name in names})
+
+
+@dataclass
+class Hung:
+    ran: Ran
+    bound_s: float
+    stuck_cells: set[str]
+
+
+@pytest.fixture(scope="module")
+def hung(lab: str, course: Course, graded: Graded, executed: Execution) -> Hung:
+    """Autograde a submission that loops forever in one quiz and deadlocks in another.
+
+    The limits are lowered to keep the suite fast, but in proportion to the lab's slowest
+    cell, and minidist's still below the cell's, as nbgrader_config.py sets them."""
+    loop_quiz, deadlock_quiz = list(course.quizzes)[1:3]
+    replaced = {loop_quiz: INFINITE_LOOP, deadlock_quiz: DEADLOCK}
+    course.submit(lab, "hang", answered(course.released, course.solution, replaced))
+    course.run(COLLECT, lab)
+    cell_timeout = max(20, math.ceil(4 * executed.slowest_cell_s))
+    minidist_timeout = cell_timeout // 2
+    # Autograde skips the submissions already graded: this grades "hang" only.
+    ran = course.run(
+        f"{AUTOGRADE} --Execute.timeout={cell_timeout}", lab, MINIDIST_TIMEOUT=str(minidist_timeout)
+    )
+    stuck = {
+        checking_cell(course.solution, name) for quiz in replaced for name in course.quizzes[quiz]
+    }
+    # The lab's own run time, one cell timeout, one minidist timeout, and startup/shutdown.
+    bound = executed.seconds + cell_timeout + minidist_timeout + 30
+    return Hung(ran, bound, stuck)
+
+
+# --- Tests ---------------------------------------------------------------------------------
+
+
+def test_readme_gives_the_tested_commands() -> None:
+    readme = (REPO / "solutions" / "README.md").read_text()
+    for command in (GENERATE, COLLECT, AUTOGRADE, FEEDBACK, EXPORT):
+        assert command in readme, f"solutions/README.md should give: {command}"
+
+
+def test_feedback_hides_hidden_tests_and_tracebacks_that_quote_them() -> None:
+    """A failed visible test keeps its traceback, minus the hidden lines IPython shows around
+    it; a failed hidden test shows only the error's name."""
+    source = "assert f(1) == 1\n### BEGIN HIDDEN TESTS\nassert f(2) == 4\n### END HIDDEN TESTS"
+
+    def failed_at(line: int) -> NotebookNode:  # IPython's traceback, colours included
+        listing = "\n".join(
+            f"\x1b[32m{'---->' if number == line else '     '} {number}\x1b[39m {text}"
+            for number, text in enumerate(source.splitlines(), 1)
+        )
+        return nbformat.v4.new_output(
+            "error",
+            ename="AssertionError",
+            evalue="",
+            traceback=[f"\x1b[36mCell In[3], line {line}\x1b[39m\n{listing}", "AssertionError: "],
+        )
+
+    meta = {"grade": True, "grade_id": "test-f", "points": 1, "solution": False, "locked": True}
+    cells = [
+        nbformat.v4.new_code_cell(source, metadata={"nbgrader": meta}, outputs=[failed_at(line)])
+        for line in (1, 3)
+    ]
+    visible, hidden = (HideHiddenTests().preprocess_cell(cell, {}, 0)[0] for cell in cells)
+    assert visible.source == hidden.source == "assert f(1) == 1"
+    assert visible.outputs[0].traceback == [
+        "Cell In[3], line 1",
+        "----> 1 assert f(1) == 1",
+        "AssertionError: ",
+    ]
+    assert hidden.outputs[0].traceback == ["A hidden test failed: AssertionError"]
+
+
+def _lab_files(folder: Path) -> dict[str, Path]:
+    ignored = {".ipynb_checkpoints", "__pycache__"}
+    return {
+        str(path.relative_to(folder)): path
+        for path in folder.rglob("*")
+        if path.is_file() and not ignored & set(path.relative_to(folder).parts)
+    }
+
+
+def test_a_labs_are_generated_from_solutions(lab: str, course: Course) -> None:
+    committed = _lab_files(REPO / "labs" / lab)
+    generated = _lab_files(course.root / "labs" / lab)
+    hint = f"labs/{lab} is out of date; regenerate it with: {GENERATE}"
+    assert sorted(committed) == sorted(generated), hint
+    assert f"{lab}.ipynb" in generated
+    for name, path in generated.items():
+        if name.endswith(".ipynb"):
+            # nbgrader's output is deterministic; JSON-equal ignores only formatting.
+            assert json.loads(committed[name].read_text()) == json.loads(path.read_text()), hint
+        else:
+            assert committed[name].read_bytes() == path.read_bytes(), hint
+
+
+def test_b_solution_gets_full_marks(lab: str, course: Course, graded: Graded) -> None:
+    solution = scores(course.root, lab, "solution")
+    max_score = sum(points for _, points in solution.values())
+    assert max_score > 0
+    assert {cell: score for cell, (score, _) in solution.items()} == {
+        cell: points for cell, (_, points) in solution.items()
+    }
+    with open(course.root / "grades.csv") as exported:
+        row = next(r for r in csv.DictReader(exported) if r["student_id"] == "solution")
+    assert float(row["score"]) == float(row["max_score"]) == max_score
+
+
+def test_c_untouched_lab_gets_zero(lab: str, course: Course, graded: Graded) -> None:
+    untouched = scores(course.root, lab, "untouched")
+    assert untouched and all(score == 0 for score, _ in untouched.values())
+    assert "| ERROR]" not in graded.autograde_log, graded.autograde_log[-5000:]
+    assert (course.root / "autograded" / "untouched" / lab / f"{lab}.ipynb").exists()
+
+
+def test_d_wrong_answer_loses_its_points(lab: str, course: Course, graded: Graded) -> None:
+    solution = scores(course.root, lab, "solution")
+    wrong = scores(course.root, lab, "wrong")
+    assert all(wrong[cell][0] == 0 for cell in graded.wrong_cells)
+    lost = sum(solution[cell][1] for cell in graded.wrong_cells)
+    assert sum(s for s, _ in wrong.values()) == sum(p for _, p in solution.values()) - lost
+    for cell in graded.wrong_cells:
+        del solution[cell], wrong[cell]
+    assert wrong == solution
+
+
+def test_e_hangs_are_bounded_and_cleaned_up(lab: str, course: Course, hung: Hung) -> None:
+    solution = scores(course.root, lab, "solution")
+    hang = scores(course.root, lab, "hang")
+    print(f"{lab}: graded the hanging submission in {hung.ran.seconds:.0f} s")
+    assert hung.ran.seconds <= hung.bound_s, f"expected at most {hung.bound_s:.0f} s"
+    assert "Interrupting kernel" in hung.ran.output  # the loop was stopped, the kernel kept
+    assert {cell: hang[cell][0] for cell in hung.stuck_cells} == dict.fromkeys(hung.stuck_cells, 0)
+    for cell in hung.stuck_cells:
+        del solution[cell], hang[cell]
+    assert hang == solution
+    left_behind = [process for ran in course.runs for process in ran.left_behind]
+    assert not left_behind, f"grading left processes running: {left_behind}"
+
+
+def test_f_students_never_see_solutions_or_hidden_tests(
+    lab: str, course: Course, graded: Graded
+) -> None:
+    secrets = secret_lines(course.solution)
+    assert secrets, "no solution or hidden-test lines to look for"
+    released = read_notebook(REPO / "labs" / lab / f"{lab}.ipynb")
+    assert not (found := leaks(notebook_text(released), secrets)), f"labs/{lab} shows {found}"
+    for student in ("untouched", "wrong"):
+        # What the student wrote is theirs to see; nothing else of the solution is.
+        submitted = read_notebook(course.root / "submitted" / student / lab / f"{lab}.ipynb")
+        submitted_text = notebook_text(submitted)
+        unseen = {line for line in secrets if line not in submitted_text}
+        feedback = html_text(course.root / "feedback" / student / lab / f"{lab}.html")
+        assert not (found := leaks(feedback, unseen)), f"{student}'s feedback shows {found}"
+
+
+def test_g_solution_runs_headless_within_budget(lab: str, executed: Execution) -> None:
+    print(f"{lab}: ran in {executed.seconds:.1f} s (slowest cell {executed.slowest_cell_s:.1f} s)")
+    assert executed.error is None, executed.error
+    assert executed.seconds <= LAB_BUDGET_S
