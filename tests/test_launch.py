@@ -213,7 +213,7 @@ def test_torchrun_runs_the_same_code_in_place(tmp_path):
             t = torch.tensor([rank + 1.0])
             dist.all_reduce(t)
             return rank, t.item()
-        print("results", run(total, 2))
+        print(f"results {run(total, 2)}", flush=True)
     """))
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
                 "--standalone", str(script)]
@@ -237,7 +237,7 @@ def test_slurm_srun_environment_runs_in_place(tmp_path):
             t = torch.tensor([10.0 ** rank])
             dist.all_reduce(t)
             return t.item()
-        print("results", run(total, 2))
+        print(f"results {run(total, 2)}", flush=True)
     """))
     port = str(20000 + os.getpid() % 20000)
     tasks = []

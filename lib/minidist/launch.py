@@ -25,6 +25,7 @@ where each one was stuck. Either way, and on Ctrl-C, every rank is killed before
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import faulthandler
@@ -175,11 +176,18 @@ def _run_in_place(fn, world_size, args, kwargs, backend, timeout, rank, env_worl
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout),
         )
+        atexit.register(_leave_group)
     torch.set_num_threads(1)
     result = _to_cpu(fn(rank, world_size, *args, **kwargs))
     results: list[Any] = [None] * world_size
     dist.all_gather_object(results, result)
     return results
+
+
+def _leave_group() -> None:
+    # Rank 0 hosts the store: leaving before the others are done aborts them mid-teardown.
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 # --- In a notebook or plain script: start the ranks ourselves ---------------------------------
