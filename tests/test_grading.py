@@ -314,7 +314,10 @@ def scores(course: Path, lab: str, student: str) -> dict[str, tuple[float, float
 # --- Fixtures: the expensive work, once per lab ----------------------------------------------
 
 
-@pytest.fixture(scope="module", params=LABS)
+# One xdist worker per lab, so the expensive module fixtures run once per lab.
+@pytest.fixture(
+    scope="module", params=[pytest.param(lab, marks=pytest.mark.xdist_group(lab)) for lab in LABS]
+)
 def lab(request: pytest.FixtureRequest) -> str:
     return request.param
 
