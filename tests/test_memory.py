@@ -188,6 +188,14 @@ def test_dp_and_zero_1_2_volume_is_2psi_and_zero_3_is_3psi():
     assert ring == pytest.approx(2 * 3 / 4 * psi)  # 2(N-1)/N · S per rank
 
 
+def test_ring_collectives_bytes_per_rank():
+    s, n = 1e9, 8
+    assert memory.Collective("all_reduce", s, n).bytes_sent == pytest.approx(2 * (n - 1) / n * s)
+    assert memory.Collective("all_gather", s, n).bytes_sent == pytest.approx((n - 1) / n * s)
+    assert memory.Collective("reduce_scatter", s, n).bytes_sent == pytest.approx((n - 1) / n * s)
+    assert memory.Collective("send", s, 2, count=3).bytes_sent == 3 * s
+
+
 def test_zero_2_and_3_traffic_grows_with_gradient_accumulation():
     psi, m = 1e9, 8
     assert data_parallel_traffic(psi, N, 1, 1, m).volume == 2 * psi

@@ -247,8 +247,6 @@ class _Calculator:
         import matplotlib.pyplot as plt
         from IPython.display import clear_output, display
 
-        if self.figure is not None:
-            plt.close(self.figure)
         try:
             self.data, self.figure, self.message = self.compute()
         except ValueError as error:
@@ -258,6 +256,8 @@ class _Calculator:
             print(self.message)
             if self.figure is not None:
                 display(self.figure)
+        if self.figure is not None:
+            plt.close(self.figure)  # shown in the output area only, not again by the inline backend
 
 
 class MemoryCalculator(_Calculator):

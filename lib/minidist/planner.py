@@ -255,7 +255,7 @@ def estimate_time(layout: Layout, model: Model, cluster: Cluster, global_batch: 
     compute  hardware FLOPs (model FLOPs + recompute) / (GPUs x peak x compute_efficiency)
     bubble   compute x bubble_relative_to_ideal(schedule, p, m, v)
     tp_comm  the layer's TP collectives (1.5x with full recompute) x layers/p x m: exposed
-    pp_comm  m·v activations and m·v gradients of s·b·h/t bytes (sequence-parallel
+    pp_comm  m·v activations and m·v gradients of s·b·h/t elements (sequence-parallel
              scatter/gather) sent to a neighbour: exposed
     dp_comm  the gradient reduction hides behind the last microbatch's backward (2/3 of its
              compute), per-microbatch ZeRO-2/3 traffic behind each microbatch's forward and
@@ -483,9 +483,16 @@ class Plan:
             rank = self.feasible.index(best) + 1
             return (f"{len(fits)} of {len(chosen)} layouts with {what} fit; the best, "
                     f"{best.layout}, ranks {rank} at {best.time.total:.2f} s per step")
-        counts = Counter(str(r) for e in chosen for r in e.reasons)
         lines = [f"all {len(chosen)} layouts with {what} are rejected:"]
-        lines += [f"  {n:>4} x {message}" for message, n in counts.most_common(5)]
+        by_rule: dict[str, list[Evaluation]] = {}
+        for e in chosen:
+            for r in e.reasons:
+                by_rule.setdefault(r.rule, []).append(e)
+        for rule, rejected in sorted(by_rule.items(), key=lambda item: -len(item[1])):
+            closest = min(rejected, key=lambda e: e.memory.total if e.memory else 0)
+            message = next(str(r) for r in closest.reasons if r.rule == rule)
+            lines.append(f"  {len(rejected):>4} x {message}"
+                         + (f" (the closest, {closest.layout})" if rule == "memory" else ""))
         return "\n".join(lines)
 
 
