@@ -77,3 +77,54 @@ def draw_collectives(names: list[str] | None = None, world_size: int = 4) -> Fig
                           style="italic")
     fig.tight_layout()
     return fig
+
+
+def draw_linear_splits(tp: int = 2) -> Figure:
+    """nn.Linear's weight [out, in] split across `tp` ranks, both ways, with what each rank
+    computes: column-parallel (rows of W: a slice of y) and row-parallel (columns of W and
+    of x: a partial sum of all of y)."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    if tp < 2:
+        raise ValueError(f"tp must be at least 2 to show a split, got {tp}")
+    colors = plt.get_cmap("tab10")
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
+    size = 4.0  # W is drawn as a size × size square; x and y as bars beside it
+    for ax, kind in zip(axes, ("column", "row"), strict=True):
+        band = size / tp
+        for r in range(tp):
+            if kind == "column":  # rank r owns rows of W (output features) and that slice of y
+                ax.add_patch(Rectangle((0, size - (r + 1) * band), size, band,
+                                       color=colors(r), alpha=0.6))
+                ax.add_patch(Rectangle((size + 1.0, size - (r + 1) * band), 0.5, band,
+                                       color=colors(r), alpha=0.6))
+                ax.text(size / 2, size - (r + 0.5) * band, f"rank {r}", ha="center", va="center")
+            else:  # rank r owns columns of W (input features) and that slice of x
+                ax.add_patch(Rectangle((r * band, 0), band, size, color=colors(r), alpha=0.6))
+                ax.add_patch(Rectangle((r * band, size + 0.4), band, 0.5, color=colors(r),
+                                       alpha=0.6))
+                ax.text((r + 0.5) * band, size / 2, f"rank {r}", ha="center", va="center",
+                        rotation=90)
+        ax.add_patch(Rectangle((0, 0), size, size, fill=False, lw=1.5))
+        if kind == "column":
+            ax.add_patch(Rectangle((0, size + 0.4), size, 0.5, color="0.75"))
+            ax.text(size / 2, size + 0.65, "x (whole, on every rank)", ha="center", va="center")
+            ax.text(size + 1.25, size + 0.65, "y", ha="center", va="center")
+            ax.set_title("column-parallel: W's output rows split (weight dim 0)\n"
+                         "each rank computes its slice of y; no sum needed")
+        else:
+            ax.add_patch(Rectangle((size + 1.0, 0), 0.5, size, color="0.75"))
+            ax.text(size / 2, size + 1.15, "x (each rank holds its slice)", ha="center")
+            ax.text(size + 1.25, size / 2, "y = Σ partial\n(all-reduce)", ha="left",
+                    va="center", fontsize=8)
+            ax.set_title("row-parallel: W's input columns split (weight dim 1)\n"
+                         "each rank computes a partial sum of all of y")
+        ax.text(-0.3, size / 2, "out", ha="right", va="center")
+        ax.text(size / 2, -0.35, "in", ha="center", va="top")
+        ax.set_xlim(-1, size + 3)
+        ax.set_ylim(-1, size + 1.6)
+        ax.set_aspect("equal")
+        ax.axis("off")
+    fig.tight_layout()
+    return fig
