@@ -1,0 +1,200 @@
+"""ZeRO-1/2 and FSDP: the numbers (single-process training, PyTorch's FSDP2) and the mechanism
+(what each rank stores, how many units are gathered at once, bytes sent per step)."""
+
+
+import pytest
+import torch
+from torch import nn
+
+from minidist import comm
+from minidist.fsdp import FullyShardedDataParallel
+from minidist.launch import run
+from minidist.models import TinyGPT
+from minidist.zero import ZeroOptimizer
+
+STEPS, LR = 3, 0.1
+
+
+def _model() -> TinyGPT:
+    torch.manual_seed(0)
+    return TinyGPT(vocab=32, hidden=16, heads=2, layers=2, max_seq=8)
+
+
+def _data(world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 32, (2 * world_size, 8), generator=generator)
+    return ids, torch.roll(ids, -1, dims=1)
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=LR, momentum=0.9)
+
+
+def _reference(world_size: int) -> dict[str, torch.Tensor]:
+    """Single-process training on the whole batch."""
+    model, (ids, targets) = _model(), _data(world_size)
+    optimizer = _sgd(model.parameters())
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        model.loss(ids, targets).backward()
+        optimizer.step()
+    return model.state_dict()
+
+
+def _train(rank: int, world_size: int, kind: str) -> dict:
+    model, (ids, targets) = _model(), _data(world_size)
+    ids, targets = ids.chunk(world_size)[rank], targets.chunk(world_size)[rank]
+    psi = sum(p.numel() for p in model.parameters())
+    ring = kind.endswith("ring")
+    if kind.startswith("fsdp"):
+        wrapped = FullyShardedDataParallel(model, ring=ring)
+        optimizer = _sgd(wrapped.parameters())
+    else:
+        wrapped = model
+        optimizer = ZeroOptimizer(model.parameters(), torch.optim.SGD, stage=int(kind[4]),
+                                  ring=ring, lr=LR, momentum=0.9)
+    result = {"psi": psi}
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        with comm.count_bytes() as counter:
+            wrapped.loss(ids, targets).backward()
+            if kind.startswith("zero2"):
+                result["grad elements kept"] = sum(
+                    0 if p.grad is None else p.grad.numel() for p in model.parameters()
+                ) + sum(s.grad.numel() for s in optimizer.shards)
+            if kind.startswith("fsdp"):
+                wrapped.finish_gradient_synchronization()
+            optimizer.step()
+        result["bytes sent"] = counter.bytes_sent
+    if kind.startswith("fsdp"):
+        result["state"] = wrapped.gather_full_params()
+        result["stored bytes"] = wrapped.sharded_bytes()
+        result["peak units gathered"] = wrapped.peak_gathered
+    else:
+        result["state"] = model.state_dict()
+        result["momentum elements"] = sum(
+            s["momentum_buffer"].numel() for s in optimizer.state.values())
+        result["params"] = len(optimizer.shards)
+    return result
+
+
+def _fsdp2(rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    from torch.distributed.fsdp import fully_shard
+
+    model, (ids, targets) = _model(), _data(world_size)
+    ids, targets = ids.chunk(world_size)[rank], targets.chunk(world_size)[rank]
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    optimizer = _sgd(model.parameters())
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        model.loss(ids, targets).backward()
+        optimizer.step()
+    return {k: v.full_tensor() for k, v in model.state_dict().items()}
+
+
+def _max_error(a: dict, b: dict) -> float:
+    assert sorted(a) == sorted(b)
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+KINDS = ["zero1", "zero2", "fsdp", "zero1 ring", "zero2 ring", "fsdp ring"]
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def trained(request) -> tuple[int, dict]:
+    world_size = request.param
+
+    def everything(rank, world_size):
+        return {kind: _train(rank, world_size, kind) for kind in KINDS}
+
+    return world_size, run(everything, world_size)
+
+
+def test_parameters_equal_single_process_training(trained):
+    world_size, results = trained
+    reference = _reference(world_size)
+    for rank_results in results:
+        for kind in KINDS:
+            assert _max_error(rank_results[kind]["state"], reference) <= 1e-6, kind
+
+
+def test_zero1_keeps_one_nth_of_the_optimizer_state(trained):
+    world_size, results = trained
+    for rank_results in results:
+        result = rank_results["zero1"]
+        # element-level shards: 1/N of every parameter, up to one element each
+        assert abs(result["momentum elements"] - result["psi"] / world_size) <= result["params"]
+
+
+def test_zero2_keeps_only_its_gradient_shard(trained):
+    world_size, results = trained
+    for rank_results in results:
+        result = rank_results["zero2"]
+        assert abs(result["grad elements kept"] - result["psi"] / world_size) <= result["params"]
+
+
+def test_fsdp_stores_one_nth_and_gathers_at_most_two_units(trained):
+    world_size, results = trained
+    for rank_results in results:
+        result = rank_results["fsdp"]
+        units = 2 + 2 + 2  # tok_emb, pos_emb, 2 blocks, norm, head
+        assert abs(result["stored bytes"] / 4 - result["psi"] / world_size) <= units
+        assert result["peak units gathered"] == 2  # the running unit and the prefetched one
+        assert rank_results["fsdp ring"]["peak units gathered"] == 1  # no prefetch on the ring
+
+
+@pytest.mark.parametrize("kind, passes", [("zero1 ring", 2), ("zero2 ring", 2), ("fsdp ring", 3)])
+def test_bytes_sent_per_step_are_2_or_3_psi(trained, kind, passes):
+    """ZeRO §7: 2Ψ for ZeRO-1/2, 3Ψ for ZeRO-3; a ring sends (N-1)/N of each pass per rank."""
+    world_size, results = trained
+    for rank_results in results:
+        result = rank_results[kind]
+        expected = passes * result["psi"] * 4 * (world_size - 1) / world_size
+        assert result["bytes sent"] == pytest.approx(expected, rel=0.01)
+
+
+def test_fsdp_equals_pytorch_fsdp2():
+    ours = run(lambda rank, ws: _train(rank, ws, "fsdp")["state"], 2)
+    theirs = run(_fsdp2, 2)
+    for mine, pytorch in zip(ours, theirs, strict=True):
+        assert _max_error(mine, pytorch) <= 1e-6
+
+
+def _mixed_precision(rank: int, world_size: int) -> float:
+    model, (ids, targets) = _model(), _data(world_size)
+    wrapped = FullyShardedDataParallel(model, compute_dtype=torch.bfloat16)
+    loss = wrapped.loss(ids, targets)
+    loss.backward()
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32
+               for p in wrapped.parameters())
+    return loss.item()
+
+
+def test_mixed_precision_computes_in_bf16_and_keeps_fp32_shards():
+    full_precision = _model().loss(*_data(2)).item()
+    for loss in run(_mixed_precision, 2):
+        assert loss == pytest.approx(full_precision, rel=0.02)
+
+
+def _bad(rank: int, world_size: int) -> list[str]:
+    messages = []
+    for attempt in (
+        lambda: ZeroOptimizer(nn.Linear(2, 2).parameters(), torch.optim.SGD, stage=3, lr=1),
+        lambda: FullyShardedDataParallel(nn.Linear(2 + rank, 2)),
+    ):
+        try:
+            attempt()
+            messages.append("no error")
+        except ValueError as error:
+            messages.append(str(error))
+    return messages
+
+
+def test_bad_input_is_explained():
+    messages = run(_bad, 2)[0]
+    assert "stage=3" in messages[0] and "minidist.fsdp" in messages[0]
+    assert "different parameters" in messages[1]
+    with pytest.raises(RuntimeError, match="no process group"):
+        FullyShardedDataParallel(nn.Linear(2, 2))
