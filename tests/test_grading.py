@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import copy
 import csv
+import functools
 import json
 import math
 import os
@@ -314,10 +315,25 @@ def scores(course: Path, lab: str, student: str) -> dict[str, tuple[float, float
 # --- Fixtures: the expensive work, once per lab ----------------------------------------------
 
 
-# One xdist worker per lab, so the expensive module fixtures run once per lab.
-@pytest.fixture(
-    scope="module", params=[pytest.param(lab, marks=pytest.mark.xdist_group(lab)) for lab in LABS]
-)
+_built: dict[tuple[str, str], object] = {}
+
+
+def once_per_lab(build):
+    """Build a fixture's value once per lab and worker. Under pytest-xdist a worker may tear
+    module fixtures down between two tests of the same lab; grading a lab again would double
+    the suite's time."""
+
+    @functools.wraps(build)
+    def fixture(lab: str, **dependencies):
+        key = (build.__name__, lab)
+        if key not in _built:
+            _built[key] = build(lab, **dependencies)
+        return _built[key]
+
+    return fixture
+
+
+@pytest.fixture(scope="module", params=LABS)
 def lab(request: pytest.FixtureRequest) -> str:
     return request.param
 
@@ -330,6 +346,7 @@ class Execution:
 
 
 @pytest.fixture(scope="module")
+@once_per_lab
 def executed(lab: str, tmp_path_factory: pytest.TempPathFactory) -> Execution:
     """The solution notebook run headless, in a copy of its folder (it may write files)."""
     folder = tmp_path_factory.mktemp(f"{lab}-run") / lab
@@ -374,6 +391,7 @@ class Course:
 
 
 @pytest.fixture(scope="module")
+@once_per_lab
 def course(lab: str, tmp_path_factory: pytest.TempPathFactory) -> Course:
     """A course of just this lab, with the student version generated."""
     notebooks = [path.name for path in (REPO / "solutions" / lab).glob("*.ipynb")]
@@ -397,6 +415,7 @@ class Graded:
 
 
 @pytest.fixture(scope="module")
+@once_per_lab
 def graded(lab: str, course: Course) -> Graded:
     """Collect, autograde, give feedback and export, as the instructor does."""
     wrong_quiz, names = next(iter(course.quizzes.items()))
@@ -419,6 +438,7 @@ class Hung:
 
 
 @pytest.fixture(scope="module")
+@once_per_lab
 def hung(lab: str, course: Course, graded: Graded, executed: Execution) -> Hung:
     """Autograde a submission that loops forever in one quiz and deadlocks in another.
 

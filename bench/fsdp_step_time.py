@@ -1,0 +1,75 @@
+"""Training-step time of minidist's FSDP against PyTorch's FSDP2 `fully_shard`, same run.
+
+    python bench/fsdp_step_time.py [--world-size 2] [--rounds 9]
+
+A TinyGPT of about 13 M parameters on gloo CPU ranks (one thread each), sharded per
+transformer block (and per embedding, norm and head): forward, backward, SGD step. The two
+take turns, one step each per round, so background load hits both alike; the ratio is the
+median over rounds of (ours / torch), timed on the slowest rank. Target: <= 1.15.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+from minidist.fsdp import FullyShardedDataParallel
+from minidist.launch import run
+from minidist.models import TinyGPT
+
+TARGET_RATIO = 1.15
+VOCAB, HIDDEN, HEADS, LAYERS, SEQ = 8192, 256, 4, 8, 64
+
+
+def _build(kind: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = TinyGPT(VOCAB, HIDDEN, HEADS, LAYERS, SEQ)
+    if kind == "minidist":
+        return FullyShardedDataParallel(model)
+    for block in model.blocks:
+        fully_shard(block)
+    return fully_shard(model)
+
+
+def _rounds(rank: int, world_size: int, rounds: int) -> dict[str, list[float]]:
+    models = {kind: _build(kind) for kind in ("torch", "minidist")}
+    optimizers = {kind: torch.optim.SGD(m.parameters(), lr=1e-3) for kind, m in models.items()}
+    ids = torch.randint(0, VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(rank))
+    times: dict[str, list[float]] = {kind: [] for kind in models}
+    for round_ in range(rounds + 1):  # the first round warms up
+        for kind, model in models.items():
+            dist.barrier()
+            start = time.perf_counter()
+            model.loss(ids[:, :-1], ids[:, 1:]).backward()
+            optimizers[kind].step()
+            optimizers[kind].zero_grad()
+            elapsed = torch.tensor([time.perf_counter() - start])
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+            if round_:
+                times[kind].append(elapsed.item())
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=9)
+    args = parser.parse_args()
+    params = sum(p.numel() for p in TinyGPT(VOCAB, HIDDEN, HEADS, LAYERS, SEQ).parameters())
+    times = run(_rounds, args.world_size, args.rounds, timeout=900)[0]
+    ratio = statistics.median(a / b for a, b in zip(times["minidist"], times["torch"],
+                                                    strict=True))
+    print(f"TinyGPT, {params / 1e6:.1f} M parameters, {args.world_size} ranks, gloo CPU")
+    for kind, seconds in times.items():
+        print(f"  {kind:9s} step {statistics.median(seconds) * 1e3:8.1f} ms (median)")
+    verdict = "meets" if ratio <= TARGET_RATIO else "misses"
+    print(f"  minidist / torch = {ratio:.3f} ({verdict} the target <= {TARGET_RATIO})")
+
+
+if __name__ == "__main__":
+    main()
