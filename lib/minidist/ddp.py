@@ -447,27 +447,28 @@ def _describe(entry: tuple) -> str:
 
 
 def plot_timeline(events: list[Event], ax: Any = None, title: str = "") -> Any:
-    """Draw one backward's events: gradient arrivals as ticks on one row, each bucket's
-    all-reduce as a bar on the next, in milliseconds from the first event. Returns the axes."""
+    """Draw one backward's events, in milliseconds from the first: gradient arrivals as ticks
+    on the top row, and below it one row per bucket with a bar from the launch of its
+    all-reduce to its completion. A dashed line marks the last gradient, the end of backward's
+    compute. Returns the axes."""
     import matplotlib.pyplot as plt
 
+    all_reduces = [event for event in events if event.kind == "all_reduce"]
     if ax is None:
-        _, ax = plt.subplots(figsize=(8, 2.2))
+        _, ax = plt.subplots(figsize=(8, 1.2 + 0.3 * len(all_reduces)))
     t0 = min(event.start for event in events)
     grads = [(event.start - t0) * 1e3 for event in events if event.kind == "gradient"]
-    ax.vlines(grads, 0.6, 1.4, color="tab:blue", linewidth=1, label="gradient ready (backward)")
-    for event in events:
-        if event.kind == "all_reduce" and event.end is not None:
-            start, end = (event.start - t0) * 1e3, (event.end - t0) * 1e3
-            ax.barh(0, end - start, left=start, height=0.6, color="tab:orange",
-                    edgecolor="black", linewidth=0.5)
-            ax.text(start, -0.45, event.name.removeprefix("bucket "), fontsize=7)
-    ax.barh(0, 0, color="tab:orange", label="all-reduce (bucket number below)")
-    ax.set_yticks([1, 0], ["backward", "all-reduce"])
-    ax.set_ylim(-0.8, 1.8)
-    ax.set_xlabel("time since first gradient (ms)")
-    ax.legend(loc="upper right", fontsize=7, ncol=2)
+    ax.vlines(grads, -0.35, 0.35, color="tab:blue", linewidth=1)
+    for row, event in enumerate(all_reduces, start=1):
+        end = event.start if event.end is None else event.end
+        ax.barh(row, (end - event.start) * 1e3, left=(event.start - t0) * 1e3, height=0.6,
+                color="tab:orange")
+    if grads:
+        ax.axvline(max(grads), color="gray", linestyle="--", linewidth=1)
+    ax.set_yticks(range(len(all_reduces) + 1),
+                  ["gradients"] + [event.name for event in all_reduces])
+    ax.set_ylim(len(all_reduces) + 0.6, -0.6)
+    ax.set_xlabel("ms since the first gradient (dashed: the last gradient)")
     if title:
         ax.set_title(title)
     return ax
-
