@@ -141,9 +141,9 @@ class Bucket:
 
     index: int
     names: list[str]
-    params: list[nn.Parameter]
-    offsets: list[int]
-    buffer: torch.Tensor
+    params: list[nn.Parameter] = field(repr=False)
+    offsets: list[int] = field(repr=False)
+    buffer: torch.Tensor = field(repr=False)
 
     @property
     def numel(self) -> int:
@@ -258,21 +258,23 @@ class DistributedDataParallel(nn.Module):
         trainable = [(name, p) for name, p in self.module.named_parameters() if p.requires_grad]
         trainable.reverse()  # backward produces the last layers' gradients first
         buckets: list[Bucket] = []
-        for dtype in dict.fromkeys(p.dtype for _, p in trainable):  # one buffer per dtype
-            of_dtype = [(name, p) for name, p in trainable if p.dtype == dtype]
-            sizes = [p.numel() * p.element_size() for _, p in of_dtype]
+        # A buffer holds one dtype on one device: bucket each kind separately.
+        for kind in dict.fromkeys((p.dtype, p.device) for _, p in trainable):
+            of_kind = [(name, p) for name, p in trainable if (p.dtype, p.device) == kind]
+            sizes = [p.numel() * p.element_size() for _, p in of_kind]
             for indices in assign_buckets(sizes, cap_bytes):
-                names = [of_dtype[i][0] for i in indices]
-                params = [of_dtype[i][1] for i in indices]
+                names = [of_kind[i][0] for i in indices]
+                params = [of_kind[i][1] for i in indices]
                 offsets = [sum(p.numel() for p in params[:k]) for k in range(len(params))]
                 numel = offsets[-1] + params[-1].numel()
-                buffer = torch.zeros(numel, dtype=dtype, device=params[0].device)
+                buffer = torch.zeros(numel, dtype=kind[0], device=kind[1])
                 buckets.append(Bucket(len(buckets), names, params, offsets, buffer))
         return buckets
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():
             self._forward_synced = self._sync
+            self._step = None  # left over only if the last backward raised before its end
         if self.broadcast_buffers and self.world_size > 1:
             src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
             with torch.no_grad():
@@ -307,6 +309,7 @@ class DistributedDataParallel(nn.Module):
             self._start_step()
         step = self._step
         if id(param) in step.arrived:
+            self._step = None
             raise RuntimeError(
                 f"the gradient of {self._names[id(param)]!r} arrived twice in one backward "
                 f"(reentrant checkpointing, or a second backward through part of the graph); "
