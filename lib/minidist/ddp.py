@@ -240,7 +240,7 @@ class DistributedDataParallel(nn.Module):
         self.broadcast_buffers = broadcast_buffers
         self.events: list[Event] = []
         self._sync = True  # False inside no_sync()
-        self._forward_synced: bool | None = None  # whether the last training forward was
+        self._forward_synced: bool | None = None  # was the last training forward synced?
         self._step: _Step | None = None  # the synchronized backward in progress, if any
         self._ring_thread = (concurrent.futures.ThreadPoolExecutor(1, "minidist-ddp-ring")
                              if all_reduce == "ring" else None)
