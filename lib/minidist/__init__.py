@@ -9,6 +9,7 @@ One module per idea:
     footprint  measure the bytes PyTorch holds (model state, tensors saved for backward)
     planner  pick a (TP, PP, DP, ZeRO, microbatches, recompute) layout for a cluster
     calculators  lab 02's live memory calculator and pipeline-bubble explorer
+    ddp     data parallel training: bucketed gradient all-reduces that overlap backward
 """
 
 __version__ = "0.1.0"
