@@ -33,15 +33,16 @@ checks them for every p <= 8, m <= 32): GPipe and 1F1B idle (p-1)/(m+p-1) of tot
 (p-1)/m relative to the ideal time (Huang et al. 2019; Narayanan et al. 2021 §2.2); 1F1B keeps
 min(p-i, m) microbatches in flight on stage i (§2.2.1); interleaved with v chunks idles
 (p-1)/(v*m + p - 1) of total time, (p-1)/(v*m) relative to ideal, with v*p + p - 1
-chunk-microbatches in flight on the first rank (§2.2.2); ZB-H1 idles (p-1)(T_F + T_B - T_W) per
-rank, with p microbatches in flight (Qi et al. 2023 §2).
+chunk-microbatches in flight on the first rank (at most v*m) (§2.2.2); ZB-H1 idles
+(p-1)(T_F + T_B - T_W) per rank, with p microbatches in flight on every rank (Qi et al. 2023
+§2), given m >= p and T_W <= T_F (with fewer microbatches the pipeline cannot fill).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
@@ -52,8 +53,9 @@ COMMUNICATION = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 
 class ScheduleError(ValueError):
     """An illegal schedule. `.rank` and `.index` locate the action at fault in
-    `schedule.actions[rank]`, `.action` is that action (`None` when the fault is a missing
-    action); for a deadlock `.blocked` maps every stuck rank to (index, action) it waits at."""
+    `schedule.actions[rank]` and `.action` is that action (for a missing action: the rank that
+    should run it, index None, and the missing action); for a deadlock `.blocked` maps every
+    stuck rank to the (index, action) it waits at."""
 
     def __init__(self, message: str, rank: int | None = None, index: int | None = None,
                  action: Action | None = None,
@@ -129,7 +131,7 @@ class Schedule:
     microbatches: int
     actions: tuple[tuple[Action, ...], ...]
     chunks: int = 1
-    split_backward: bool = field(default=False)
+    split_backward: bool = False
 
     @property
     def num_stages(self) -> int:
@@ -681,10 +683,3 @@ def _cycle(waits_for: dict[int, int]) -> list[int]:
         if rank in path:
             return path[path.index(rank):] + [rank]
     return []
-
-
-def ideal_time(schedule: Schedule, costs: Costs | None = None) -> float:
-    """The busiest rank's compute time: the makespan with no bubble at all."""
-    costs = costs or Costs()
-    return max(sum(costs.of(a, schedule.split_backward) for a in schedule.compute(rank))
-               for rank in range(schedule.ranks))

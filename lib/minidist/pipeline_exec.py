@@ -12,8 +12,10 @@
     result.timeline         # measured: .bubble_fraction, .peak_inflight, like pipeline.simulate
 
 Rank r runs the stages `schedule.stages_of(r)` and nothing else. It follows its action list
-literally: a receive posts `irecv` and waits for it, a send posts `isend` and moves on (sends
-are waited for at the end), F runs the stage (and, on the last stage, the loss divided by m,
+literally: a receive waits at its place for its `irecv` (posted a little ahead, while the
+compute before it runs), a send posts `isend` and moves on (sends are waited for at the end);
+every message is tagged with its stage and microbatch, so messages match by identity, never by
+arrival order. F runs the stage (and, on the last stage, the loss divided by m,
 so the summed gradients are those of the mean loss over the whole batch, as in single-process
 training and in torch.distributed.pipelining with scale_grads=True), B backpropagates,
 W accumulates weight gradients. When the backward is split, B computes the input gradient
@@ -52,7 +54,8 @@ from minidist.models import TinyGPT
 from minidist.pipeline import Action, Costs, Schedule, Span, Timeline, peer, validate
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-DEFAULT_TIMEOUT_S = 5.0  # per wait: a healthy schedule never waits this long in the labs
+DEFAULT_TIMEOUT_S = 5.0
+"""How long a wait may last, on top of the step's emulated compute, before it is a deadlock."""
 _STORE_PREFIX = "minidist.pipeline_exec"
 _calls = itertools.count()  # execute() calls so far, the same count on every rank
 
@@ -425,9 +428,16 @@ def _store() -> dist.TCPStore:
     return _stores[address]
 
 
+def _wait_limit(schedule: Schedule, costs: Costs, time_unit: float) -> float:
+    """The default time limit of a wait: DEFAULT_TIMEOUT_S plus all emulated compute."""
+    emulated = sum(costs.of(a, schedule.split_backward) for ops in schedule.actions
+                   for a in ops if a.is_compute)
+    return DEFAULT_TIMEOUT_S + emulated * time_unit
+
+
 def execute(schedule: Schedule, stages: dict[int, nn.Module], inputs: torch.Tensor | None,
             targets: torch.Tensor | None, loss_fn: LossFn, costs: Costs | None = None,
-            time_unit: float = 0.0, timeout: float = DEFAULT_TIMEOUT_S) -> RankTrace:
+            time_unit: float = 0.0, timeout: float | None = None) -> RankTrace:
     """Run this rank's part of `schedule`; call it on every rank of the process group.
 
     `stages` maps each stage this rank holds (`schedule.stages_of(rank)`) to its module.
@@ -435,7 +445,9 @@ def execute(schedule: Schedule, stages: dict[int, nn.Module], inputs: torch.Tens
     holding the last stage; both are cut into `schedule.microbatches` equal microbatches.
     Gradients accumulate in the stages' parameters. With `time_unit` > 0 each compute action
     lasts at least its cost in `costs` (default `Costs()`) times `time_unit` seconds. A wait
-    longer than `timeout` seconds raises `PipelineDeadlock`, with what every rank waits on.
+    longer than `timeout` seconds raises `PipelineDeadlock`, with what every rank waits on;
+    the default, `DEFAULT_TIMEOUT_S` plus the emulated compute of the whole step, is longer
+    than any wait of a schedule that can finish.
     """
     rank = dist.get_rank()
     if dist.get_world_size() != schedule.ranks:
@@ -450,6 +462,7 @@ def execute(schedule: Schedule, stages: dict[int, nn.Module], inputs: torch.Tens
         raise ValueError(f"rank {rank} holds the last stage and needs the targets")
     costs = costs or Costs()
     costs.check(schedule.num_stages)
+    timeout = _wait_limit(schedule, costs, time_unit) if timeout is None else timeout
     return _Executor(schedule, stages, inputs, targets, loss_fn, costs, time_unit, timeout).run()
 
 
@@ -490,7 +503,7 @@ def _pipeline_rank(rank: int, world_size: int, schedule: Schedule, build_stages,
 def run_pipeline(schedule: Schedule, build_stages: Callable[[], Sequence[nn.Module]],
                  inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn,
                  costs: Costs | None = None, time_unit: float = 0.0,
-                 timeout: float = DEFAULT_TIMEOUT_S, check: bool = True) -> PipelineRun:
+                 timeout: float | None = None, check: bool = True) -> PipelineRun:
     """Start `schedule.ranks` ranks with `minidist.launch.run` and run one training step.
 
     `build_stages()` must return the same `schedule.num_stages` modules on every call (seed
@@ -503,9 +516,13 @@ def run_pipeline(schedule: Schedule, build_stages: Callable[[], Sequence[nn.Modu
         validate(schedule)
         check_stages(_build(build_stages, schedule.num_stages),
                      split_microbatches(inputs, schedule.microbatches)[0])
+    if timeout is None:
+        timeout = _wait_limit(schedule, costs or Costs(), time_unit)
+    # A deadlocked rank waits one timeout, then up to one more for the others' reports.
+    limit = max(launch.DEFAULT_TIMEOUT_S, 2 * timeout + 10)
     try:
         results = launch.run(_pipeline_rank, schedule.ranks, schedule, build_stages, inputs,
-                             targets, loss_fn, costs, time_unit, timeout)
+                             targets, loss_fn, costs, time_unit, timeout, timeout=limit)
     except launch.RankError as error:
         marker = f"{PipelineDeadlock.__name__}: "
         if marker in error.traceback:
