@@ -332,7 +332,7 @@ def test_deadlock_on_real_ranks_names_what_each_rank_waits_for() -> None:
                                    torch.randn(4, 8), nn.functional.mse_loss, timeout=1.0,
                                    check=False)
     message = str(caught.value)
-    assert message.startswith("pipeline deadlock: rank(s) 0, 1, 2 waited more than 1 s")
+    assert message.startswith("pipeline deadlock: rank(s) 0, 1, 2 stuck (time limit 1 s")
     assert ("rank 2 is stuck at action 0 (F0<1): waiting to receive the activation of "
             "microbatch 0 from rank 1") in message
     assert ("rank 1 is stuck at action 2 (B0<2): waiting to receive the gradient of "

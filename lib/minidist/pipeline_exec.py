@@ -195,7 +195,7 @@ class _Executor:
         # comes from another rank.
         self.boundary: dict[int, tuple[torch.Size, torch.dtype]] = {}
         self.incoming: dict[int, tuple[torch.Size, torch.dtype]] = {}
-        self.index: int | None = None  # position in this rank's action list
+        self.index = 0  # position in this rank's action list
 
     def local(self, stage: int) -> bool:
         return stage in self.stages
@@ -212,7 +212,7 @@ class _Executor:
                 continue
             if k > 0 and not self.local(k - 1):
                 request = dist.irecv(meta, self.schedule.rank_of(k - 1))
-                self.wait(request, f"receive the output shape of stage {k - 1}")
+                request.wait()  # setup, not the schedule: the process group's time limit
                 ndim = int(meta[1])
                 shape, dtype = torch.Size(meta[2:2 + ndim].tolist()), dtypes[int(meta[0])]
                 self.incoming[k] = (shape, dtype)
@@ -227,7 +227,7 @@ class _Executor:
                 meta[0], meta[1] = dtypes.index(dtype), len(shape)
                 meta[2:2 + len(shape)] = torch.tensor(shape)
                 request = dist.isend(meta.clone(), self.schedule.rank_of(k + 1))
-                self.wait(request, f"send the output shape of stage {k}")
+                request.wait()
 
     def warm_up(self, k: int, x: torch.Tensor) -> torch.Tensor:
         """Forward and backward of stage k on `x`, leaving no gradient behind: the first
@@ -356,17 +356,22 @@ class _Executor:
     # --- Waiting, and what to say when a wait never ends ---
 
     def wait(self, request: dist.Work, doing: str) -> None:
+        """Wait for a send or receive of the schedule; past the time limit, report a deadlock.
+        A rank that gives up waiting closes its connections, so a peer still waiting on it
+        sees "connection closed" rather than a timeout: that rank is stuck as well."""
         try:
             request.wait(self.timeout)
         except RuntimeError as error:
-            if "timed out" not in str(error).lower():
+            text = str(error).lower()
+            if "timed out" in text:
+                why = ""
+            elif "connection closed" in text or "connection reset" in text:
+                why = " (until a peer gave up waiting and closed its connection)"
+            else:
                 raise
-            where = "the shape exchange"
-            if self.index is not None:
-                action = self.schedule.actions[self.rank][self.index]
-                label = action.label(self.schedule, self.schedule.chunks > 1)
-                where = f"action {self.index} ({label})"
-            self.publish(f"is stuck at {where}: waiting to {doing}")
+            action = self.schedule.actions[self.rank][self.index]
+            label = action.label(self.schedule, self.schedule.chunks > 1)
+            self.publish(f"is stuck at action {self.index} ({label}): waiting to {doing}{why}")
             raise self.deadlock() from None
 
     def publish(self, status: str) -> None:
@@ -385,8 +390,8 @@ class _Executor:
             for rank, key in zip(ranks, keys, strict=True)
         }
         stuck = sorted(rank for rank, text in reports.items() if "stuck" in text)
-        message = (f"pipeline deadlock: rank(s) {', '.join(map(str, stuck))} waited more than "
-                   f"{self.timeout.total_seconds():g} s\n" + "\n".join(reports.values()))
+        message = (f"pipeline deadlock: rank(s) {', '.join(map(str, stuck))} stuck (time limit "
+                   f"{self.timeout.total_seconds():g} s per wait)\n" + "\n".join(reports.values()))
         return PipelineDeadlock(message, reports)
 
 
