@@ -353,6 +353,6 @@ def test_gantt_draws_simulated_and_measured_timelines() -> None:
     assert titles[0] == "zb-h1 (simulated), p=4, m=8: bubble 11.1%"
     assert titles[1].startswith("1f1b (measured), p=2, m=2: bubble")
     assert figure.axes[1].get_xlabel() == "ms"
-    boxes = [p for p in figure.axes[0].patches if p.get_hatch() in ("///", "...", None, "")]
-    assert len(boxes) >= 3 * 4 * 8  # every F, B and W, plus the idle backgrounds
+    hatched = {c.get_hatch(): len(c.get_paths()) for c in figure.axes[0].collections}
+    assert hatched == {"xx": 4, None: 32, "///": 32, "...": 32}  # idle rows, F, B, W
     assert "peak 4" in [text.get_text() for text in figure.axes[0].texts]
