@@ -2,10 +2,14 @@
 #   make lab   install the course into .venv and open JupyterLab on labs/
 #   make test  install the course into .venv and run the whole test suite
 # Installing is skipped when requirements.txt and pyproject.toml have not changed.
+# The test suite also needs the cluster tools (JupyterHub, SlurmSpawner, Ansible, linters) that
+# cluster_setup/ pins; students never need them, so `make lab` leaves them out.
 
 PYTHON ?= /usr/bin/python3
 VENV := .venv
 STAMP := $(VENV)/.installed
+CLUSTER_STAMP := $(VENV)/.cluster-tools-installed
+CLUSTER_REQUIREMENTS := cluster_setup/requirements-hub.txt cluster_setup/requirements-admin.txt
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 
 .PHONY: lab test install
@@ -18,8 +22,12 @@ $(STAMP): requirements.txt pyproject.toml
 	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check -r requirements.txt
 	touch $@
 
+$(CLUSTER_STAMP): $(STAMP) $(CLUSTER_REQUIREMENTS)
+	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check $(addprefix -r ,$(CLUSTER_REQUIREMENTS))
+	touch $@
+
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab --ServerApp.root_dir=labs $(ALLOW_ROOT)
 
-test: $(STAMP)
+test: $(CLUSTER_STAMP)
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)

@@ -1,5 +1,7 @@
 import pytest
 
+pytest_plugins = ["cluster_fixtures"]
+
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

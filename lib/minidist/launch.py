@@ -109,7 +109,9 @@ def run(
     backend = backend or default_backend(world_size)
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
-    if backend == "nccl" and torch.cuda.device_count() < world_size:
+    launched = _rank_from_launcher_env()
+    # Under a launcher the ranks may span nodes: each needs a GPU on its own node only.
+    if backend == "nccl" and launched is None and torch.cuda.device_count() < world_size:
         raise ValueError(
             f"backend='nccl' needs one GPU per rank: world_size={world_size} but this machine "
             f"has {torch.cuda.device_count()} GPU(s); use backend='gloo' or fewer ranks"
@@ -118,7 +120,6 @@ def run(
     if timeout <= 0:
         raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
 
-    launched = _rank_from_launcher_env()
     if launched is not None:
         return _run_in_place(fn, world_size, args, kwargs, backend, timeout, *launched)
     return _Supervisor(fn, world_size, args, kwargs, backend, timeout).run()
