@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minidist.launch import RankError, RankTimeout, run
+from minidist.launch import RankError, RankTimeout, default_backend, run
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -261,6 +261,14 @@ def test_one_task_slurm_job_still_starts_its_own_ranks(monkeypatch):
                         "SLURM_LOCALID": "0"}.items():
         monkeypatch.setenv(name, value)
     assert run(square_after_all_reduce, 2, 0) == [(0, 1.0), (1, 1.0)]
+
+
+def test_minidist_backend_sets_the_default(monkeypatch):
+    monkeypatch.setenv("MINIDIST_BACKEND", "gloo")
+    assert default_backend(4) == "gloo"
+    monkeypatch.setenv("MINIDIST_BACKEND", "mpi")
+    with pytest.raises(ValueError, match="MINIDIST_BACKEND='mpi': use 'gloo' or 'nccl'"):
+        run(square_after_all_reduce, 2, 1)
 
 
 def test_bad_arguments_are_explained():

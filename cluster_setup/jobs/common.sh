@@ -2,7 +2,8 @@
 # Sourced by every job script, at the start of the batch step. It checks the settings and
 # exports what the ranks need:
 #
-#   BACKEND            gloo | nccl (default: nccl when the job has GPUs, else gloo)
+#   BACKEND            gloo | nccl (default: nccl when the job has GPUs, else gloo); when set,
+#                      also exported as MINIDIST_BACKEND, the default of minidist.launch.run
 #   COURSE_ENV         the course's Python environment (default /opt/scalinglab/venv)
 #   COURSE_DIR         the course checkout (default /opt/scalinglab/course)
 #   NETWORK_INTERFACE  optional: the interface the ranks talk over (e.g. ib0, eth1), checked on
@@ -17,7 +18,11 @@ die() {
 
 [[ -n ${SLURM_JOB_ID:-} ]] || die "run this script with sbatch, not directly"
 
-if [[ -z ${BACKEND:-} ]]; then
+# An explicit BACKEND also decides every minidist.launch.run in the job, a lab's cells included;
+# left unset, each run picks nccl when it has a GPU per rank.
+if [[ -n ${BACKEND:-} ]]; then
+    export MINIDIST_BACKEND=$BACKEND
+else
     BACKEND=$([[ -n ${SLURM_GPUS_ON_NODE:-} ]] && echo nccl || echo gloo)
 fi
 export BACKEND

@@ -76,7 +76,13 @@ class RankTimeout(RankError):
 
 
 def default_backend(world_size: int) -> str:
-    """nccl with one GPU per rank when this machine has enough GPUs, else gloo on CPU."""
+    """`MINIDIST_BACKEND` when set (the cluster's job scripts set it from BACKEND); otherwise
+    nccl with one GPU per rank when this machine has enough GPUs, else gloo on CPU."""
+    chosen = os.environ.get("MINIDIST_BACKEND")
+    if chosen:
+        if chosen not in ("gloo", "nccl"):
+            raise ValueError(f"MINIDIST_BACKEND={chosen!r}: use 'gloo' or 'nccl', or unset it")
+        return chosen
     if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
         return "nccl"
     return "gloo"
