@@ -43,13 +43,13 @@ def descendants() -> set[int]:
 
 
 def rank_processes() -> set[int]:
-    """Processes forked by a fork server (our ranks), identified by their parent's command."""
+    """Our ranks: the children of the fork server this test process started (other test workers
+    run ranks of their own at the same time)."""
     pids = set()
-    for process in psutil.process_iter(["pid", "ppid"]):
+    for server in psutil.Process().children():
         try:
-            parent = psutil.Process(process.info["ppid"])
-            if "forkserver" in " ".join(parent.cmdline()):
-                pids.add(process.info["pid"])
+            if "forkserver" in " ".join(server.cmdline()):
+                pids |= {child.pid for child in server.children()}
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     return pids
