@@ -12,9 +12,12 @@ CLUSTER_STAMP := $(VENV)/.cluster-tools-installed
 CLUSTER_REQUIREMENTS := cluster_setup/requirements-hub.txt cluster_setup/requirements-admin.txt
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: lab test install
+.PHONY: lab test install cluster-tools
 
 install: $(STAMP)
+
+# What cluster_setup/local needs (cluster_setup/README.md); `make test` installs it too.
+cluster-tools: $(CLUSTER_STAMP)
 
 $(STAMP): requirements.txt pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "Python >= 3.10 is needed; run make with PYTHON=/path/to/python3.11")'

@@ -77,7 +77,7 @@ render_configs() {
     if [[ -z $playbook ]]; then
         playbook=$REPO/.venv/bin/ansible-playbook
         [[ -x $playbook ]] || playbook=$(command -v ansible-playbook) ||
-            die "ansible-playbook not found: run 'make test' (or pip install -r cluster_setup/requirements-admin.txt into .venv), or set ANSIBLE_PLAYBOOK"
+            die "ansible-playbook not found: run 'make cluster-tools' at the repository root, or set ANSIBLE_PLAYBOOK"
     fi
     say "rendering slurm.conf, gres.conf, cgroup.conf with $playbook"
     ANSIBLE_NOCOLOR=1 "$playbook" -i "$HERE/inventory.yml" "$REPO/cluster_setup/ansible/render.yml" \
