@@ -31,6 +31,7 @@ def _run(
         # Keep Ansible's caches and temporary files out of the home directory.
         "ANSIBLE_HOME": str(tmp_path / "ansible_home"),
         "ANSIBLE_LOCAL_TEMP": str(tmp_path / "ansible_tmp"),
+        "ANSIBLE_REMOTE_TEMP": str(tmp_path / "ansible_remote_tmp"),
         "ANSIBLE_NOCOLOR": "1",
         "ANSIBLE_FORCE_COLOR": "0",
         "NO_COLOR": "1",
