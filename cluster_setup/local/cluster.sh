@@ -24,23 +24,14 @@ NODE_IF=sl0  # each node's interface inside its namespace
 PREFIX_LEN=24
 PACKAGES=(slurmctld slurmd slurm-client munge iproute2)
 
-trap 'echo "cluster.sh: error: line $LINENO: $BASH_COMMAND failed" >&2' ERR
-
-say() { echo "cluster.sh: $*"; }
-die() { echo "cluster.sh: error: $*" >&2; exit 1; }
+PROG=cluster.sh
+# shellcheck source-path=SCRIPTDIR source=lib.sh
+source "$HERE/lib.sh"
 
 # Node names and addresses, and the controller's address, as the rendered slurm.conf has them.
 nodes() { sed -n 's/^NodeName=\([^ ]*\) .*/\1/p' "$CONF"; }
 node_addr() { sed -n "s/^NodeName=$1 NodeAddr=\\([^ ]*\\) .*/\\1/p" "$CONF"; }
 head_addr() { sed -n 's/^SlurmctldHost=[^(]*(\([^)]*\))$/\1/p' "$CONF"; }
-
-# A process that exists and is not a zombie (in a container, PID 1 may never reap them).
-running() {
-    local state
-    state=$(sed -n 's/.*) \(.\) .*/\1/p' "/proc/$1/stat" 2>/dev/null) || return 1
-    [[ -n $state && $state != Z ]]
-}
-pid_alive() { [[ -s $1 ]] && running "$(cat "$1")"; }
 
 install_packages() {
     local missing=() pkg
@@ -72,16 +63,9 @@ start_munge() {
         --seed-file="$STATE/munge/munged.seed"
 }
 
+# slurm.conf, gres.conf and cgroup.conf, one directory per host.
 render_configs() {
-    local playbook=${ANSIBLE_PLAYBOOK:-}
-    if [[ -z $playbook ]]; then
-        playbook=$REPO/.venv/bin/ansible-playbook
-        [[ -x $playbook ]] || playbook=$(command -v ansible-playbook) ||
-            die "ansible-playbook not found: run 'make cluster-tools' at the repository root, or set ANSIBLE_PLAYBOOK"
-    fi
-    say "rendering slurm.conf, gres.conf, cgroup.conf with $playbook"
-    ANSIBLE_NOCOLOR=1 "$playbook" -i "$HERE/inventory.yml" "$REPO/cluster_setup/ansible/render.yml" \
-        >"$STATE/log/render.log" 2>&1 || { cat "$STATE/log/render.log" >&2; die "rendering failed"; }
+    render "$HERE/inventory.yml" "$STATE/log/render.log"
 }
 
 make_network() {
@@ -177,28 +161,6 @@ up() {
 }
 
 # stop_pids GRACE PID...: SIGTERM, then SIGKILL to those still running after GRACE seconds.
-stop_pids() {
-    local deadline=$((SECONDS + $1)) pid alive
-    shift
-    local pids=("$@")
-    [[ ${#pids[@]} -eq 0 ]] && return
-    kill -TERM "${pids[@]}" 2>/dev/null || true
-    while ((SECONDS < deadline)); do
-        alive=()
-        for pid in "${pids[@]}"; do
-            running "$pid" && alive+=("$pid")
-        done
-        [[ ${#alive[@]} -eq 0 ]] && return
-        sleep 0.2
-    done
-    kill -KILL "${alive[@]}" 2>/dev/null || true
-    for pid in "${alive[@]}"; do
-        while running "$pid"; do
-            sleep 0.1
-        done
-    done
-}
-
 down() {
     local ns link pids=()
     # A hub started by hub/hub.sh spawns its servers through this cluster: it goes first.

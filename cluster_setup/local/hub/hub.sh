@@ -20,12 +20,9 @@ CONFIG=$STATE/etc/hub/jupyterhub_config.py
 PIDFILE=$STATE/run/jupyterhub.pid
 LOG=$STATE/log/jupyterhub.log
 
-trap 'echo "hub.sh: error: line $LINENO: $BASH_COMMAND failed" >&2' ERR
-
-say() { echo "hub.sh: $*"; }
-die() { echo "hub.sh: error: $*" >&2; exit 1; }
-
-pid_alive() { [[ -s $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
+PROG=hub.sh
+# shellcheck source-path=SCRIPTDIR source=../lib.sh
+source "$LOCAL/lib.sh"
 
 # A setting from the rendered jupyterhub_config.py, e.g. `config_value c.JupyterHub.port`.
 config_value() { sed -n "s/^$1 = \"\\{0,1\\}\\([^\"]*\\)\"\\{0,1\\}$/\\1/p" "$CONFIG"; }
@@ -43,11 +40,7 @@ install_packages() {
 }
 
 render_config() {
-    local playbook=${ANSIBLE_PLAYBOOK:-$REPO/.venv/bin/ansible-playbook}
-    [[ -x $playbook ]] || die "$playbook not found: run 'make test' or set ANSIBLE_PLAYBOOK"
-    ANSIBLE_NOCOLOR=1 "$playbook" -i "$LOCAL/inventory.yml" -i "$HERE/inventory.yml" \
-        "$REPO/cluster_setup/ansible/render.yml" >"$STATE/log/hub-render.log" 2>&1 ||
-        { cat "$STATE/log/hub-render.log" >&2; die "rendering failed"; }
+    render "$LOCAL/inventory.yml" "$HERE/inventory.yml" "$STATE/log/hub-render.log"
 }
 
 # The proxy's path in the config is <prefix>/<version>/node_modules/.bin/configurable-http-proxy.
@@ -88,16 +81,12 @@ start() {
 }
 
 stop() {
-    local pid deadline=$((SECONDS + 10))
+    # The hub stops the proxy it started; students' jobs keep running (cleanup_servers).
     if pid_alive "$PIDFILE"; then
-        pid=$(cat "$PIDFILE")
-        # The hub stops the proxy it started; students' jobs keep running (cleanup_servers).
-        kill -TERM "$pid"
-        while kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.2; done
-        kill -KILL "$pid" 2>/dev/null || true
+        stop_pids 10 "$(cat "$PIDFILE")"
     fi
     if pid_alive "$STATE/hub/jupyterhub-proxy.pid"; then
-        kill -TERM "$(cat "$STATE/hub/jupyterhub-proxy.pid")"
+        stop_pids 5 "$(cat "$STATE/hub/jupyterhub-proxy.pid")"
     fi
     rm -f "$PIDFILE"
     say "stopped"
