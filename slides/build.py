@@ -1,118 +1,268 @@
-"""Build the slide decks: each `slides/NN_topic.md` becomes a self-contained `NN_topic.html`.
+"""Build the slide decks: each `slides/NN_topic.md` becomes a self-contained reveal.js deck
+`NN_topic.html`, and `slides/index.html` lists them as a self-study path.
 
-    .venv/bin/python slides/build.py          # rebuild every deck
+    .venv/bin/python slides/build.py          # rebuild every deck, the index and, when
+                                              # Chromium is installed, slides/pdf/NN_topic.pdf
     .venv/bin/python slides/build.py --check  # exit 1 if a committed deck is out of date
 
-Slides are separated by a line holding only `---`. An image whose address is
-`figure:<name>` is drawn by minidist (see FIGURES) and embedded, so every deck is one HTML
-file that opens offline in any browser: arrow keys, space or a click move between slides, and
-printing gives one slide per page.
+Markdown: slides are separated by a line holding only `---`; a line holding only `Note:`
+starts the slide's speaker notes. `$...$` and `$$...$$` are formulas (KaTeX). An image whose
+address is `figure:<name>` is drawn by minidist at build time (slides/figures.py). The title
+slide carries `**Covers:**`, `**Lab:**` and `**Time:**` lines, which the index repeats.
+
+reveal.js, its notes and search plugins, KaTeX (fonts included) and every figure are inlined,
+so a deck is one HTML file that opens offline. They come from the npm registry, pinned in
+slides/package-lock.json; the builder runs `npm ci` when slides/node_modules does not match.
 """
 
 from __future__ import annotations
 
 import argparse
 import base64
+import functools
 import html
-import io
+import json
 import re
+import shutil
+import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import mistune  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
-
-from minidist.diagrams import draw_collectives  # noqa: E402
+import mistune
 
 SLIDES = Path(__file__).resolve().parent
+sys.path.insert(0, str(SLIDES))
+import figures  # noqa: E402  (slides/figures.py, next to this file)
+from browser import find_chromium, print_pdf  # noqa: E402
+
+MODULES = SLIDES / "node_modules"
+PDF_DIR = SLIDES / "pdf"
 STYLE_SHEET = SLIDES / "deck.css"
-FIGURES: dict[str, Callable[[], Figure]] = {
-    "broadcast-reduce-all-reduce": lambda: draw_collectives(
-        ["broadcast", "reduce", "all_reduce"], world_size=3
-    ),
-    "all-gather-reduce-scatter-send": lambda: draw_collectives(
-        ["all_gather", "reduce_scatter", "send_recv"], world_size=3
-    ),
-    "reduce-scatter-then-all-gather": lambda: draw_collectives(
-        ["reduce_scatter", "all_gather"], world_size=3
-    ),
-}
 
-
-SCRIPT = """
-const slides = [...document.querySelectorAll('section')];
-let current = 0;
-function show(i) {
-  current = Math.max(0, Math.min(slides.length - 1, i));
-  slides.forEach((s, j) => s.classList.toggle('current', j === current));
-  history.replaceState(null, '', '#' + (current + 1));
-}
-document.addEventListener('keydown', e => {
-  if (['ArrowRight', 'ArrowDown', 'PageDown', ' '].includes(e.key)) show(current + 1);
-  else if (['ArrowLeft', 'ArrowUp', 'PageUp'].includes(e.key)) show(current - 1);
-  else if (e.key === 'Home') show(0);
-  else if (e.key === 'End') show(slides.length - 1);
+# Reveal's math plugin fetches KaTeX from a URL; this one uses the copy inlined in the deck.
+INIT = r"""
+const printing = /print-pdf/.test(location.search);
+const ScalingLabMath = {
+  id: 'math',
+  init: deck => renderMathInElement(deck.getSlidesElement(), {
+    delimiters: [{left: '$$', right: '$$', display: true},
+                 {left: '\\(', right: '\\)', display: false}],
+    throwOnError: true,
+  }),
+};
+Reveal.initialize({
+  width: 1280,
+  // Printed, each page is the slide with its notes below it: 720 px of slide, then notes.
+  height: printing ? 1000 : 720,
+  margin: 0.04,
+  center: !printing,
+  hash: true,
+  slideNumber: 'c/t',
+  showSlideNumber: 'all',
+  showNotes: printing,
+  pdfMaxPagesPerSlide: 1,
+  transition: 'none',
+  plugins: [RevealNotes, RevealSearch, ScalingLabMath],
 });
-document.addEventListener('click', e => show(current + (e.clientX > innerWidth / 3 ? 1 : -1)));
-show((parseInt(location.hash.slice(1)) || 1) - 1);
 """
 
 
-def figure_png(name: str) -> str:
-    """The named figure as a base64 PNG, byte-for-byte the same on every build."""
-    if name not in FIGURES:
-        raise SystemExit(f"unknown figure:{name}; known: {', '.join(FIGURES)}")
-    figure = FIGURES[name]()
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=110, bbox_inches="tight", metadata={"Software": None})
-    plt.close(figure)
-    return base64.b64encode(buffer.getvalue()).decode()
+# --- Assets ------------------------------------------------------------------------------------
 
 
-def render(markdown: str) -> str:
-    """The HTML deck for one Markdown file."""
-    title = re.search(r"^# (.+)$", markdown, re.MULTILINE)
-    sources = re.split(r"^---$", markdown, flags=re.MULTILINE)
+def ensure_node_modules() -> None:
+    """`npm ci` unless slides/node_modules holds exactly what package-lock.json pins."""
+    lock = json.loads((SLIDES / "package-lock.json").read_text())
+    wanted = {path: entry["version"] for path, entry in lock["packages"].items() if path}
+    installed = {}
+    for path in wanted:
+        manifest = SLIDES / path / "package.json"
+        if manifest.exists():
+            installed[path] = json.loads(manifest.read_text())["version"]
+    if installed == wanted:
+        return
+    npm = shutil.which("npm")
+    if npm is None:
+        sys.exit("slides/build.py needs npm (Node.js) to fetch reveal.js and KaTeX; install "
+                 "Node.js (e.g. apt-get install npm) and run it again")
+    print("installing reveal.js and KaTeX into slides/node_modules (npm ci)")
+    subprocess.run([npm, "ci", "--no-audit", "--no-fund", "--loglevel=error"], cwd=SLIDES,
+                   check=True, timeout=600)
+
+
+def _script(path: str) -> str:
+    # A "</script" inside the code (reveal's notes plugin writes a page) would end the tag.
+    code = (MODULES / path).read_text()
+    return "<script>" + code.replace("</script", "<\\/script") + "</script>"
+
+
+def _katex_css() -> str:
+    """KaTeX's style sheet with its woff2 fonts inlined (every current browser reads woff2)."""
+    dist = MODULES / "katex" / "dist"
+    css = (dist / "katex.min.css").read_text()
+
+    def inline(match: re.Match) -> str:
+        font = base64.b64encode((dist / match[1]).read_bytes()).decode()
+        return f"src:url(data:font/woff2;base64,{font}) format(\"woff2\")"
+
+    css, count = re.subn(r"src:url\((fonts/[\w-]+\.woff2)\)[^;}]*", inline, css)
+    if count == 0 or "url(fonts/" in css:
+        sys.exit("KaTeX's CSS no longer names its fonts as slides/build.py expects; update "
+                 "_katex_css for the pinned KaTeX version")
+    return css
+
+
+def assets() -> tuple[str, str]:
+    """(everything for <head>, every <script> for the end of <body>), inlined."""
+    ensure_node_modules()
+    styles = [(MODULES / "reveal.js" / "dist" / "reveal.css").read_text(), _katex_css(),
+              STYLE_SHEET.read_text()]
+    head = "".join(f"<style>{style}</style>\n" for style in styles)
+    scripts = [_script(path) for path in (
+        "reveal.js/dist/reveal.js", "reveal.js/dist/plugin/notes.js",
+        "reveal.js/dist/plugin/search.js", "katex/dist/katex.min.js",
+        "katex/dist/contrib/auto-render.min.js")]
+    return head, "\n".join(scripts) + f"\n<script>{INIT}</script>\n"
+
+
+# --- Decks -------------------------------------------------------------------------------------
+
+
+def _markdown() -> mistune.Markdown:
     renderer = mistune.HTMLRenderer(allow_harmful_protocols=("figure:",))
-    to_html = mistune.create_markdown(renderer=renderer, plugins=["table", "strikethrough"])
+    return mistune.create_markdown(renderer=renderer,
+                                   plugins=["table", "strikethrough", "math"])
+
+
+@functools.cache
+def _figure_uri(name: str) -> str:
+    return "data:image/png;base64," + base64.b64encode(figures.draw(name)).decode()
+
+
+def _title(markdown: str) -> str:
+    title = re.search(r"^# (.+)$", markdown, re.MULTILINE)
+    return title[1] if title else "Scaling Lab"
+
+
+def render(markdown: str, head: str, scripts: str) -> str:
+    """The HTML deck for one Markdown file."""
+    to_html = _markdown()
     sections = []
-    for number, source in enumerate(sources, 1):
-        body = re.sub(
-            r'src="figure:([\w-]+)"',
-            lambda match: f'src="data:image/png;base64,{figure_png(match[1])}"',
-            to_html(source),
-        )
-        counter = f'<div class="counter">{number} / {len(sources)}</div>'
-        sections.append(f"<section>\n{body}{counter}\n</section>")
+    for number, source in enumerate(re.split(r"^---$", markdown, flags=re.MULTILINE), 1):
+        parts = re.split(r"^Note:$", source, maxsplit=1, flags=re.MULTILINE)
+        if len(parts) != 2 or not parts[1].strip():
+            sys.exit(f"slide {number} ({source.strip().splitlines()[0][:60]!r}) has no "
+                     "speaker notes: add a `Note:` line and the narration under it")
+        slide, notes = parts
+        body = re.sub(r'src="figure:([\w.-]+)"',
+                      lambda match: f'src="{_figure_uri(match[1])}"', to_html(slide))
+        sections.append(f"<section>\n{body}<aside class=\"notes\">\n{to_html(notes)}</aside>\n"
+                        "</section>")
     return (
         '<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
-        f"<title>{html.escape(title[1] if title else 'Scaling Lab')}</title>\n"
-        f"<style>{STYLE_SHEET.read_text()}</style>\n</head>\n<body>\n"
-        + "\n".join(sections)
-        + f"\n<script>{SCRIPT}</script>\n</body>\n</html>\n"
+        '<meta name="viewport" content="width=device-width, initial-scale=1">\n'
+        f"<title>{html.escape(_title(markdown))}</title>\n{head}</head>\n<body>\n"
+        '<div class="reveal"><div class="slides">\n' + "\n".join(sections)
+        + f"\n</div></div>\n{scripts}</body>\n</html>\n"
     )
+
+
+# --- The self-study index ----------------------------------------------------------------------
+
+
+def _field(markdown: str, name: str, deck: str) -> str:
+    found = re.search(rf"^\*\*{name}:\*\* (.+)$", markdown, re.MULTILINE)
+    if found is None:
+        sys.exit(f"slides/{deck} has no `**{name}:** ...` line on its title slide; the index "
+                 "needs it")
+    return found[1]
+
+
+def index(decks: dict[str, str]) -> str:
+    """slides/index.html: every deck in order, what it covers, its lab, how long."""
+    inline = mistune.create_markdown(renderer=mistune.HTMLRenderer())
+    rows = []
+    for name, markdown in decks.items():
+        deck = f"{name}.html"
+        lab = _field(markdown, "Lab", name)
+        rows.append(
+            f'<li><h2><a href="{deck}">{html.escape(_title(markdown))}</a></h2>\n'
+            f"<p>{inline(_field(markdown, 'Covers', name)).strip()[3:-4]}</p>\n"
+            f"<p class=\"meta\">Lab: <a href=\"../{html.escape(lab)}\"><code>{html.escape(lab)}"
+            f"</code></a> · {html.escape(_field(markdown, 'Time', name))} · "
+            f'PDF: <code>slides/pdf/{name}.pdf</code></p></li>')
+    return f"""<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>Scaling Lab: self-study path</title>
+<style>
+body {{ font-family: system-ui, sans-serif; max-width: 52rem; margin: 2rem auto; padding: 0 1rem;
+  color: #1b1b1b; line-height: 1.5; }}
+h1 {{ color: #16324f; }} h2 {{ font-size: 1.2rem; margin: 0; }}
+ol {{ padding-left: 1.4rem; }} li {{ margin-bottom: 1.2rem; }}
+.meta {{ color: #555; font-size: 0.92rem; margin: 0.2rem 0; }} p {{ margin: 0.3rem 0; }}
+kbd {{ border: 1px solid #aaa; border-radius: 3px; padding: 0 0.3em; font-size: 0.85em; }}
+</style>
+</head>
+<body>
+<h1>Scaling Lab: the self-study path</h1>
+<p>Take the decks in order. For each: read the slides (every slide has the lecturer's
+narration: press <kbd>S</kbd> for the speaker view, or read it under each slide in the PDF),
+answer its "check yourself" slide before turning the page, then do its lab in JupyterLab
+(<code>make lab</code>). The labs check your code; the decks give you the picture first.</p>
+<p>Keys: <kbd>→</kbd>/<kbd>←</kbd> move, <kbd>Esc</kbd> overview, <kbd>S</kbd> speaker notes,
+<kbd>Ctrl</kbd>+<kbd>Shift</kbd>+<kbd>F</kbd> search. Every deck is one file that works
+offline. PDFs (one slide per page, notes under it) are built into <code>slides/pdf/</code> by
+<code>.venv/bin/python slides/build.py</code> when Chromium is installed; or open a deck with
+<code>?print-pdf</code> and print it.</p>
+<ol>
+{chr(10).join(rows)}
+</ol>
+</body>
+</html>
+"""
+
+
+# --- Main ----------------------------------------------------------------------------------------
+
+
+def build() -> dict[Path, str]:
+    """Every output file and its text: the decks and the index."""
+    head, scripts = assets()
+    sources = {path.stem: path.read_text() for path in sorted(SLIDES.glob("[0-9][0-9]_*.md"))}
+    built = {SLIDES / f"{name}.html": render(markdown, head, scripts)
+             for name, markdown in sources.items()}
+    built[SLIDES / "index.html"] = index(sources)
+    return built
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="only check the committed decks")
     args = parser.parse_args()
-    stale = []
-    for source in sorted(SLIDES.glob("[0-9][0-9]_*.md")):
-        deck, built = source.with_suffix(".html"), render(source.read_text())
-        if args.check:
-            if not deck.exists() or deck.read_text() != built:
-                stale.append(deck.name)
-        else:
-            deck.write_text(built)
-            print(f"wrote {deck.relative_to(SLIDES.parent)}")
-    if stale:
-        sys.exit(f"out of date: {', '.join(stale)}; rebuild with: .venv/bin/python slides/build.py")
+    built = build()
+    if args.check:
+        stale = [path.name for path, text in built.items()
+                 if not path.exists() or path.read_text() != text]
+        if stale:
+            sys.exit(f"out of date: {', '.join(stale)}; rebuild with: "
+                     ".venv/bin/python slides/build.py")
+        return
+    for path, text in built.items():
+        path.write_text(text)
+        print(f"wrote {path.relative_to(SLIDES.parent)}")
+    chromium = find_chromium()
+    if chromium is None:
+        print("no Chromium found: PDFs not built (install the `chromium` package for them)")
+        return
+    PDF_DIR.mkdir(exist_ok=True)
+    for deck in built:
+        if deck.name != "index.html":
+            pdf = PDF_DIR / deck.with_suffix(".pdf").name
+            print_pdf(deck, pdf, chromium)
+            print(f"wrote {pdf.relative_to(SLIDES.parent)}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,864 @@
+"""Every figure the slide decks show, drawn at build time from minidist's own code.
+
+A deck's Markdown names a figure as `![alt text](figure:<name>)`; `FIGURES` maps each name to
+a function returning a matplotlib Figure. All of the slides' `minidist` imports live in this
+file, so that a renamed module is fixed in one place.
+
+Figures must rebuild byte for byte (`build.py --check` compares the committed decks with a
+fresh build): they come from formulas, the alpha-beta model and minidist's simulators, never
+from a measurement, and `png_bytes` saves them without a date or software stamp.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.axes import Axes  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.patches import FancyArrowPatch, Rectangle  # noqa: E402
+
+from minidist import gantt, memory, pipeline  # noqa: E402
+from minidist.calculators import draw_memory, rank_memory  # noqa: E402
+from minidist.cost import busbw_factor, collective_time, ring_bytes_sent  # noqa: E402
+from minidist.ddp import Event, assign_buckets, plot_timeline  # noqa: E402
+from minidist.diagrams import draw_collectives, draw_linear_splits  # noqa: E402
+from minidist.planner import MODELS, Cluster  # noqa: E402
+
+GB = memory.GB
+H100 = Cluster.dgx_h100(64)
+STYLE = {"font.size": 12, "axes.titlesize": 13, "axes.titlelocation": "left",
+         "axes.spines.top": False, "axes.spines.right": False}
+COLORS = plt.get_cmap("tab10")
+
+
+def png_bytes(figure: Figure, dpi: int = 110) -> bytes:
+    """The figure as PNG, identical on every build (no date, no software stamp)."""
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=dpi, bbox_inches="tight",
+                   metadata={"Software": None})
+    plt.close(figure)
+    return buffer.getvalue()
+
+
+def _box(ax: Axes, x: float, y: float, w: float, h: float, text: str, color: str = "0.9",
+         size: int = 12, **text_args) -> None:
+    ax.add_patch(Rectangle((x, y), w, h, facecolor=color, edgecolor="0.3", lw=1.2))
+    ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=size, **text_args)
+
+
+def _arrow(ax: Axes, start: tuple[float, float], end: tuple[float, float], color: str = "0.2",
+           style: str = "-|>", **kwargs) -> None:
+    ax.add_patch(FancyArrowPatch(start, end, arrowstyle=style, mutation_scale=16, color=color,
+                                 lw=1.6, **kwargs))
+
+
+def _canvas(width: float, height: float, xlim: tuple[float, float],
+            ylim: tuple[float, float]) -> tuple[Figure, Axes]:
+    fig, ax = plt.subplots(figsize=(width, height))
+    ax.set_xlim(*xlim)
+    ax.set_ylim(*ylim)
+    ax.axis("off")
+    return fig, ax
+
+
+# --- Lab 00: processes and ranks ---------------------------------------------------------------
+
+
+def model_state_against_gpu() -> Figure:
+    """Why one device is not enough: 16 bytes per parameter against one 80 GB GPU."""
+    fig, ax = plt.subplots(figsize=(10, 4))
+    names = ["1.3B", "7B", "13B", "70B"]
+    for i, name in enumerate(names):
+        state = memory.model_state_bytes(MODELS[name].num_params)
+        bottom = 0.0
+        for j, (part, label) in enumerate((("params", "parameters (bf16)"),
+                                           ("grads", "gradients (bf16)"),
+                                           ("optimizer", "fp32 master, Adam m and v"))):
+            value = getattr(state, part) / GB
+            ax.bar(i, value, bottom=bottom, color=COLORS(j), label=label if i == 0 else None)
+            bottom += value
+        ax.text(i, bottom, f"{bottom:,.0f} GB", ha="center", va="bottom")
+    ax.axhline(80, color="black", ls="--", label="one 80 GB GPU")
+    ax.set_xticks(range(len(names)), [f"{n} parameters" for n in names])
+    ax.set_ylim(0, 1250)
+    ax.set_ylabel("GB of model state")
+    ax.set_title("Model state alone (mixed-precision Adam, 16 bytes per parameter)")
+    ax.legend(fontsize=10, loc="upper left")
+    fig.tight_layout()
+    return fig
+
+
+def spmd_ranks() -> Figure:
+    """One program, N processes, each with its own memory, differing only by rank."""
+    fig, ax = _canvas(10, 3.6, (0, 10), (0, 4))
+    _box(ax, 3.5, 3.0, 3, 0.8, "hello(rank, world_size)\none function", "#fde9b6")
+    for rank in range(4):
+        x = 0.3 + rank * 2.45
+        _arrow(ax, (5, 3.0), (x + 1.0, 2.2))
+        _box(ax, x, 0.4, 2.0, 1.8, f"process\nrank {rank} of 4\n\nown memory,\nown copy of data",
+             matplotlib.colors.to_hex(COLORS(rank), keep_alpha=False) + "55", size=11)
+    ax.text(5, -0.05, "same code everywhere; behaviour differs only through `rank`",
+            ha="center", style="italic")
+    return fig
+
+
+def rendezvous() -> Figure:
+    """Ranks meet through a key-value store, then talk directly."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, phase in zip(axes, ("1. meet: register at the store", "2. talk: tensors flow "
+                                "rank to rank"), strict=True):
+        ax.set_xlim(0, 6)
+        ax.set_ylim(0, 5)
+        ax.axis("off")
+        ax.set_title(phase, fontsize=13)
+        spots = [(0.3, 3.6), (4.2, 3.6), (0.3, 0.4), (4.2, 0.4)]
+        for rank, (x, y) in enumerate(spots):
+            _box(ax, x, y, 1.5, 0.9, f"rank {rank}", matplotlib.colors.to_hex(COLORS(rank)) + "55")
+        if phase.startswith("1"):
+            _box(ax, 1.9, 2.0, 2.2, 1.0, "TCP store\nMASTER_ADDR:PORT", "#fde9b6", size=11)
+            for x, y in spots:
+                _arrow(ax, (x + 0.75, y + (0 if y > 2 else 0.9)), (3.0, 2.5 + (0.5 if y > 2
+                                                                                  else -0.5)))
+        else:
+            for start, end in (((1.8, 4.05), (4.2, 4.05)), ((1.8, 0.85), (4.2, 0.85)),
+                               ((1.05, 3.6), (1.05, 1.3)), ((4.95, 3.6), (4.95, 1.3))):
+                _arrow(ax, start, end, style="<|-|>", color="tab:blue")
+            ax.text(3, 2.5, "gloo (CPU)\nNCCL (GPU)", ha="center", va="center", fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
+def deadlock() -> Figure:
+    """Two ranks that both receive first wait forever; one that sends first does not."""
+    fig, axes = plt.subplots(2, 1, figsize=(10, 4))
+    cases = (("deadlock: both ranks call recv first", [("recv(src=1)", 0, 10, "tab:red"),
+                                                       ("recv(src=0)", 0, 10, "tab:red")]),
+             ("fixed: rank 0 sends first, rank 1 receives first",
+              [("send(dst=1)", 0, 2, "tab:blue"), ("recv(src=0)", 0, 2, "tab:green")]))
+    for ax, (title, rows) in zip(axes, cases, strict=True):
+        for rank, (label, start, end, color) in enumerate(rows):
+            y = 1 - rank
+            ax.barh(y, end - start, left=start, color=color, alpha=0.6, height=0.6)
+            ax.text(start + 0.15, y, label, va="center", fontsize=11)
+        if rows[0][2] == 10:
+            ax.text(9.9, 0.5, "… waiting forever (until the timeout)", ha="right", va="center",
+                    fontsize=11, style="italic")
+        else:
+            _arrow(ax, (1.8, 1), (1.8, 0), color="black")
+            ax.text(2.2, 0.5, "tensor arrives, both continue", va="center", fontsize=11)
+        ax.set_yticks([1, 0], ["rank 0", "rank 1"])
+        ax.set_xlim(0, 10)
+        ax.set_xticks([])
+        ax.set_title(title, fontsize=12)
+    axes[1].set_xlabel("time →")
+    fig.tight_layout()
+    return fig
+
+
+def send_recv() -> Figure:
+    """minidist's before/after picture of a point-to-point send."""
+    return draw_collectives(["send_recv"], world_size=2)
+
+
+# --- Lab 01: collectives -----------------------------------------------------------------------
+
+
+def ring_reduce_scatter_steps(n: int = 4) -> Figure:
+    """The reduce-scatter phase of ring all-reduce, step by step, with minidist's indexing
+    (rank r sends chunk r-step-1 to r+1 and adds chunk r-step-2 from r-1): each box says
+    which ranks' contributions a chunk holds."""
+    held = [[{r} for _ in range(n)] for r in range(n)]  # held[rank][chunk] = ranks summed
+    snapshots = [[[set(c) for c in row] for row in held]]
+    sent = []
+    for step in range(n - 1):
+        incoming = [(r, (r - step - 2) % n, held[(r - 1) % n][(r - step - 2) % n])
+                    for r in range(n)]
+        sent.append([(r - step - 1) % n for r in range(n)])
+        for r, chunk, contribution in incoming:
+            held[r][chunk] = held[r][chunk] | contribution
+        snapshots.append([[set(c) for c in row] for row in held])
+    fig, axes = plt.subplots(1, n, figsize=(12, 3.8))
+    letters = "abcdefgh"
+    for k, ax in enumerate(axes):
+        ax.set_xlim(-1.2, n)
+        ax.set_ylim(-0.6, n + 0.2)
+        ax.axis("off")
+        ax.set_title("start" if k == 0 else f"after step {k}", fontsize=12)
+        for r in range(n):
+            y = n - 1 - r
+            ax.text(-0.2, y + 0.4, f"rank {r}", ha="right", va="center", fontsize=10)
+            for c in range(n):
+                count = len(snapshots[k][r][c])
+                full = count == n
+                ax.add_patch(Rectangle((c, y), 0.9, 0.8, facecolor=COLORS(c),
+                                       alpha=0.2 + 0.7 * count / n, edgecolor="0.3",
+                                       lw=2.5 if full else 0.8))
+                label = f"Σ{letters[c]}" if full else f"{letters[c]}×{count}"
+                ax.text(c + 0.45, y + 0.4, label, ha="center", va="center", fontsize=10,
+                        fontweight="bold" if full else "normal")
+            if k < n - 1:
+                chunk = sent[k][r]
+                ax.add_patch(Rectangle((chunk - 0.04, y - 0.04), 0.98, 0.88, fill=False,
+                                       edgecolor="black", lw=1.5, ls="--"))
+    fig.suptitle(f"ring reduce-scatter, N = {n}: dashed = the chunk each rank sends right next; "
+                 f"a×k = chunk a summed over k ranks", fontsize=12, x=0.01, ha="left")
+    fig.tight_layout()
+    return fig
+
+
+def ring_bytes_against_n() -> Figure:
+    """Bytes each rank sends in ring all-reduce, 2(N-1)/N·S, and two common misstatements."""
+    fig, ax = plt.subplots(figsize=(10, 4))
+    ns = list(range(2, 65))
+    ax.plot(ns, [ring_bytes_sent("all_reduce", 1.0, n) for n in ns], lw=3,
+            label="ring all-reduce: 2(N−1)/N · S  (correct)")
+    ax.plot(ns, [2.0] * len(ns), ls="--", color="0.4", label="“2S regardless of N” (the limit)")
+    ax.plot(ns, [2.0 / n for n in ns], ls=":", color="tab:red", label="“divided by N” (wrong)")
+    for n in (2, 4, 8):
+        value = ring_bytes_sent("all_reduce", 1.0, n)
+        ax.annotate(f"N={n}: {value:.2f} S", (n, value), (n + 4, value - 0.45),
+                    arrowprops={"arrowstyle": "->"}, fontsize=11)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("ranks N")
+    ax.set_ylabel("bytes sent per rank / S")
+    ax.set_ylim(0, 2.3)
+    ax.set_title("Per-rank traffic of ring all-reduce hardly grows with N")
+    ax.legend(fontsize=10, loc="center right")
+    fig.tight_layout()
+    return fig
+
+
+def _sizes() -> list[float]:
+    return [2.0 ** k for k in range(10, 31)]
+
+
+ALPHA, BANDWIDTH = 20e-6, 10e9  # an illustrative link: 20 µs latency, 10 GB/s
+
+
+def alpha_beta_time() -> Figure:
+    """Ring all-reduce time from the alpha-beta model: latency-bound, then bandwidth-bound."""
+    fig, ax = plt.subplots(figsize=(10, 4))
+    sizes = _sizes()
+    for n in (2, 8, 32):
+        ax.plot(sizes, [collective_time("all_reduce", s, n, ALPHA, 1 / BANDWIDTH) * 1e3
+                        for s in sizes], lw=2.5, label=f"N = {n}")
+    ax.axvspan(sizes[0], 64e3, color="tab:orange", alpha=0.12)
+    ax.axvspan(64e6, sizes[-1], color="tab:blue", alpha=0.10)
+    ax.text(1.5e3, 200, "latency-bound:\n2(N−1)·α dominates", fontsize=11)
+    ax.text(1e8, 0.012, "bandwidth-bound:\n2(N−1)/N·S·β dominates", fontsize=11)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("message size S (bytes)")
+    ax.set_ylabel("time (ms)")
+    ax.set_title(f"α-β model, ring all-reduce: α = {ALPHA * 1e6:.0f} µs, "
+                 f"1/β = {BANDWIDTH / 1e9:.0f} GB/s")
+    ax.legend(fontsize=10, loc="upper left", bbox_to_anchor=(0.0, 0.82))
+    fig.tight_layout()
+    return fig
+
+
+def algbw_busbw() -> Figure:
+    """algbw falls with N at a fixed link speed; busbw stays comparable with the link."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.9), sharey=True)
+    sizes = _sizes()
+    for n in (2, 8, 32):
+        times = [collective_time("all_reduce", s, n, ALPHA, 1 / BANDWIDTH) for s in sizes]
+        algbw = [s / t / 1e9 for s, t in zip(sizes, times, strict=True)]
+        axes[0].plot(sizes, algbw, lw=2.5, label=f"N = {n}")
+        axes[1].plot(sizes, [a * busbw_factor("all_reduce", n) for a in algbw], lw=2.5,
+                     label=f"N = {n}")
+    for ax, title in zip(axes, ("algbw = S / t", "busbw = algbw × 2(N−1)/N"), strict=True):
+        ax.axhline(BANDWIDTH / 1e9, color="black", ls="--", lw=1)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("message size S (bytes)")
+        ax.set_title(title)
+        ax.legend(fontsize=10, loc="upper left")
+    axes[1].text(2e3, BANDWIDTH / 1e9 * 1.03, "link: 10 GB/s", fontsize=10)
+    axes[0].set_ylabel("GB/s")
+    fig.tight_layout()
+    return fig
+
+
+def collectives_part_one() -> Figure:
+    return draw_collectives(["broadcast", "reduce", "all_reduce"], world_size=3)
+
+
+def collectives_part_two() -> Figure:
+    return draw_collectives(["all_gather", "reduce_scatter", "send_recv"], world_size=3)
+
+
+def reduce_scatter_then_all_gather() -> Figure:
+    return draw_collectives(["reduce_scatter", "all_gather"], world_size=3)
+
+
+def all_reduce_only() -> Figure:
+    return draw_collectives(["all_reduce"], world_size=3)
+
+
+# --- Lab 02: memory, communication, bubbles ----------------------------------------------------
+
+
+def sixteen_bytes() -> Figure:
+    """Where mixed-precision Adam's 16 bytes per parameter go."""
+    fig, ax = plt.subplots(figsize=(10, 2.6))
+    per_param = memory.bytes_per_param()
+    parts = (("bf16 parameters", per_param.params), ("bf16 gradients", per_param.grads),
+             ("fp32 master weights", 4), ("Adam m (fp32)", 4), ("Adam v (fp32)", 4))
+    assert per_param.optimizer == 12, f"expected 12 optimizer bytes, got {per_param.optimizer}"
+    left = 0.0
+    for i, (label, value) in enumerate(parts):
+        ax.barh(0, value, left=left, color=COLORS(i), edgecolor="white")
+        ax.text(left + value / 2, 0, f"{label}\n{value:g} B", ha="center", va="center",
+                fontsize=11)
+        left += value
+    ax.set_xlim(0, 16)
+    ax.set_yticks([])
+    ax.set_xticks(range(0, 17, 2))
+    ax.set_xlabel("bytes per parameter")
+    ax.set_title(f"Mixed-precision Adam: {per_param.total:g} bytes per parameter "
+                 "(ZeRO §3, K = 12)")
+    fig.tight_layout()
+    return fig
+
+
+def zero_stages_7_5b() -> Figure:
+    """ZeRO's own check: Ψ = 7.5B on N = 64 ranks, 120 / 31.4 / 16.6 / 1.9 GB."""
+    fig, ax = plt.subplots(figsize=(10, 4))
+    for stage in range(4):
+        state = memory.model_state_bytes(7.5e9, stage, 64)
+        bottom = 0.0
+        for j, part in enumerate(("params", "grads", "optimizer")):
+            value = getattr(state, part) / GB
+            ax.bar(stage, value, bottom=bottom, color=COLORS(j),
+                   label={"params": "parameters", "grads": "gradients",
+                          "optimizer": "optimizer state"}[part] if stage == 0 else None)
+            bottom += value
+        ax.text(stage, bottom + 2, f"{bottom:.1f} GB", ha="center", fontsize=12)
+    ax.set_xticks(range(4), ["DDP (stage 0)\n16Ψ", "ZeRO-1\n4Ψ + 12Ψ/N", "ZeRO-2\n2Ψ + 14Ψ/N",
+                             "ZeRO-3 / FSDP\n16Ψ/N"])
+    ax.set_ylabel("GB per rank")
+    ax.set_ylim(0, 140)
+    ax.set_title("Ψ = 7.5 B parameters, N = 64 ranks (ZeRO Figure 1)")
+    ax.legend(fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def memory_bars_7b() -> Figure:
+    """minidist's memory calculator: a 7B model on 8 data-parallel ranks, per ZeRO stage."""
+    estimates = rank_memory(MODELS["7B"], dp=8, recompute="full")
+    return draw_memory(estimates, H100.gpu_memory, selected=3,
+                       title="7B model (s = 4096, b = 1, full recompute), 8 data-parallel ranks: "
+                             "GB per GPU by ZeRO stage")
+
+
+def activation_settings() -> Figure:
+    """One 7B layer's activations under each setting of Korthikanti Table 2, t = 8."""
+    model = MODELS["7B"]
+    s, h, a, t = model.seq_len, model.hidden, model.heads, 8
+    settings = (("no parallelism", {}), ("TP t=8", {"tp": t}),
+                ("TP + SP", {"tp": t, "sequence_parallel": True}),
+                ("TP + selective\nrecompute", {"tp": t, "recompute": "selective"}),
+                ("TP + SP +\nselective", {"tp": t, "sequence_parallel": True,
+                                          "recompute": "selective"}),
+                ("full recompute", {"recompute": "full"}))
+    values = [memory.activation_bytes(s, 1, h, a, **kwargs) / GB for _, kwargs in settings]
+    fig, ax = plt.subplots(figsize=(10, 4))
+    ax.bar(range(len(values)), values, color=[COLORS(i) for i in range(len(values))])
+    for i, value in enumerate(values):
+        ax.text(i, value, f"{value:.2f}", ha="center", va="bottom", fontsize=11)
+    ax.set_xticks(range(len(values)), [name for name, _ in settings], fontsize=10)
+    ax.set_ylabel("GB per layer per rank")
+    ax.set_title(f"Activations of one layer (s = {s}, b = 1, h = {h}, a = {a}; 16-bit)")
+    fig.tight_layout()
+    return fig
+
+
+def comm_volume_by_stage() -> Figure:
+    """Bytes each rank sends per step, DDP and ZeRO 1-3 (ring, N = 8, bf16), 7B parameters."""
+    fig, ax = plt.subplots(figsize=(10, 3.8))
+    psi, n = MODELS["7B"].num_params, 8
+    names = ["DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3 / FSDP"]
+    for stage, name in enumerate(names):
+        traffic = memory.data_parallel_traffic(psi, n, stage)
+        left = 0.0
+        for collective in traffic.collectives:
+            value = collective.bytes_sent / GB
+            color = {"all_reduce": "tab:purple", "reduce_scatter": "tab:orange",
+                     "all_gather": "tab:green"}[collective.op]
+            ax.barh(stage, value, left=left, color=color, edgecolor="white")
+            ax.text(left + value / 2, stage, collective.op.replace("_", "-"), ha="center",
+                    va="center", fontsize=10)
+            left += value
+        ax.text(left + 0.3, stage, f"{left:.1f} GB  ({traffic.volume / psi / 2:g}Ψ elements)",
+                va="center", fontsize=11)
+    ax.set_yticks(range(4), names)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 40)
+    ax.set_xlabel("GB sent per rank per step (7B parameters, bf16, ring over N = 8)")
+    ax.set_title("ZeRO-1 and ZeRO-2 send what DDP sends; ZeRO-3 sends 1.5×")
+    fig.tight_layout()
+    return fig
+
+
+def bubble_against_m() -> Figure:
+    """Both bubble fractions for p = 4, and the worked values."""
+    fig, ax = plt.subplots(figsize=(10, 4))
+    ms = list(range(1, 33))
+    total = [memory.bubble_fraction("1f1b", 4, m) for m in ms]
+    ideal = [memory.bubble_relative_to_ideal("1f1b", 4, m) for m in ms]
+    ax.plot(ms, total, lw=2.5, label="share of total time (p−1)/(m+p−1)")
+    ax.plot(ms, ideal, lw=2.5, ls="--", label="relative to ideal time (p−1)/m")
+    for m in (1, 8, 30):
+        value = memory.bubble_fraction("1f1b", 4, m)
+        ax.plot(m, value, "o", color="black")
+        ax.annotate(f"m={m}: {value:.1%}", (m, value), (m + 1.2, value + 0.18),
+                    arrowprops={"arrowstyle": "->"}, fontsize=11)
+    ax.set_ylim(0, 1.6)
+    ax.set_xlabel("microbatches m")
+    ax.set_ylabel("bubble")
+    ax.set_title("GPipe and 1F1B, p = 4 stages: two fractions, always say which")
+    ax.legend(fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
+# --- Lab 03: data parallel ---------------------------------------------------------------------
+
+LAYERS = 8
+LAYER_BYTES = [6e6, 6e6, 24e6, 24e6, 24e6, 24e6, 24e6, 24e6]  # in parameters() order
+BACKWARD_PER_LAYER = 2e-3  # seconds
+DP_RANKS = 4
+DP_ALPHA, DP_BANDWIDTH = 50e-6, 25e9
+
+
+def _all_reduce_time(nbytes: float) -> float:
+    return collective_time("all_reduce", nbytes, DP_RANKS, DP_ALPHA, 1 / DP_BANDWIDTH)
+
+
+def _gradient_times() -> list[float]:
+    """When each layer's gradient is ready; backward runs from the last layer to the first."""
+    return [(LAYERS - i) * BACKWARD_PER_LAYER for i in range(LAYERS)]
+
+
+def _serial(launches: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """(ready, duration) all-reduces run one after another on the link: (start, end)."""
+    spans, free = [], 0.0
+    for ready, duration in launches:
+        start = max(ready, free)
+        free = start + duration
+        spans.append((start, free))
+    return spans
+
+
+def _bucketed_events(cap_bytes: float) -> list[Event]:
+    """Synthetic events of one bucketed, overlapped backward (minidist.ddp's Event)."""
+    ready = _gradient_times()
+    order = list(reversed(range(LAYERS)))  # gradients arrive in reverse parameters() order
+    buckets = assign_buckets([int(LAYER_BYTES[i]) for i in order], int(cap_bytes))
+    launches = []
+    for bucket in buckets:
+        layers = [order[i] for i in bucket]
+        launches.append((max(ready[i] for i in layers),
+                         _all_reduce_time(sum(LAYER_BYTES[i] for i in layers))))
+    events = [Event("gradient", f"layer{i}", ready[i], ready[i]) for i in order]
+    for index, (start, end) in enumerate(_serial(launches)):
+        events.append(Event("all_reduce", f"bucket {index}", start, end))
+    return [Event(e.kind, e.name, e.start - BACKWARD_PER_LAYER + 1e-9,
+                  None if e.end is None else e.end - BACKWARD_PER_LAYER + 1e-9) for e in events]
+
+
+def ddp_bucket_timeline() -> Figure:
+    """minidist.ddp.plot_timeline on a modelled backward: 8 layers, 50 MB buckets."""
+    fig, ax = plt.subplots(figsize=(10, 3.6))
+    plot_timeline(_bucketed_events(50e6), ax=ax,
+                  title="bucketed DDP, modelled: 8 layers (2 ms of backward each), 50 MB "
+                        "buckets, N = 4")
+    fig.tight_layout()
+    return fig
+
+
+def ddp_three_versions() -> Figure:
+    """Step timelines of the three DDP versions on the same modelled backward."""
+    ready = _gradient_times()
+    end_of_backward = max(ready)
+    per_tensor = _serial([(end_of_backward, _all_reduce_time(b / 2)) for b in LAYER_BYTES
+                          for _ in range(2)])  # weight and bias of equal halves, for the picture
+    flat = _serial([(end_of_backward, _all_reduce_time(sum(LAYER_BYTES)))])
+    events = _bucketed_events(50e6)
+    bucketed = [(e.start + BACKWARD_PER_LAYER, e.end + BACKWARD_PER_LAYER) for e in events
+                if e.kind == "all_reduce"]
+    fig, ax = plt.subplots(figsize=(10, 3.8))
+    rows = (("naive: one all-reduce\nper tensor, after backward", per_tensor),
+            ("one flat buffer,\nafter backward", flat),
+            ("bucketed, overlapped\n(50 MB buckets)", bucketed))
+    for y, (label, spans) in enumerate(rows):
+        ax.barh(y, end_of_backward, color="tab:blue", alpha=0.35, height=0.7,
+                label="backward compute" if y == 0 else None)
+        for k, (start, end) in enumerate(spans):
+            ax.barh(y, end - start, left=start, color="tab:orange", edgecolor="white",
+                    height=0.35, label="all-reduce" if y == 0 and k == 0 else None)
+        finish = max(end for _, end in spans)
+        ax.text(finish + 0.3e-3, y, f"{finish * 1e3:.1f} ms", va="center", fontsize=11)
+    ax.set_yticks(range(3), [label for label, _ in rows])
+    ax.invert_yaxis()
+    ax.set_xticks(ax.get_xticks(), [f"{x * 1e3:g}" for x in ax.get_xticks()])
+    ax.set_xlim(0, 0.032)
+    ax.set_xlabel("ms since backward started (α-β model: α = 50 µs, 25 GB/s, N = 4)")
+    ax.set_title("Same gradients, same bytes: only the overlap differs")
+    ax.legend(fontsize=10, loc="lower right")
+    fig.tight_layout()
+    return fig
+
+
+def data_parallel_split() -> Figure:
+    """One global batch, N slices, N identical models, one all-reduce of the gradients."""
+    fig, ax = _canvas(11, 4, (0, 11), (0, 4.6))
+    _box(ax, 0.2, 3.6, 10.6, 0.7, "global batch of N·B samples", "#fde9b6")
+    for r in range(4):
+        x = 0.3 + r * 2.7
+        color = matplotlib.colors.to_hex(COLORS(r)) + "55"
+        _arrow(ax, (x + 1.1, 3.6), (x + 1.1, 3.05))
+        _box(ax, x, 2.35, 2.2, 0.7, f"B samples → rank {r}", color, size=11)
+        _box(ax, x, 1.25, 2.2, 0.9, "full model copy\nforward + backward", "0.93", size=11)
+        _arrow(ax, (x + 1.1, 1.25), (x + 1.1, 0.95))
+    _box(ax, 0.3, 0.2, 10.4, 0.75, "all-reduce gradients, divide by N → identical step on "
+         "every rank", "#cfe3f3")
+    return fig
+
+
+def no_sync_timeline() -> Figure:
+    """Gradient accumulation: k - 1 backwards under no_sync() send nothing."""
+    fig, ax = plt.subplots(figsize=(10, 2.8))
+    k, compute = 4, 6.0
+    for i in range(k):
+        ax.barh(0, compute, left=i * compute, color="tab:blue", alpha=0.35 + 0.12 * i,
+                edgecolor="white")
+        ax.text(i * compute + compute / 2, 0, f"micro {i}\nfwd + bwd", ha="center", va="center",
+                fontsize=11)
+        label = "no_sync(): 0 bytes" if i < k - 1 else "all-reduce"
+        if i == k - 1:
+            ax.barh(-0.8, 4, left=i * compute + 2, color="tab:orange", height=0.5)
+        ax.text(i * compute + compute / 2, -0.8, label, ha="center", va="center", fontsize=11)
+    ax.barh(0, 1, left=k * compute + 0.2, color="tab:green")
+    ax.text(k * compute + 0.7, 0.55, "step", ha="center", fontsize=11)
+    ax.set_yticks([0, -0.8], ["compute", "network"])
+    ax.set_xticks([])
+    ax.set_xlim(0, k * compute + 2)
+    ax.set_title(f"Accumulating k = {k} microbatches: only the last backward all-reduces")
+    fig.tight_layout()
+    return fig
+
+
+def step_time_against_bucket_size() -> Figure:
+    """Finish time of backward + gradient sync against the bucket cap (modelled)."""
+    fig, ax = plt.subplots(figsize=(10, 3.8))
+    caps = [2.0 ** k * 1e6 for k in range(0, 9)]
+    finish = []
+    for cap in caps:
+        events = _bucketed_events(cap)
+        finish.append(max(e.end for e in events if e.kind == "all_reduce") * 1e3
+                      + BACKWARD_PER_LAYER * 1e3)
+    ax.plot([c / 1e6 for c in caps], finish, "o-", lw=2.5)
+    ax.axhline(max(_gradient_times()) * 1e3, color="0.4", ls="--",
+               label="backward alone (perfect overlap)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("bucket cap (MB)")
+    ax.set_ylabel("backward + sync (ms)")
+    ax.set_title("Tiny buckets: many α's; one huge bucket: nothing overlaps")
+    ax.legend(fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
+# --- Lab 04: ZeRO and FSDP ---------------------------------------------------------------------
+
+
+def zero_sharding_layout() -> Figure:
+    """What each of 4 ranks keeps, per ZeRO stage."""
+    stages = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3 / FSDP")
+    parts = ("params", "grads", "optimizer")
+    widths = {"params": 2, "grads": 2, "optimizer": 12}
+    fig, axes = plt.subplots(1, 4, figsize=(12, 3.8))
+    n = 4
+    for stage, (ax, name) in enumerate(zip(axes, stages, strict=True)):
+        ax.set_xlim(-0.2, 17)
+        ax.set_ylim(-0.5, n + 0.3)
+        ax.axis("off")
+        ax.set_title(name, fontsize=13)
+        for r in range(n):
+            y = n - 1 - r
+            left = 0.0
+            for j, part in enumerate(parts):
+                sharded = stage >= {"optimizer": 1, "grads": 2, "params": 3}[part]
+                width = widths[part]
+                ax.add_patch(Rectangle((left, y), width, 0.8, facecolor="white",
+                                       edgecolor="0.6", lw=0.6))
+                if sharded:
+                    ax.add_patch(Rectangle((left + r * width / n, y), width / n, 0.8,
+                                           facecolor=COLORS(j), edgecolor="0.3"))
+                else:
+                    ax.add_patch(Rectangle((left, y), width, 0.8, facecolor=COLORS(j),
+                                           alpha=0.85, edgecolor="0.3"))
+                left += width
+            kept = memory.model_state_bytes(1.0, stage, n).total
+            ax.text(16.3, y + 0.4, f"{kept:g}Ψ", va="center", fontsize=10)
+        ax.text(0, -0.45, "rank 0 … 3 top to bottom", fontsize=9, color="0.3")
+    fig.suptitle("blue: bf16 params (2Ψ)   orange: bf16 grads (2Ψ)   green: fp32 master, m, v "
+                 "(12Ψ); coloured = kept by that rank (N = 4)", fontsize=11, x=0.01, ha="left")
+    fig.tight_layout()
+    return fig
+
+
+def zero_memory_against_n() -> Figure:
+    """Model state per rank against N, Ψ = 7.5B, against an 80 GB GPU."""
+    fig, ax = plt.subplots(figsize=(10, 4))
+    ns = [2 ** k for k in range(0, 9)]
+    names = ["DDP: 16Ψ", "ZeRO-1: 4Ψ + 12Ψ/N", "ZeRO-2: 2Ψ + 14Ψ/N", "ZeRO-3: 16Ψ/N"]
+    for stage, name in enumerate(names):
+        ax.plot(ns, [memory.model_state_bytes(7.5e9, stage, n).total / GB for n in ns], "o-",
+                lw=2.2, label=name)
+    ax.axhline(80, color="black", ls="--", label="80 GB GPU")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(ns, [str(n) for n in ns])
+    ax.set_xlabel("data-parallel ranks N")
+    ax.set_ylabel("GB of model state per rank")
+    ax.set_title("Ψ = 7.5B: only sharded terms shrink with N")
+    ax.legend(fontsize=10, loc="lower left")
+    fig.tight_layout()
+    return fig
+
+
+def fsdp_unit_timeline() -> Figure:
+    """FSDP's forward and backward with prefetch: all-gather unit i+1 while unit i runs."""
+    fig, ax = plt.subplots(figsize=(11, 3.4))
+    units, gather, compute = 4, 0.8, 1.0
+    t = 0.0
+    compute_spans, comm_spans = [], []
+    ax.barh(1, gather, left=0, color="tab:green", edgecolor="white")
+    comm_spans.append((0.0, gather, "AG 0"))
+    t = gather
+    for phase in ("F", "B"):
+        order = range(units) if phase == "F" else reversed(range(units))
+        for unit in order:
+            duration = compute if phase == "F" else 2 * compute
+            compute_spans.append((t, duration, f"{phase} {unit}"))
+            nxt = unit + 1 if phase == "F" else unit - 1
+            if phase == "F" and unit == units - 1:
+                nxt_label = f"AG {units - 1}"  # backward needs the last unit again
+            elif 0 <= nxt < units:
+                nxt_label = f"AG {nxt}"
+            else:
+                nxt_label = ""
+            if nxt_label:
+                comm_spans.append((t, gather, nxt_label))
+            if phase == "B":
+                comm_spans.append((t + duration, gather, f"RS {unit}"))
+            t += duration
+    for start, duration, label in compute_spans:
+        ax.barh(0, duration, left=start, color="tab:blue" if label[0] == "F" else "tab:purple",
+                edgecolor="white")
+        ax.text(start + duration / 2, 0, label, ha="center", va="center", color="white",
+                fontsize=11)
+    for start, duration, label in comm_spans[1:]:
+        color = "tab:green" if label.startswith("AG") else "tab:orange"
+        ax.barh(1, duration, left=start, color=color, edgecolor="white")
+    for start, duration, label in comm_spans:
+        ax.text(start + duration / 2, 1, label, ha="center", va="center", fontsize=10)
+    ax.set_yticks([0, 1], ["compute", "network"])
+    ax.set_xticks([])
+    ax.set_xlabel("time →   (AG = all-gather a unit's parameters, RS = reduce-scatter its "
+                  "gradients)")
+    ax.set_title("FSDP, 4 units: prefetch the next unit's all-gather while this one computes")
+    fig.tight_layout()
+    return fig
+
+
+# --- Lab 05: tensor parallel -------------------------------------------------------------------
+
+
+def linear_splits() -> Figure:
+    return draw_linear_splits(tp=2)
+
+
+def tensor_parallel_mlp() -> Figure:
+    """The Megatron MLP on 2 ranks: f, column-parallel A, GeLU, row-parallel B, g."""
+    fig, ax = _canvas(12, 3.8, (0, 12), (0, 4))
+    _box(ax, 0.1, 1.5, 1.2, 1.0, "X\n(whole)", "0.9")
+    _box(ax, 1.8, 1.5, 1.0, 1.0, "f", "#fde9b6", size=16, fontweight="bold")
+    for r in range(2):
+        y = 2.5 - r * 2.0
+        color = matplotlib.colors.to_hex(COLORS(r)) + "66"
+        _arrow(ax, (2.8, 2.0), (3.4, y + 0.5))
+        _box(ax, 3.4, y, 2.0, 1.0, f"X·A{r}\n(A column-split)", color, size=11)
+        _arrow(ax, (5.4, y + 0.5), (5.9, y + 0.5))
+        _box(ax, 5.9, y, 1.2, 1.0, "GeLU", color, size=11)
+        _arrow(ax, (7.1, y + 0.5), (7.6, y + 0.5))
+        _box(ax, 7.6, y, 2.0, 1.0, f"Y{r}·B{r}\n(B row-split)", color, size=11)
+        _arrow(ax, (9.6, y + 0.5), (10.0, 2.0))
+        ax.text(4.4, y + 1.1 if r == 0 else y - 0.3, f"rank {r}", ha="center", fontsize=10)
+    _box(ax, 10.0, 1.5, 1.0, 1.0, "g", "#fde9b6", size=16, fontweight="bold")
+    _arrow(ax, (11.0, 2.0), (11.5, 2.0))
+    ax.text(11.55, 2.0, "Z", va="center", fontsize=14)
+    _arrow(ax, (1.3, 2.0), (1.8, 2.0))
+    ax.text(2.3, 1.2, "fwd: identity\nbwd: all-reduce", ha="center", va="top", fontsize=10)
+    ax.text(10.5, 1.2, "fwd: all-reduce\nbwd: identity", ha="center", va="top", fontsize=10)
+    ax.text(6.5, 3.85, "no communication between A and B: Y's column slice is B's row slice",
+            ha="center", fontsize=11, style="italic")
+    return fig
+
+
+def tensor_parallel_activations() -> Figure:
+    """Activations of one 7B layer per rank against t: TP alone, TP + SP."""
+    model = MODELS["7B"]
+    s, h, a = model.seq_len, model.hidden, model.heads
+    ts = [1, 2, 4, 8]
+    fig, ax = plt.subplots(figsize=(10, 4))
+    for label, sp, style in (("tensor parallel only", False, "o-"),
+                             ("tensor + sequence parallel", True, "s-")):
+        ax.plot(ts, [memory.activation_bytes(s, 1, h, a, tp=t, sequence_parallel=sp) / GB
+                     for t in ts], style, lw=2.5, label=label)
+    tp_floor = 10 * s * h / GB
+    ax.axhline(tp_floor, color="0.4", ls=":", label="TP alone never goes below 10·s·b·h")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ts, [str(t) for t in ts])
+    ax.set_xlabel("tensor-parallel degree t")
+    ax.set_ylabel("GB per layer per rank")
+    ax.set_title(f"One 7B layer's activations (s = {s}, b = 1): SP divides everything by t")
+    ax.legend(fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
+def tensor_parallel_time_in_and_across_nodes() -> Figure:
+    """One layer's 4 all-reduces of b·s·h, inside a node and across nodes (alpha-beta)."""
+    model = MODELS["7B"]
+    fig, ax = plt.subplots(figsize=(10, 3.8))
+    ts = [2, 4, 8, 16]
+    for span_label, span in (("inside a node (NVLink, 450 GB/s)", 8),
+                             ("across nodes (InfiniBand, 50 GB/s)", 16)):
+        alpha, beta = H100.link(span)
+        times = []
+        for t in ts:
+            traffic = memory.tensor_parallel_traffic(model.seq_len, 1, model.hidden, t)
+            times.append(sum(c.count * collective_time(c.op, c.nbytes, t, alpha, beta)
+                             for c in traffic.collectives) * 1e3)
+        ax.plot(ts, times, "o-", lw=2.5, label=span_label)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ts, [str(t) for t in ts])
+    ax.set_xlabel("tensor-parallel degree t")
+    ax.set_ylabel("ms per layer per microbatch")
+    ax.set_title("TP's 2 + 2 all-reduces per layer (7B, s = 4096, b = 1, bf16), α-β model")
+    ax.legend(fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
+# --- Lab 06: pipeline parallel -----------------------------------------------------------------
+
+
+def _gantt(name: str, p: int, m: int, chunks: int = 1, title: str | None = None) -> Figure:
+    timeline = pipeline.simulate(pipeline.schedule(name, p, m, chunks))
+    return gantt.draw(timeline, title)
+
+
+def naive_pipeline() -> Figure:
+    return _gantt("gpipe", 4, 1, title="one batch, no microbatches (p = 4)")
+
+
+def gpipe_and_1f1b() -> Figure:
+    timelines = [pipeline.simulate(pipeline.schedule(name, 4, 8)) for name in ("gpipe", "1f1b")]
+    return gantt.draw_all(timelines, ["GPipe, p = 4, m = 8", "1F1B, p = 4, m = 8"])
+
+
+def gpipe_only() -> Figure:
+    return _gantt("gpipe", 4, 8, title="GPipe, p = 4, m = 8")
+
+
+def interleaved_pipeline() -> Figure:
+    timelines = [pipeline.simulate(pipeline.schedule("1f1b", 4, 8)),
+                 pipeline.simulate(pipeline.schedule("interleaved", 4, 8, chunks=2))]
+    return gantt.draw_all(timelines, ["1F1B, p = 4, m = 8",
+                                      "interleaved 1F1B, p = 4, m = 8, v = 2 (paler = chunk 1)"])
+
+
+def zero_bubble_pipeline() -> Figure:
+    timelines = [pipeline.simulate(pipeline.schedule("1f1b", 4, 8)),
+                 pipeline.simulate(pipeline.schedule("zb-h1", 4, 8))]
+    return gantt.draw_all(timelines, ["1F1B, p = 4, m = 8 (backward = B + W as one pass)",
+                                      "ZB-H1, p = 4, m = 8 (B and W split)"])
+
+
+def inflight_by_stage() -> Figure:
+    """Peak microbatches whose activations each stage holds, p = 4, m = 8."""
+    fig, ax = plt.subplots(figsize=(10, 3.8))
+    p, m = 4, 8
+    names = ("gpipe", "1f1b", "zb-h1")
+    for k, name in enumerate(names):
+        values = [memory.inflight_microbatches(name, p, m, i) for i in range(p)]
+        ax.bar([i + (k - 1) * 0.27 for i in range(p)], values, width=0.27, label=name,
+               color=COLORS(k))
+        for i, value in enumerate(values):
+            ax.text(i + (k - 1) * 0.27, value, str(value), ha="center", va="bottom", fontsize=10)
+    ax.set_xticks(range(p), [f"stage {i}" for i in range(p)])
+    ax.set_ylabel("microbatches in flight (peak)")
+    ax.set_ylim(0, 9.5)
+    ax.set_title("p = 4, m = 8: GPipe holds m everywhere; 1F1B holds p − i")
+    ax.legend(fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
+FIGURES: dict[str, Callable[[], Figure]] = {
+    "model-state-against-gpu": model_state_against_gpu,
+    "spmd-ranks": spmd_ranks,
+    "rendezvous": rendezvous,
+    "deadlock": deadlock,
+    "send-recv": send_recv,
+    "broadcast-reduce-all-reduce": collectives_part_one,
+    "all-gather-reduce-scatter-send": collectives_part_two,
+    "reduce-scatter-then-all-gather": reduce_scatter_then_all_gather,
+    "all-reduce": all_reduce_only,
+    "ring-reduce-scatter-steps": ring_reduce_scatter_steps,
+    "ring-bytes-against-n": ring_bytes_against_n,
+    "alpha-beta-time": alpha_beta_time,
+    "algbw-busbw": algbw_busbw,
+    "sixteen-bytes": sixteen_bytes,
+    "zero-stages-7.5b": zero_stages_7_5b,
+    "memory-bars-7b": memory_bars_7b,
+    "activation-settings": activation_settings,
+    "comm-volume-by-stage": comm_volume_by_stage,
+    "bubble-against-m": bubble_against_m,
+    "data-parallel-split": data_parallel_split,
+    "ddp-three-versions": ddp_three_versions,
+    "ddp-bucket-timeline": ddp_bucket_timeline,
+    "no-sync-timeline": no_sync_timeline,
+    "step-time-against-bucket-size": step_time_against_bucket_size,
+    "zero-sharding-layout": zero_sharding_layout,
+    "zero-memory-against-n": zero_memory_against_n,
+    "fsdp-unit-timeline": fsdp_unit_timeline,
+    "linear-splits": linear_splits,
+    "tensor-parallel-mlp": tensor_parallel_mlp,
+    "tensor-parallel-activations": tensor_parallel_activations,
+    "tensor-parallel-time": tensor_parallel_time_in_and_across_nodes,
+    "naive-pipeline": naive_pipeline,
+    "gpipe": gpipe_only,
+    "gpipe-and-1f1b": gpipe_and_1f1b,
+    "interleaved-pipeline": interleaved_pipeline,
+    "zero-bubble-pipeline": zero_bubble_pipeline,
+    "inflight-by-stage": inflight_by_stage,
+}
+
+
+def draw(name: str) -> bytes:
+    """The named figure as PNG bytes."""
+    if name not in FIGURES:
+        raise SystemExit(f"unknown figure:{name}; known: {', '.join(sorted(FIGURES))}")
+    with plt.rc_context(STYLE):
+        return png_bytes(FIGURES[name]())
