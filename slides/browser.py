@@ -5,6 +5,7 @@
         page.evaluate("Reveal.getTotalSlides()")
         page.press("ArrowRight")
         png = page.screenshot()
+        pdf = browser.print_deck(Path("slides/00_first_ranks.html"))
 
 The protocol runs over a pipe (`--remote-debugging-pipe`: commands on the child's fd 3, replies
 on its fd 4, each message JSON ended by a NUL byte), so nothing listens on a port and nothing
@@ -130,6 +131,17 @@ class Browser:
                     return event
             self.events.append(self._receive(deadline))
 
+    def print_deck(self, deck: Path) -> bytes:
+        """A reveal.js deck printed to PDF (opened with ?print-pdf, once reveal has laid out
+        its pages): one page per slide, with the speaker notes under the slide."""
+        page = self.open(deck.resolve().as_uri() + "?print-pdf")
+        page.wait_until("document.querySelectorAll('.pdf-page').length > 0 && "
+                        "document.querySelectorAll('.pdf-page').length === "
+                        "document.querySelectorAll('.slides section').length")
+        pdf = page.pdf()
+        page.close()
+        return pdf
+
     def open(self, url: str) -> Page:
         """A new tab showing `url`, loaded, at the browser's viewport size."""
         target = self.call("Target.createTarget", url="about:blank")["targetId"]
@@ -149,6 +161,9 @@ class Page:
 
     def __init__(self, browser: Browser, target: str, session: str) -> None:
         self.browser, self.target, self.session = browser, target, session
+
+    def close(self) -> None:
+        self.browser.call("Target.closeTarget", targetId=self.target)
 
     def evaluate(self, expression: str) -> Any:
         """The value of a JavaScript expression (promises are awaited)."""
@@ -193,14 +208,3 @@ class Page:
         return [event["params"]["request"]["url"] for event in self.browser.events
                 if event.get("method") == "Network.requestWillBeSent"
                 and event.get("sessionId") == self.session]
-
-
-def print_pdf(deck: Path, pdf: Path, chromium: str) -> None:
-    """Print a reveal.js deck (opened with ?print-pdf) to `pdf`, once reveal has laid out its
-    pages: one page per slide, with the speaker notes under the slide."""
-    with Browser(chromium) as browser:
-        page = browser.open(deck.resolve().as_uri() + "?print-pdf")
-        page.wait_until("document.querySelectorAll('.pdf-page').length > 0 && "
-                        "document.querySelectorAll('.pdf-page').length === "
-                        "document.querySelectorAll('.slides section').length")
-        pdf.write_bytes(page.pdf())

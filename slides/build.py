@@ -33,7 +33,7 @@ import mistune
 SLIDES = Path(__file__).resolve().parent
 sys.path.insert(0, str(SLIDES))
 import figures  # noqa: E402  (slides/figures.py, next to this file)
-from browser import find_chromium, print_pdf  # noqa: E402
+from browser import Browser, find_chromium  # noqa: E402
 
 MODULES = SLIDES / "node_modules"
 PDF_DIR = SLIDES / "pdf"
@@ -258,11 +258,12 @@ def main() -> None:
         print("no Chromium found: PDFs not built (install the `chromium` package for them)")
         return
     PDF_DIR.mkdir(exist_ok=True)
-    for deck in built:
-        if deck.name != "index.html":
-            pdf = PDF_DIR / deck.with_suffix(".pdf").name
-            print_pdf(deck, pdf, chromium)
-            print(f"wrote {pdf.relative_to(SLIDES.parent)}")
+    with Browser(chromium) as browser:
+        for deck in built:
+            if deck.name != "index.html":
+                pdf = PDF_DIR / deck.with_suffix(".pdf").name
+                pdf.write_bytes(browser.print_deck(deck))
+                print(f"wrote {pdf.relative_to(SLIDES.parent)}")
 
 
 if __name__ == "__main__":

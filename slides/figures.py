@@ -306,10 +306,10 @@ def all_reduce_only() -> Figure:
 def sixteen_bytes() -> Figure:
     """Where mixed-precision Adam's 16 bytes per parameter go."""
     fig, ax = plt.subplots(figsize=(10, 2.6))
-    per_param = memory.bytes_per_param()
-    parts = (("bf16 parameters", per_param.params), ("bf16 gradients", per_param.grads),
-             ("fp32 master weights", 4), ("Adam m (fp32)", 4), ("Adam v (fp32)", 4))
-    assert per_param.optimizer == 12, f"expected 12 optimizer bytes, got {per_param.optimizer}"
+    recipe, per_param = memory.PRECISIONS["bf16-mixed"], memory.bytes_per_param()
+    parts = (("bf16 parameters", recipe.param), ("bf16 gradients", recipe.grad),
+             ("fp32 master weights", recipe.master), ("Adam m (fp32)", recipe.state),
+             ("Adam v (fp32)", recipe.state))
     left = 0.0
     for i, (label, value) in enumerate(parts):
         ax.barh(0, value, left=left, color=COLORS(i), edgecolor="white")
@@ -384,7 +384,7 @@ def comm_volume_by_stage() -> Figure:
     fig, ax = plt.subplots(figsize=(10, 3.8))
     psi, n = MODELS["7B"].num_params, 8
     names = ["DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3 / FSDP"]
-    for stage, name in enumerate(names):
+    for stage in range(len(names)):
         traffic = memory.data_parallel_traffic(psi, n, stage)
         left = 0.0
         for collective in traffic.collectives:
@@ -497,7 +497,7 @@ def ddp_three_versions() -> Figure:
     rows = (("naive: one all-reduce\nper tensor, after backward", per_tensor),
             ("one flat buffer,\nafter backward", flat),
             ("bucketed, overlapped\n(50 MB buckets)", bucketed))
-    for y, (label, spans) in enumerate(rows):
+    for y, (_, spans) in enumerate(rows):
         ax.barh(y, end_of_backward, color="tab:blue", alpha=0.35, height=0.7,
                 label="backward compute" if y == 0 else None)
         for k, (start, end) in enumerate(spans):
