@@ -430,7 +430,7 @@ def bubble_against_m() -> Figure:
 
 # --- Lab 03: data parallel ---------------------------------------------------------------------
 
-LAYERS = 8
+LAYERS, TENSORS_PER_LAYER = 8, 16
 LAYER_BYTES = [6e6, 6e6, 24e6, 24e6, 24e6, 24e6, 24e6, 24e6]  # in parameters() order
 BACKWARD_PER_LAYER = 2e-3  # seconds
 DP_RANKS = 4
@@ -441,9 +441,11 @@ def _all_reduce_time(nbytes: float) -> float:
     return collective_time("all_reduce", nbytes, DP_RANKS, DP_ALPHA, 1 / DP_BANDWIDTH)
 
 
-def _gradient_times() -> list[float]:
-    """When each layer's gradient is ready; backward runs from the last layer to the first."""
-    return [(LAYERS - i) * BACKWARD_PER_LAYER for i in range(LAYERS)]
+def _tensors() -> list[tuple[float, float]]:
+    """(ready time, bytes) of each gradient tensor, in parameters() order: backward runs from
+    the last layer to the first, and a layer's tensors are ready when the layer is done."""
+    return [((LAYERS - layer) * BACKWARD_PER_LAYER, LAYER_BYTES[layer] / TENSORS_PER_LAYER)
+            for layer in range(LAYERS) for _ in range(TENSORS_PER_LAYER)]
 
 
 def _serial(launches: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -456,61 +458,55 @@ def _serial(launches: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return spans
 
 
-def _bucketed_events(cap_bytes: float) -> list[Event]:
-    """Synthetic events of one bucketed, overlapped backward (minidist.ddp's Event)."""
-    ready = _gradient_times()
-    order = list(reversed(range(LAYERS)))  # gradients arrive in reverse parameters() order
-    buckets = assign_buckets([int(LAYER_BYTES[i]) for i in order], int(cap_bytes))
-    launches = []
-    for bucket in buckets:
-        layers = [order[i] for i in bucket]
-        launches.append((max(ready[i] for i in layers),
-                         _all_reduce_time(sum(LAYER_BYTES[i] for i in layers))))
-    events = [Event("gradient", f"layer{i}", ready[i], ready[i]) for i in order]
-    for index, (start, end) in enumerate(_serial(launches)):
-        events.append(Event("all_reduce", f"bucket {index}", start, end))
-    return [Event(e.kind, e.name, e.start - BACKWARD_PER_LAYER + 1e-9,
-                  None if e.end is None else e.end - BACKWARD_PER_LAYER + 1e-9) for e in events]
+def _bucketed_spans(cap_bytes: float) -> list[tuple[float, float]]:
+    """(start, end) of each bucket's all-reduce, buckets filled in gradient-arrival order."""
+    arrival = list(reversed(_tensors()))
+    buckets = assign_buckets([int(nbytes) for _, nbytes in arrival], int(cap_bytes))
+    return _serial([(max(arrival[i][0] for i in bucket),
+                     _all_reduce_time(sum(arrival[i][1] for i in bucket))) for bucket in buckets])
+
+
+def _end_of_backward() -> float:
+    return max(ready for ready, _ in _tensors())
 
 
 def ddp_bucket_timeline() -> Figure:
     """minidist.ddp.plot_timeline on a modelled backward: 8 layers, 50 MB buckets."""
+    events = [Event("gradient", "", ready, ready) for ready, _ in reversed(_tensors())]
+    events += [Event("all_reduce", f"bucket {index}", start, end)
+               for index, (start, end) in enumerate(_bucketed_spans(50e6))]
     fig, ax = plt.subplots(figsize=(10, 3.6))
-    plot_timeline(_bucketed_events(50e6), ax=ax,
-                  title="bucketed DDP, modelled: 8 layers (2 ms of backward each), 50 MB "
-                        "buckets, N = 4")
+    plot_timeline(events, ax=ax, title="bucketed DDP, modelled: 8 layers (2 ms of backward "
+                                       "each), 50 MB buckets, N = 4")
     fig.tight_layout()
     return fig
 
 
 def ddp_three_versions() -> Figure:
     """Step timelines of the three DDP versions on the same modelled backward."""
-    ready = _gradient_times()
-    end_of_backward = max(ready)
-    per_tensor = _serial([(end_of_backward, _all_reduce_time(b / 2)) for b in LAYER_BYTES
-                          for _ in range(2)])  # weight and bias of equal halves, for the picture
-    flat = _serial([(end_of_backward, _all_reduce_time(sum(LAYER_BYTES)))])
-    events = _bucketed_events(50e6)
-    bucketed = [(e.start + BACKWARD_PER_LAYER, e.end + BACKWARD_PER_LAYER) for e in events
-                if e.kind == "all_reduce"]
+    end = _end_of_backward()
+    rows = (("naive: one all-reduce\nper tensor, after backward",
+             _serial([(end, _all_reduce_time(nbytes)) for _, nbytes in _tensors()])),
+            ("one flat buffer,\nafter backward",
+             _serial([(end, _all_reduce_time(sum(nbytes for _, nbytes in _tensors())))])),
+            ("bucketed, overlapped\n(50 MB buckets)", _bucketed_spans(50e6)))
     fig, ax = plt.subplots(figsize=(10, 3.8))
-    rows = (("naive: one all-reduce\nper tensor, after backward", per_tensor),
-            ("one flat buffer,\nafter backward", flat),
-            ("bucketed, overlapped\n(50 MB buckets)", bucketed))
+    finishes = []
     for y, (_, spans) in enumerate(rows):
-        ax.barh(y, end_of_backward, color="tab:blue", alpha=0.35, height=0.7,
+        ax.barh(y, end * 1e3, color="tab:blue", alpha=0.35, height=0.7,
                 label="backward compute" if y == 0 else None)
-        for k, (start, end) in enumerate(spans):
-            ax.barh(y, end - start, left=start, color="tab:orange", edgecolor="white",
-                    height=0.35, label="all-reduce" if y == 0 and k == 0 else None)
-        finish = max(end for _, end in spans)
-        ax.text(finish + 0.3e-3, y, f"{finish * 1e3:.1f} ms", va="center", fontsize=11)
+        for k, (start, stop) in enumerate(spans):
+            ax.barh(y, (stop - start) * 1e3, left=start * 1e3, color="tab:orange",
+                    edgecolor="white", linewidth=0.3, height=0.35,
+                    label="all-reduce" if y == 0 and k == 0 else None)
+        finishes.append(max(stop for _, stop in spans) * 1e3)
+        ax.text(finishes[-1] + 0.5, y, f"{finishes[-1]:.1f} ms", va="center", fontsize=11)
     ax.set_yticks(range(3), [label for label, _ in rows])
     ax.invert_yaxis()
-    ax.set_xticks(ax.get_xticks(), [f"{x * 1e3:g}" for x in ax.get_xticks()])
-    ax.set_xlim(0, 0.032)
-    ax.set_xlabel("ms since backward started (α-β model: α = 50 µs, 25 GB/s, N = 4)")
-    ax.set_title("Same gradients, same bytes: only the overlap differs")
+    ax.set_xlim(0, max(finishes) * 1.15)
+    ax.set_xlabel(f"ms since backward started ({len(_tensors())} gradient tensors; α-β model: "
+                  "α = 50 µs, 25 GB/s, N = 4)")
+    ax.set_title("Same gradients, same bytes: only the number of messages and the overlap differ")
     ax.legend(fontsize=10, loc="lower right")
     fig.tight_layout()
     return fig
@@ -558,20 +554,17 @@ def no_sync_timeline() -> Figure:
 def step_time_against_bucket_size() -> Figure:
     """Finish time of backward + gradient sync against the bucket cap (modelled)."""
     fig, ax = plt.subplots(figsize=(10, 3.8))
-    caps = [2.0 ** k * 1e6 for k in range(0, 9)]
-    finish = []
-    for cap in caps:
-        events = _bucketed_events(cap)
-        finish.append(max(e.end for e in events if e.kind == "all_reduce") * 1e3
-                      + BACKWARD_PER_LAYER * 1e3)
+    caps = [2.0 ** k * 1e6 for k in range(-3, 9)]
+    finish = [max(stop for _, stop in _bucketed_spans(cap)) * 1e3 for cap in caps]
     ax.plot([c / 1e6 for c in caps], finish, "o-", lw=2.5)
-    ax.axhline(max(_gradient_times()) * 1e3, color="0.4", ls="--",
+    ax.axhline(_end_of_backward() * 1e3, color="0.4", ls="--",
                label="backward alone (perfect overlap)")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("bucket cap (MB)")
     ax.set_ylabel("backward + sync (ms)")
+    ax.set_ylim(0, max(finish) * 1.1)
     ax.set_title("Tiny buckets: many α's; one huge bucket: nothing overlaps")
-    ax.legend(fontsize=11)
+    ax.legend(fontsize=11, loc="lower left")
     fig.tight_layout()
     return fig
 
@@ -715,23 +708,27 @@ def tensor_parallel_mlp() -> Figure:
 
 
 def tensor_parallel_activations() -> Figure:
-    """Activations of one 7B layer per rank against t: TP alone, TP + SP."""
+    """Activations of one 7B layer per rank against t: TP alone, TP + SP, each with and
+    without selective recompute (Korthikanti Table 2)."""
     model = MODELS["7B"]
     s, h, a = model.seq_len, model.hidden, model.heads
     ts = [1, 2, 4, 8]
     fig, ax = plt.subplots(figsize=(10, 4))
-    for label, sp, style in (("tensor parallel only", False, "o-"),
-                             ("tensor + sequence parallel", True, "s-")):
-        ax.plot(ts, [memory.activation_bytes(s, 1, h, a, tp=t, sequence_parallel=sp) / GB
-                     for t in ts], style, lw=2.5, label=label)
-    tp_floor = 10 * s * h / GB
-    ax.axhline(tp_floor, color="0.4", ls=":", label="TP alone never goes below 10·s·b·h")
+    for label, sp, recompute, style, color in (
+            ("TP", False, None, "o-", COLORS(0)), ("TP + SP", True, None, "s-", COLORS(1)),
+            ("TP, selective recompute", False, "selective", "o--", COLORS(0)),
+            ("TP + SP, selective recompute", True, "selective", "s--", COLORS(1))):
+        ax.plot(ts, [memory.activation_bytes(s, 1, h, a, tp=t, sequence_parallel=sp,
+                                             recompute=recompute) / GB for t in ts],
+                style, color=color, lw=2.5, label=label)
+    ax.axhline(10 * s * h / GB, color="0.4", ls=":", label="10·s·b·h: what TP never splits")
     ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
     ax.set_xticks(ts, [str(t) for t in ts])
     ax.set_xlabel("tensor-parallel degree t")
     ax.set_ylabel("GB per layer per rank")
-    ax.set_title(f"One 7B layer's activations (s = {s}, b = 1): SP divides everything by t")
-    ax.legend(fontsize=11)
+    ax.set_title(f"One 7B layer's activations (s = {s}, b = 1, a = {a}): SP divides all of it by t")
+    ax.legend(fontsize=10, loc="upper right")
     fig.tight_layout()
     return fig
 
@@ -782,17 +779,16 @@ def gpipe_only() -> Figure:
 
 
 def interleaved_pipeline() -> Figure:
+    """1F1B against interleaved 1F1B; a chunk is half a stage, so it costs half (as in lab 06)."""
+    half = pipeline.Costs(F=0.5, B=0.5, W=0.5)
     timelines = [pipeline.simulate(pipeline.schedule("1f1b", 4, 8)),
-                 pipeline.simulate(pipeline.schedule("interleaved", 4, 8, chunks=2))]
+                 pipeline.simulate(pipeline.schedule("interleaved", 4, 8, chunks=2), half)]
     return gantt.draw_all(timelines, ["1F1B, p = 4, m = 8",
                                       "interleaved 1F1B, p = 4, m = 8, v = 2 (paler = chunk 1)"])
 
 
 def zero_bubble_pipeline() -> Figure:
-    timelines = [pipeline.simulate(pipeline.schedule("1f1b", 4, 8)),
-                 pipeline.simulate(pipeline.schedule("zb-h1", 4, 8))]
-    return gantt.draw_all(timelines, ["1F1B, p = 4, m = 8 (backward = B + W as one pass)",
-                                      "ZB-H1, p = 4, m = 8 (B and W split)"])
+    return _gantt("zb-h1", 4, 8, title="ZB-H1, p = 4, m = 8 (B and W split; 1F1B: 27.3%)")
 
 
 def inflight_by_stage() -> Figure:
