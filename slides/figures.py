@@ -305,11 +305,11 @@ def all_reduce_only() -> Figure:
 
 def sixteen_bytes() -> Figure:
     """Where mixed-precision Adam's 16 bytes per parameter go."""
-    fig, ax = plt.subplots(figsize=(10, 2.6))
+    fig, ax = plt.subplots(figsize=(10, 3))
     recipe, per_param = memory.PRECISIONS["bf16-mixed"], memory.bytes_per_param()
-    parts = (("bf16 parameters", recipe.param), ("bf16 gradients", recipe.grad),
-             ("fp32 master weights", recipe.master), ("Adam m (fp32)", recipe.state),
-             ("Adam v (fp32)", recipe.state))
+    parts = (("bf16\nparams", recipe.param), ("bf16\ngrads", recipe.grad),
+             ("fp32 master\nweights", recipe.master), ("Adam m\n(fp32)", recipe.state),
+             ("Adam v\n(fp32)", recipe.state))
     left = 0.0
     for i, (label, value) in enumerate(parts):
         ax.barh(0, value, left=left, color=COLORS(i), edgecolor="white")
@@ -629,46 +629,51 @@ def zero_memory_against_n() -> Figure:
 
 
 def fsdp_unit_timeline() -> Figure:
-    """FSDP's forward and backward with prefetch: all-gather unit i+1 while unit i runs."""
+    """FSDP's forward and backward with prefetch, modelled: each unit's all-gather is issued
+    when the previous unit starts computing; one link carries the collectives in issue order."""
+    units, gather, scatter, forward, backward = 4, 0.8, 0.8, 1.0, 2.0
+    network_free = 0.0
+    network: list[tuple[float, float, str]] = []
+    compute: list[tuple[float, float, str]] = []
+
+    def communicate(issued: float, duration: float, label: str) -> float:
+        nonlocal network_free
+        start = max(issued, network_free)
+        network_free = start + duration
+        network.append((start, duration, label))
+        return network_free
+
+    gathered = {0: communicate(0.0, gather, "AG 0")}
+    free = 0.0
+    for unit in range(units):  # forward; the last unit prefetches backward's first gather
+        start = max(free, gathered[unit])
+        upcoming = unit + 1 if unit + 1 < units else units - 1
+        gathered[unit + 1 if unit + 1 < units else -1] = communicate(start, gather,
+                                                                    f"AG {upcoming}")
+        compute.append((start, forward, f"F {unit}"))
+        free = start + forward
+    gathered[units - 1] = gathered.pop(-1)
+    for unit in reversed(range(units)):
+        start = max(free, gathered[unit])
+        if unit > 0:
+            gathered[unit - 1] = communicate(start, gather, f"AG {unit - 1}")
+        compute.append((start, backward, f"B {unit}"))
+        free = start + backward
+        communicate(free, scatter, f"RS {unit}")
     fig, ax = plt.subplots(figsize=(11, 3.4))
-    units, gather, compute = 4, 0.8, 1.0
-    t = 0.0
-    compute_spans, comm_spans = [], []
-    ax.barh(1, gather, left=0, color="tab:green", edgecolor="white")
-    comm_spans.append((0.0, gather, "AG 0"))
-    t = gather
-    for phase in ("F", "B"):
-        order = range(units) if phase == "F" else reversed(range(units))
-        for unit in order:
-            duration = compute if phase == "F" else 2 * compute
-            compute_spans.append((t, duration, f"{phase} {unit}"))
-            nxt = unit + 1 if phase == "F" else unit - 1
-            if phase == "F" and unit == units - 1:
-                nxt_label = f"AG {units - 1}"  # backward needs the last unit again
-            elif 0 <= nxt < units:
-                nxt_label = f"AG {nxt}"
-            else:
-                nxt_label = ""
-            if nxt_label:
-                comm_spans.append((t, gather, nxt_label))
-            if phase == "B":
-                comm_spans.append((t + duration, gather, f"RS {unit}"))
-            t += duration
-    for start, duration, label in compute_spans:
-        ax.barh(0, duration, left=start, color="tab:blue" if label[0] == "F" else "tab:purple",
-                edgecolor="white")
-        ax.text(start + duration / 2, 0, label, ha="center", va="center", color="white",
-                fontsize=11)
-    for start, duration, label in comm_spans[1:]:
-        color = "tab:green" if label.startswith("AG") else "tab:orange"
-        ax.barh(1, duration, left=start, color=color, edgecolor="white")
-    for start, duration, label in comm_spans:
-        ax.text(start + duration / 2, 1, label, ha="center", va="center", fontsize=10)
+    for row, spans in ((0, compute), (1, network)):
+        for start, duration, label in spans:
+            color = {"F": "tab:blue", "B": "tab:purple", "A": "tab:green",
+                     "R": "tab:orange"}[label[0]]
+            ax.barh(row, duration, left=start, color=color, edgecolor="white")
+            ax.text(start + duration / 2, row, label, ha="center", va="center", fontsize=10,
+                    color="white" if row == 0 else "black")
     ax.set_yticks([0, 1], ["compute", "network"])
-    ax.set_xticks([])
     ax.set_xlabel("time →   (AG = all-gather a unit's parameters, RS = reduce-scatter its "
                   "gradients)")
-    ax.set_title("FSDP, 4 units: prefetch the next unit's all-gather while this one computes")
+    ax.set_xticks([])
+    ax.set_title("FSDP, 4 units, modelled: each all-gather is prefetched while the previous "
+                 "unit computes")
     fig.tight_layout()
     return fig
 
