@@ -138,6 +138,13 @@ class Browser:
         page.wait_until("document.querySelectorAll('.pdf-page').length > 0 && "
                         "document.querySelectorAll('.pdf-page').length === "
                         "document.querySelectorAll('.slides section').length")
+        cut = page.evaluate("[...document.querySelectorAll('.pdf-page')].map((p, i) => "
+                            "[i + 1, p.querySelector('.speaker-notes-pdf')]).filter(([, n]) => "
+                            "n && n.scrollHeight > n.clientHeight + 1).map(([i]) => i)")
+        if cut:
+            page.close()
+            raise BrowserError(f"{deck.name}: the notes of slides {cut} do not fit under the "
+                               "slide when printed; shorten them")
         pdf = page.pdf()
         page.close()
         return pdf
