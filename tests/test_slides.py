@@ -167,6 +167,9 @@ def test_deck_works_offline_by_keyboard_within_the_slide(browser, deck):
         assert page.evaluate("Reveal.isLastSlide()"), f"{deck.name}: → never reached the end"
         page.press("ArrowLeft")
         assert page.evaluate("Reveal.getIndices().h") == total - 2, "← does not move back"
+        page.press("Escape")
+        assert page.evaluate("Reveal.isOverview()"), f"{deck.name}: Esc shows no overview"
+        page.press("Escape")
         assert not problems, f"{deck.name}:\n" + "\n".join(problems)
         external = [url for url in page.requests()
                     if not url.startswith("data:") and url.split("#")[0] != uri]
