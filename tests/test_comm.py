@@ -105,7 +105,7 @@ def _check_broadcast(rank: int, world_size: int) -> list[str]:
             dist.broadcast(theirs, src)
             if comm.tree_broadcast(ours, src) is not ours or not torch.equal(ours, theirs):
                 failures.append(f"src={src}, numel={numel}")
-    with comm.count_bytes() as counter:
+    with comm.count_traffic() as counter:
         comm.tree_broadcast(torch.zeros(100), src=world_size - 1)
     # Every rank but src receives the tensor exactly once, so the sends add up to (N-1) * S.
     total = torch.tensor([counter.bytes_sent])
@@ -124,7 +124,7 @@ def _check_ring_bytes(rank: int, world_size: int) -> list[str]:
             ("reduce_scatter", comm.ring_reduce_scatter, world_size - 1),
             ("all_gather", comm.ring_all_gather, world_size - 1),
         ):
-            with comm.count_bytes() as counter:
+            with comm.count_traffic() as counter:
                 collective(torch.zeros(numel))
             expected = ring_bytes_sent(name, nbytes, world_size)
             # Chunks differ by at most one element, so each step may be off by one element.
@@ -146,7 +146,7 @@ def _check_counting_plain_sends(rank: int, world_size: int) -> list[str]:
     payload, inbox = torch.zeros(10), torch.empty(10)  # 40 bytes
     made_before = [dist.P2POp(dist.isend, payload, right), dist.P2POp(dist.irecv, inbox, left)]
 
-    with comm.count_bytes() as outer:
+    with comm.count_traffic() as outer:
         # dist.send / dist.recv, ordered so the ring cannot deadlock: even ranks send first.
         for sending in (rank % 2 == 0, rank % 2 == 1):
             if sending:
@@ -156,7 +156,7 @@ def _check_counting_plain_sends(rank: int, world_size: int) -> list[str]:
         requests = [dist.isend(payload, right), dist.irecv(inbox, left)]  # gloo's isend waits
         for request in requests:  # for the matching recv, so post both before waiting
             request.wait()
-        with comm.count_bytes() as inner:
+        with comm.count_traffic() as inner:
             for request in dist.batch_isend_irecv(made_before):  # P2POps made outside the block
                 request.wait()
             made_inside = [
@@ -180,7 +180,7 @@ def _check_counting_plain_sends(rank: int, world_size: int) -> list[str]:
         failures.append("ProcessGroup.send was not restored")
 
     # An exception inside the block restores it too.
-    with pytest.raises(RuntimeError), comm.count_bytes():
+    with pytest.raises(RuntimeError), comm.count_traffic():
         raise RuntimeError("boom")
     if vars(dist.ProcessGroup)["send"] is not original:
         failures.append("ProcessGroup.send was not restored after an exception")
@@ -218,7 +218,7 @@ def _check_subgroup(rank: int, world_size: int) -> list[str]:
     ours = _integers(1001, rank, torch.float32)
     theirs = ours.clone()
     dist.all_reduce(theirs, group=group)
-    with comm.count_bytes() as counter:
+    with comm.count_traffic() as counter:
         comm.ring_all_reduce(ours, group=group)
     if not torch.equal(ours, theirs):
         failures.append("all_reduce on a subgroup")
@@ -280,7 +280,7 @@ def test_needs_a_process_group() -> None:
         comm.ring_all_reduce(torch.zeros(4))
 
 
-def test_count_bytes_outside_ranks_counts_nothing() -> None:
-    with comm.count_bytes() as counter:
+def test_count_traffic_outside_ranks_counts_nothing() -> None:
+    with comm.count_traffic() as counter:
         pass
     assert (counter.bytes_sent, counter.messages) == (0, 0)

@@ -271,7 +271,7 @@ def schedule(name: str, ranks: int, microbatches: int, chunks: int = 1) -> Sched
         raise ValueError("schedule 'zb-h2' has bubble and memory formulas here "
                          "(bubble_fraction, inflight_microbatches) but no generator: choose one "
                          f"of {', '.join(SCHEDULES[:-1])}")
-    one_of("name", name, SCHEDULES)
+    one_of("schedule", name, SCHEDULES)
     if chunks != 1 and name != "interleaved":
         raise ValueError(f"chunks={chunks} applies to 'interleaved' only; {name!r} has one stage "
                          "per rank (leave chunks=1)")
