@@ -48,11 +48,13 @@ class Failure:
 
 
 class RanksFailed(Exception):
-    """Ranks failed; `.failures` lists every failure seen before they were all killed."""
+    """Ranks failed; `.failures` lists every failure seen before they were all killed, earliest
+    own failure first; `.running` the ranks that were still running then."""
 
-    def __init__(self, failures: list[Failure]):
+    def __init__(self, failures: list[Failure], running: list[int]):
         super().__init__(f"{len(failures)} rank(s) failed")
         self.failures = failures
+        self.running = running
 
 
 class RanksStuck(Exception):
@@ -279,8 +281,11 @@ class Supervisor:
                 self._forward_output(rank, pipe)
 
     def _failure_error(self, failures: list[Failure]) -> RanksFailed:
+        failed = {failure.rank for failure in failures}
+        running = [rank.rank for rank in self.ranks
+                   if rank.result is None and rank.rank not in failed]
         self._kill_all()
-        return RanksFailed(sorted(failures))
+        return RanksFailed(sorted(failures), running)
 
     def _timeout_error(self) -> RanksStuck:
         stuck = [rank for rank in self.ranks if rank.result is None]
@@ -398,6 +403,10 @@ def _rank_main(spec: _RankSpec, stdout_w, stderr_w, control, lifeline) -> None:
             "error", time.time(), _is_peer_error(error),
             f"{type(error).__name__}: {error}".splitlines()[0], *_rank_traceback(error),
         ))
+        # Stay, connections open, until the caller stops every rank: the peers then fail on
+        # their own or not at all, never merely because this rank vanished under them.
+        with contextlib.suppress(EOFError, OSError):
+            control.recv()
         os._exit(1)
     sys.stdout.flush()
     sys.stderr.flush()

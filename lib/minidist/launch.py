@@ -22,9 +22,9 @@ A rank that raises makes `run` raise `RankError` naming it, with its own traceba
 frames as "Cell In[n], line k", the launcher's frames left out); ranks that broke only because
 it stopped are named as such, ranks that failed on their own each get their own report. A run
 that does not finish within `timeout` raises `RankTimeout` naming the unfinished ranks and
-showing where each one was stuck. Either way, and on Ctrl-C (a KeyboardInterrupt saying so),
-every rank is stopped before `run` returns. Starting and watching the processes is the private
-`minidist._supervisor`'s job.
+showing where each one was stuck. Either way, and on Ctrl-C (`RunInterrupted`, a
+KeyboardInterrupt saying so), every rank is stopped before `run` returns. Starting and
+watching the processes is the private `minidist._supervisor`'s job.
 """
 
 from __future__ import annotations
@@ -56,6 +56,11 @@ class RankError(RuntimeError):
         self.rank = rank
         self.traceback = rank_traceback
 
+    def _render_traceback_(self) -> list[str]:
+        """What IPython shows: the ranks' report alone, which already holds the failing rank's
+        own frames; the caller's frames in `run` and the supervisor would only bury it."""
+        return f"{type(self).__name__}: {self}".splitlines()
+
 
 class RankTimeout(RankError):
     """Ranks did not finish in time; `.ranks` lists them, `.rank` is the first of them."""
@@ -63,6 +68,14 @@ class RankTimeout(RankError):
     def __init__(self, message: str, ranks: list[int]):
         super().__init__(message, ranks[0])
         self.ranks = ranks
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C (or a notebook's interrupt) during `run`: every rank was stopped first."""
+
+    def _render_traceback_(self) -> list[str]:
+        """What IPython shows: one line, instead of where the interrupt happened to land."""
+        return [f"{type(self).__name__}: {self}"]
 
 
 def default_backend(world_size: int) -> str:
@@ -122,11 +135,11 @@ def run(
     try:
         return Supervisor(fn, world_size, args, kwargs, backend, timeout).run()
     except RanksFailed as failed:
-        error: BaseException = _failure_error(failed.failures, world_size)
+        error: BaseException = _failure_error(failed, world_size)
     except RanksStuck as stuck:
         error = _timeout_error(stuck, world_size, timeout)
     except KeyboardInterrupt:
-        error = KeyboardInterrupt(f"interrupted: all {world_size} ranks were stopped")
+        error = RunInterrupted(f"all {world_size} ranks were stopped")
     raise error from None
 
 
@@ -199,11 +212,12 @@ def _leave_group() -> None:
 # --- What a failure looks like -----------------------------------------------------------------
 
 
-def _failure_error(failures: list[Failure], world_size: int) -> RankError:
+def _failure_error(failed: RanksFailed, world_size: int) -> RankError:
     """The first rank that failed on its own, with its traceback; every other rank that failed
-    on its own, too; and, in one line, the ranks that broke only because those stopped."""
-    own = [f for f in failures if not f.peer_error] or failures[:1]
-    broken = sorted({f.rank for f in failures} - {f.rank for f in own})
+    on its own, too; then, in one line each, the ranks that broke only because those stopped
+    and the ranks that were still running when all were stopped."""
+    own = [f for f in failed.failures if not f.peer_error] or failed.failures[:1]
+    broken = sorted({f.rank for f in failed.failures} - {f.rank for f in own})
     first = own[0]
     message = f"rank {first.rank} of {world_size} failed: {first.description}"
     first_traceback = _format_traceback(first)
@@ -218,10 +232,15 @@ def _failure_error(failures: list[Failure], world_size: int) -> RankError:
             message += f"\n\nrank {other.rank} of {world_size} failed too: {other.description}"
             if other_traceback:
                 message += f"\n\nTraceback from rank {other.rank}:\n{other_traceback}"
+    notes = []
     if broken:
         stopped = ", ".join(str(f.rank) for f in own)
-        message += (f"\n\n(rank(s) {', '.join(map(str, broken))} failed afterwards, because "
-                    f"rank(s) {stopped} stopped; all ranks were stopped.)")
+        notes.append(f"rank(s) {', '.join(map(str, broken))} failed afterwards, because "
+                     f"rank(s) {stopped} stopped")
+    if failed.running:
+        notes.append(f"rank(s) {', '.join(map(str, failed.running))} were still running")
+    if notes:
+        message += f"\n\n({'; '.join(notes)}; all ranks were stopped.)"
     return RankError(message, first.rank, first_traceback)
 
 
