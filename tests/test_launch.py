@@ -330,7 +330,7 @@ def test_minidist_backend_sets_the_default(monkeypatch):
 
 
 def test_bad_arguments_are_explained():
-    with pytest.raises(ValueError, match="world_size must be a positive int, got 0"):
+    with pytest.raises(ValueError, match="world_size=0: must be a positive integer"):
         run(square_after_all_reduce, 0, 1)
     with pytest.raises(ValueError, match="backend must be 'gloo' or 'nccl'"):
         run(square_after_all_reduce, 2, 1, backend="mpi")

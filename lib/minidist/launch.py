@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from minidist._checks import positive_int
 from minidist._supervisor import Failure, RanksFailed, RanksStuck, Supervisor, to_cpu
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("MINIDIST_TIMEOUT", "30"))
@@ -113,8 +114,7 @@ def run(
     "gloo" or "nccl" (default: `default_backend(world_size)`); `timeout` is in seconds
     (default `DEFAULT_TIMEOUT_S`).
     """
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    positive_int(world_size=world_size)
     backend = backend or default_backend(world_size)
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")

@@ -33,7 +33,7 @@ rules, so a schedule the validator accepts cannot deadlock on real ranks.
 Formulas the simulator reproduces (uniform costs, no communication latency; tests/test_pipeline.py
 checks them for every p <= 8, m <= 32): GPipe and 1F1B idle (p-1)/(m+p-1) of total time, i.e.
 (p-1)/m relative to the ideal time (Huang et al. 2019; Narayanan et al. 2021 §2.2); 1F1B keeps
-min(p-i, m) microbatches in flight on stage i (§2.2.1); interleaved with v chunks idles
+min(p-i, m) microbatches in flight on rank i (§2.2.1); interleaved with v chunks idles
 (p-1)/(v*m + p - 1) of total time, (p-1)/(v*m) relative to ideal, with v*p + p - 1
 chunk-microbatches in flight on the first rank (at most v*m) (§2.2.2); ZB-H1 idles
 (p-1)(T_F + T_B - T_W) per rank, with p microbatches in flight on every rank (Qi et al. 2023

@@ -49,6 +49,7 @@ import torch.distributed as dist
 from torch import nn
 
 from minidist import launch
+from minidist._checks import positive_int
 from minidist.comm import chunk_bounds
 from minidist.pipeline import Action, Costs, Schedule, Span, Timeline, peer, validate
 
@@ -73,8 +74,7 @@ class PipelineDeadlock(RuntimeError):
 def split_layers(layers: Sequence[nn.Module], num_stages: int) -> list[nn.Sequential]:
     """Cut a list of layers into `num_stages` consecutive stages of (nearly) equal length."""
     layers = list(layers)
-    if not isinstance(num_stages, int) or num_stages < 1:
-        raise ValueError(f"num_stages={num_stages!r}: must be a positive integer")
+    positive_int(num_stages=num_stages)
     if num_stages > len(layers):
         raise ValueError(
             f"{num_stages} stages but the model has only {len(layers)} layers: every stage "

@@ -31,6 +31,7 @@ import itertools
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
+from minidist._checks import positive_int
 from minidist.cost import collective_time
 from minidist.flops import hardware_flops_per_token, model_flops_per_token
 from minidist.memory import GB, RECOMPUTE, activation_bytes, bytes_per_param, model_state_bytes
@@ -496,8 +497,7 @@ def plan(model: Model, cluster: Cluster, global_batch: int, *, usable_memory: fl
     `usable_memory`: the share of GPU memory the estimate may fill (the rest is for the
     CUDA context, communication buffers and fragmentation). `compute_efficiency`: the share
     of peak FLOP/s the kernels reach."""
-    if not isinstance(global_batch, int) or global_batch < 1:
-        raise ValueError(f"global_batch={global_batch!r}: must be a positive integer")
+    positive_int(global_batch=global_batch)
     if not 0 < usable_memory <= 1 or not 0 < compute_efficiency <= 1:
         raise ValueError(f"usable_memory={usable_memory}, compute_efficiency="
                          f"{compute_efficiency}: both must be in (0, 1]")

@@ -156,7 +156,7 @@ class MemoryCalculator(_Widget):
         verdict = "fits" if chosen.total <= gpu else "does NOT fit"
         message = (f"{v['model']} ({model.num_params / 1e9:g}B params), ZeRO-{v['zero_stage']}, "
                    f"N={v['dp']}, TP={v['tp']}, PP={v['pp']}: {chosen.total / memory.GB:.1f} GB "
-                   f"per GPU on the first stage, {verdict} in {v['gpu_memory_gb']} GB")
+                   f"per GPU on the first pipeline rank, {verdict} in {v['gpu_memory_gb']} GB")
         title = (f"{v['model']}, s={v['seq_len']}, b={v['micro_batch']}, "
                  f"recompute={v['recompute']}")
         return estimates, draw_memory(estimates, gpu, v["zero_stage"], title), message
