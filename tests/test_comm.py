@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minidist import comm
+from minidist import comm, sharding
 from minidist.cost import ring_bytes_sent
 from minidist.launch import run
 
@@ -224,6 +224,19 @@ def _check_subgroup(rank: int, world_size: int) -> list[str]:
         failures.append("all_reduce on a subgroup")
     if abs(counter.bytes_sent - ring_bytes_sent("all_reduce", 1001 * 4, 2)) > 2 * 4:
         failures.append(f"subgroup all_reduce sent {counter.bytes_sent} B")
+    # One record per collective, per group: the ring's and the backend's collectives alike.
+    with comm.count_traffic() as log:
+        comm.ring_all_reduce(torch.ones(10), group=group)
+        comm.ring_all_gather(torch.ones(6), group=group)
+        sharding.reduce_scatter(torch.ones(8), group=group)
+        sharding.all_gather(torch.ones(3), 6, group=group)
+    expected = {("all_reduce", 2): (1, 40), ("all_gather", 2): (2, 48),
+                ("reduce_scatter", 2): (1, 32)}
+    if log.per_collective() != expected:
+        failures.append(f"per collective and group: {log.per_collective()}, not {expected}")
+    gathers = (log.calls("all_gather"), log.nbytes("all_gather"))
+    if gathers != (2, 48):
+        failures.append(f"all_gather: (calls, bytes) = {gathers}, not (2, 48)")
     ours = torch.full((5,), float(rank))
     comm.tree_broadcast(ours, src=world_size - 1, group=group)
     if not torch.equal(ours, torch.full((5,), float(world_size - 1))):

@@ -23,17 +23,19 @@ from minidist.cost import ring_bytes_sent
 
 @dataclass(frozen=True)
 class Collective:
-    """`count` runs of collective `op` on a tensor of `nbytes` bytes over `group` ranks."""
+    """`count` runs of collective `op` on a tensor of `nbytes` bytes over `group` ranks;
+    `when` says where in the step (e.g. "forward", "gradients, after backward")."""
 
-    op: str  # "all_reduce", "reduce_scatter", "all_gather" or "send"
-    nbytes: float
-    group: int
+    op: str  # "all_reduce", "reduce_scatter", "all_gather", "broadcast" or "send"
+    nbytes: float  # the full tensor reduced or produced (the message, for send)
+    group: int  # ranks in the group (2 for a point-to-point send)
     count: int = 1
     when: str = ""
 
     @property
     def bytes_sent(self) -> float:
-        """Bytes each rank sends: ring algorithms (minidist.cost), or the message for send."""
+        """Bytes each rank sends: ring algorithms (minidist.cost), or the message for send.
+        A broadcast has none: its root sends more than the other ranks."""
         if self.op == "send":
             return self.count * self.nbytes
         return self.count * ring_bytes_sent(self.op, self.nbytes, self.group)
