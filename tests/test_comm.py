@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minidist import comm
+from minidist import comm, sharding
 from minidist.cost import ring_bytes_sent
 from minidist.launch import run
 
@@ -105,7 +105,7 @@ def _check_broadcast(rank: int, world_size: int) -> list[str]:
             dist.broadcast(theirs, src)
             if comm.tree_broadcast(ours, src) is not ours or not torch.equal(ours, theirs):
                 failures.append(f"src={src}, numel={numel}")
-    with comm.count_bytes() as counter:
+    with comm.count_traffic() as counter:
         comm.tree_broadcast(torch.zeros(100), src=world_size - 1)
     # Every rank but src receives the tensor exactly once, so the sends add up to (N-1) * S.
     total = torch.tensor([counter.bytes_sent])
@@ -124,7 +124,7 @@ def _check_ring_bytes(rank: int, world_size: int) -> list[str]:
             ("reduce_scatter", comm.ring_reduce_scatter, world_size - 1),
             ("all_gather", comm.ring_all_gather, world_size - 1),
         ):
-            with comm.count_bytes() as counter:
+            with comm.count_traffic() as counter:
                 collective(torch.zeros(numel))
             expected = ring_bytes_sent(name, nbytes, world_size)
             # Chunks differ by at most one element, so each step may be off by one element.
@@ -146,7 +146,7 @@ def _check_counting_plain_sends(rank: int, world_size: int) -> list[str]:
     payload, inbox = torch.zeros(10), torch.empty(10)  # 40 bytes
     made_before = [dist.P2POp(dist.isend, payload, right), dist.P2POp(dist.irecv, inbox, left)]
 
-    with comm.count_bytes() as outer:
+    with comm.count_traffic() as outer:
         # dist.send / dist.recv, ordered so the ring cannot deadlock: even ranks send first.
         for sending in (rank % 2 == 0, rank % 2 == 1):
             if sending:
@@ -156,7 +156,7 @@ def _check_counting_plain_sends(rank: int, world_size: int) -> list[str]:
         requests = [dist.isend(payload, right), dist.irecv(inbox, left)]  # gloo's isend waits
         for request in requests:  # for the matching recv, so post both before waiting
             request.wait()
-        with comm.count_bytes() as inner:
+        with comm.count_traffic() as inner:
             for request in dist.batch_isend_irecv(made_before):  # P2POps made outside the block
                 request.wait()
             made_inside = [
@@ -180,7 +180,7 @@ def _check_counting_plain_sends(rank: int, world_size: int) -> list[str]:
         failures.append("ProcessGroup.send was not restored")
 
     # An exception inside the block restores it too.
-    with pytest.raises(RuntimeError), comm.count_bytes():
+    with pytest.raises(RuntimeError), comm.count_traffic():
         raise RuntimeError("boom")
     if vars(dist.ProcessGroup)["send"] is not original:
         failures.append("ProcessGroup.send was not restored after an exception")
@@ -218,12 +218,25 @@ def _check_subgroup(rank: int, world_size: int) -> list[str]:
     ours = _integers(1001, rank, torch.float32)
     theirs = ours.clone()
     dist.all_reduce(theirs, group=group)
-    with comm.count_bytes() as counter:
+    with comm.count_traffic() as counter:
         comm.ring_all_reduce(ours, group=group)
     if not torch.equal(ours, theirs):
         failures.append("all_reduce on a subgroup")
     if abs(counter.bytes_sent - ring_bytes_sent("all_reduce", 1001 * 4, 2)) > 2 * 4:
         failures.append(f"subgroup all_reduce sent {counter.bytes_sent} B")
+    # One record per collective, per group: the ring's and the backend's collectives alike.
+    with comm.count_traffic() as log:
+        comm.ring_all_reduce(torch.ones(10), group=group)
+        comm.ring_all_gather(torch.ones(6), group=group)
+        sharding.reduce_scatter(torch.ones(8), group=group)
+        sharding.all_gather(torch.ones(3), 6, group=group)
+    expected = {("all_reduce", 2): (1, 40), ("all_gather", 2): (2, 48),
+                ("reduce_scatter", 2): (1, 32)}
+    if log.per_collective() != expected:
+        failures.append(f"per collective and group: {log.per_collective()}, not {expected}")
+    gathers = (log.calls("all_gather"), log.nbytes("all_gather"))
+    if gathers != (2, 48):
+        failures.append(f"all_gather: (calls, bytes) = {gathers}, not (2, 48)")
     ours = torch.full((5,), float(rank))
     comm.tree_broadcast(ours, src=world_size - 1, group=group)
     if not torch.equal(ours, torch.full((5,), float(world_size - 1))):
@@ -280,7 +293,7 @@ def test_needs_a_process_group() -> None:
         comm.ring_all_reduce(torch.zeros(4))
 
 
-def test_count_bytes_outside_ranks_counts_nothing() -> None:
-    with comm.count_bytes() as counter:
+def test_count_traffic_outside_ranks_counts_nothing() -> None:
+    with comm.count_traffic() as counter:
         pass
     assert (counter.bytes_sent, counter.messages) == (0, 0)

@@ -160,7 +160,7 @@ def _check_simple_variants(rank: int, world_size: int) -> list[str]:
         for batch in batches:
             optimizer.zero_grad()
             _loss(model, "mlp", *_mine(batch, rank, world_size)).backward()
-            with comm.count_bytes() as counter:
+            with comm.count_traffic() as counter:
                 sync(model, all_reduce="ring")
             optimizer.step()
         if (d := _max_difference(model, reference)) > TOLERANCE:
@@ -194,7 +194,7 @@ def _check_bytes_and_buckets(rank: int, world_size: int) -> list[str]:
             if bucket.nbytes > cap * 2**20 and len(bucket.names) > 1:
                 failures.append(f"cap {cap} MiB: bucket {bucket.index} holds {bucket.nbytes} B")
         x, y = _mine(_batches("mlp", 4 * world_size)[0], rank, world_size)
-        with comm.count_bytes() as counter:
+        with comm.count_traffic() as counter:
             _loss(ddp, "mlp", x, y).backward()
         theory = 2 * (world_size - 1) / world_size * psi * 4
         if abs(counter.bytes_sent - theory) > 0.01 * theory:
@@ -238,7 +238,7 @@ def _check_no_sync(rank: int, world_size: int) -> list[str]:
             x, y = _mine(batch, rank, world_size)
             optimizer.zero_grad()
             ddp.events = []  # what the last synchronized backward recorded
-            with comm.count_bytes() as counter, ddp.no_sync():
+            with comm.count_traffic() as counter, ddp.no_sync():
                 for micro_x, micro_y in zip(x[:-1].split(1), y[:-1].split(1), strict=True):
                     (_loss(ddp, "mlp", micro_x, micro_y) * (1 / len(x))).backward()
             if counter.bytes_sent or any(e.kind == "all_reduce" for e in ddp.events):

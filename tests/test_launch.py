@@ -129,8 +129,28 @@ def test_failing_rank_is_named_with_its_traceback_and_peers_are_killed():
     assert error.rank == 2
     assert "rank 2 of 4 failed: ValueError: rank two is broken" in str(error)
     assert 'raise ValueError("rank two is broken")' in str(error)
+    assert "failed too" not in str(error)  # the others only broke because rank 2 stopped
     assert not isinstance(error, RankTimeout)
     assert wait_until_gone(rank_processes(), 5) == set()
+
+
+def raise_on_every_rank(rank, world_size):
+    raise NotImplementedError("write this exercise")
+
+
+def test_ranks_that_fail_on_their_own_are_each_reported_as_such():
+    with pytest.raises(RankError) as caught:
+        run(raise_on_every_rank, 3)
+    message = str(caught.value)
+    first = caught.value.rank
+    assert message.startswith(f"rank {first} of 3 failed: NotImplementedError: write this exercise"
+                              f"\n\nTraceback from rank {first}:\n")
+    assert 'raise NotImplementedError("write this exercise")' in message
+    for other in {0, 1, 2} - {first}:
+        assert (f"rank {other} of 3 failed too, on its own, with the same error and traceback."
+                in message)
+    assert "afterwards" not in message
+    assert "minidist/launch.py" not in message and "minidist/_supervisor.py" not in message
 
 
 def test_rank_that_dies_without_an_exception_is_named():
@@ -200,8 +220,46 @@ def test_interrupt_or_killed_caller_leaves_no_rank_behind(how):
     caller.send_signal(how)
     caller.wait(timeout=10)
     if how == signal.SIGINT:
-        assert "KeyboardInterrupt" in caller.stderr.read()
+        stderr = caller.stderr.read()
+        assert stderr.rstrip().endswith("RunInterrupted: all 3 ranks were stopped")
+        assert "selectors.py" not in stderr and "_supervisor.py" not in stderr
     assert wait_until_gone(ranks, 10) == set()
+
+
+def test_in_a_notebook_errors_show_cells_and_an_interrupt_says_the_ranks_stopped(tmp_path):
+    """What a student sees in Jupyter: a rank's frames as "Cell In[n], line k", none of the
+    launcher's frames, and, after an interrupt, one line saying the ranks were stopped."""
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    cells = [
+        "from minidist.launch import run",
+        "def exercise(rank, world_size):\n    raise NotImplementedError('write this exercise')",
+        "run(exercise, 2)",
+        "import time\n\ndef slow(rank, world_size):\n    time.sleep(120)\n\n"
+        "run(slow, 2, timeout=300)",
+    ]
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    client = nbclient.NotebookClient(
+        notebook, kernel_name="python3", allow_errors=True, interrupt_on_timeout=True,
+        # The last cell is interrupted, as a student would, once its ranks are running.
+        timeout_func=lambda cell: 15 if "slow" in cell.source else 120,
+        resources={"metadata": {"path": str(tmp_path)}})
+    client.execute()
+    error, interrupt = (notebook.cells[i].outputs[-1] for i in (2, 3))
+
+    assert error.output_type == "error" and error.ename == "RankError"
+    first = int(error.evalue.split()[1])  # "rank 1 of 2 failed: ..."
+    assert f"Traceback from rank {first}:\n  Cell In[2], line 2, in exercise\n" in error.evalue
+    assert f"rank {1 - first} of 2 failed too, on its own" in error.evalue
+    assert "afterwards" not in error.evalue
+    assert error.traceback[0] == f"RankError: rank {first} of 2 failed: NotImplementedError: " \
+                                 "write this exercise"
+    shown = "\n".join(error.traceback)
+    for hidden in ("minidist/launch.py", "minidist/_supervisor.py", "ipykernel_", "selectors.py"):
+        assert hidden not in shown
+
+    assert interrupt.output_type == "error" and interrupt.ename == "RunInterrupted"
+    assert interrupt.traceback == ["RunInterrupted: all 2 ranks were stopped"]
 
 
 def test_torchrun_runs_the_same_code_in_place(tmp_path):
@@ -272,7 +330,7 @@ def test_minidist_backend_sets_the_default(monkeypatch):
 
 
 def test_bad_arguments_are_explained():
-    with pytest.raises(ValueError, match="world_size must be a positive int, got 0"):
+    with pytest.raises(ValueError, match="world_size=0: must be a positive integer"):
         run(square_after_all_reduce, 0, 1)
     with pytest.raises(ValueError, match="backend must be 'gloo' or 'nccl'"):
         run(square_after_all_reduce, 2, 1, backend="mpi")

@@ -1,21 +1,15 @@
-"""minidist.memory against every row and worked value of REFERENCE.md, and its bad inputs."""
+"""minidist's arithmetic (memory, pipeline formulas, traffic, flops) against every row and
+worked value of REFERENCE.md, and its bad inputs."""
 
 import math
 import re
 
 import pytest
 
-from minidist import memory
-from minidist.calculators import peak_inflight, pipeline_timeline, timeline_bubble
-from minidist.memory import (
-    GB,
-    activation_bytes,
-    bubble_fraction,
-    bubble_relative_to_ideal,
-    data_parallel_traffic,
-    inflight_microbatches,
-    model_state_bytes,
-)
+from minidist import flops, memory, pipeline, traffic
+from minidist.memory import GB, activation_bytes, model_state_bytes
+from minidist.pipeline import bubble_fraction, bubble_relative_to_ideal, inflight_microbatches
+from minidist.traffic import data_parallel_traffic
 
 PSI, N = 7.5e9, 64  # ZeRO's worked example
 
@@ -106,11 +100,11 @@ def test_activation_terms_add_up_to_table_2():
     assert sum(t.bytes for t in terms if t.attention_core) == 5 * A * S * S * B
 
 
-def test_pipeline_memory_first_stage_holds_p_microbatches():
+def test_pipeline_memory_first_rank_holds_p_microbatches():
     per_layer, layers = activation_bytes(S, 1, H, A, T, True, "selective"), 96
     for p in (1, 2, 4, 8):
-        first_stage = inflight_microbatches("1f1b", p, 64, 0) * layers / p * per_layer
-        assert first_stage == pytest.approx(layers * per_layer)  # whatever p is
+        first_rank = inflight_microbatches("1f1b", p, 64, 0) * layers / p * per_layer
+        assert first_rank == pytest.approx(layers * per_layer)  # whatever p is
 
 
 # --- Pipeline table -------------------------------------------------------------------------
@@ -126,8 +120,8 @@ def test_gpipe_bubble_both_forms():
 def test_1f1b_has_gpipe_bubble_and_less_memory():
     for p, m in ((4, 1), (4, 8), (8, 3), (2, 30)):
         assert bubble_fraction("1f1b", p, m) == bubble_fraction("gpipe", p, m)
-        for stage in range(p):
-            assert inflight_microbatches("1f1b", p, m, stage) == min(p - stage, m)
+        for rank in range(p):
+            assert inflight_microbatches("1f1b", p, m, rank) == min(p - rank, m)
 
 
 def test_interleaved_bubble_and_inflight():
@@ -135,18 +129,18 @@ def test_interleaved_bubble_and_inflight():
     assert bubble_relative_to_ideal("interleaved", p, m, v) == pytest.approx((p - 1) / (v * m))
     assert bubble_fraction("interleaved", p, m, v) == pytest.approx((p - 1) / (v * m + p - 1))
     assert inflight_microbatches("interleaved", p, m, 0, chunks=v) == v * p + p - 1
-    sends = memory.pipeline_traffic(1024, 1, 512, m, chunks=v).bytes_sent
-    assert sends == v * memory.pipeline_traffic(1024, 1, 512, m).bytes_sent  # v x p2p traffic
-    with pytest.raises(ValueError, match="microbatches=6 is not a multiple of stages=4"):
+    sends = traffic.pipeline_traffic(1024, 1, 512, m, chunks=v).bytes_sent
+    assert sends == v * traffic.pipeline_traffic(1024, 1, 512, m).bytes_sent  # v x p2p traffic
+    with pytest.raises(ValueError, match="microbatches=6 is not a multiple of ranks=4"):
         bubble_fraction("interleaved", 4, 6, 2)
 
 
 def test_zb_h1_bubble_is_a_third_of_1f1b():
     p, m = 4, 8
-    bubble, ideal = memory.bubble_time("zb-h1", p, m)
+    bubble, ideal = pipeline.bubble_time("zb-h1", p, m)
     assert bubble == (p - 1) * (1 + 1 - 1) and ideal == 3 * m  # T_F = T_B = T_W = 1
-    assert bubble == memory.bubble_time("1f1b", p, m)[0] / 3
-    assert memory.bubble_time("zb-h1", p, m, costs=(1.0, 2.0, 1.5))[0] == (p - 1) * 1.5
+    assert bubble == pipeline.bubble_time("1f1b", p, m)[0] / 3
+    assert pipeline.bubble_time("zb-h1", p, m, costs=(1.0, 2.0, 1.5))[0] == (p - 1) * 1.5
     assert all(inflight_microbatches("zb-h1", p, m, i) == p for i in range(p))
 
 
@@ -168,12 +162,11 @@ def test_simulated_timelines_measure_the_formulas():
     cases += [("zb-h1", p, m, 1) for p in (1, 2, 4) for m in (p, p + 3, 12)]
     cases += [("interleaved", p, m, v) for p in (2, 4) for m in (p, 3 * p) for v in (2, 3)]
     for schedule, p, m, v in cases:
-        ops = pipeline_timeline(schedule, p, m, v)
-        assert timeline_bubble(ops) == pytest.approx(bubble_fraction(schedule, p, m, v)), (
+        timeline = pipeline.simulate(pipeline.schedule(schedule, p, m, v))
+        assert timeline.bubble_fraction == pytest.approx(bubble_fraction(schedule, p, m, v)), (
             schedule, p, m, v)
-        for stage in range(p):
-            expected = inflight_microbatches(schedule, p, m, stage, v)
-            assert peak_inflight(ops, stage) == expected, (schedule, p, m, v, stage)
+        expected = [inflight_microbatches(schedule, p, m, rank, v) for rank in range(p)]
+        assert timeline.peak_inflight == expected, (schedule, p, m, v)
 
 
 # --- Communication table ----------------------------------------------------------------------
@@ -190,10 +183,10 @@ def test_dp_and_zero_1_2_volume_is_2psi_and_zero_3_is_3psi():
 
 def test_ring_collectives_bytes_per_rank():
     s, n = 1e9, 8
-    assert memory.Collective("all_reduce", s, n).bytes_sent == pytest.approx(2 * (n - 1) / n * s)
-    assert memory.Collective("all_gather", s, n).bytes_sent == pytest.approx((n - 1) / n * s)
-    assert memory.Collective("reduce_scatter", s, n).bytes_sent == pytest.approx((n - 1) / n * s)
-    assert memory.Collective("send", s, 2, count=3).bytes_sent == 3 * s
+    assert traffic.Collective("all_reduce", s, n).bytes_sent == pytest.approx(2 * (n - 1) / n * s)
+    assert traffic.Collective("all_gather", s, n).bytes_sent == pytest.approx((n - 1) / n * s)
+    assert traffic.Collective("reduce_scatter", s, n).bytes_sent == pytest.approx((n - 1) / n * s)
+    assert traffic.Collective("send", s, 2, count=3).bytes_sent == 3 * s
 
 
 def test_zero_2_and_3_traffic_grows_with_gradient_accumulation():
@@ -205,18 +198,18 @@ def test_zero_2_and_3_traffic_grows_with_gradient_accumulation():
 
 def test_tensor_parallel_is_two_forward_two_backward_all_reduces_per_layer():
     s, b, h, t = 2048, 1, 4096, 8
-    layer = memory.tensor_parallel_traffic(s, b, h, t)
+    layer = traffic.tensor_parallel_traffic(s, b, h, t)
     assert [(c.op, c.count) for c in layer.collectives] == [("all_reduce", 2)] * 2
     assert all(c.nbytes == 2 * b * s * h for c in layer.collectives)
-    with_sp = memory.tensor_parallel_traffic(s, b, h, t, sequence_parallel=True)
+    with_sp = traffic.tensor_parallel_traffic(s, b, h, t, sequence_parallel=True)
     assert {c.op for c in with_sp.collectives} == {"all_gather", "reduce_scatter"}
     assert with_sp.bytes_sent == pytest.approx(layer.bytes_sent)
     assert with_sp.volume == layer.volume == 8 * 2 * b * s * h
 
 
 def test_pipeline_sends_bsh_per_microbatch_per_boundary():
-    traffic = memory.pipeline_traffic(2048, 2, 4096, microbatches=8)
-    assert traffic.bytes_sent == 2 * 8 * 2 * 2048 * 4096 * 2  # forward + backward, bf16
+    sent = traffic.pipeline_traffic(2048, 2, 4096, microbatches=8)
+    assert sent.bytes_sent == 2 * 8 * 2 * 2048 * 4096 * 2  # forward + backward, bf16
 
 
 # --- Compute ----------------------------------------------------------------------------------
@@ -225,22 +218,22 @@ def test_pipeline_sends_bsh_per_microbatch_per_boundary():
 def test_mfu_palm_formula_and_hfu():
     psi, layers, h, s, peak = 70e9, 80, 8192, 4096, 312e12
     tokens = 1000.0
-    flops = 6 * psi + 12 * layers * h * s
-    assert memory.mfu(tokens, psi, layers, h, s, peak) == pytest.approx(tokens * flops / peak)
-    assert memory.mfu(tokens, psi, layers, h, s, peak, num_gpus=8) == pytest.approx(
-        tokens * flops / (8 * peak))
-    assert memory.hfu(tokens, psi, layers, h, s, peak) == memory.mfu(tokens, psi, layers, h, s,
+    per_token = 6 * psi + 12 * layers * h * s
+    assert flops.mfu(tokens, psi, layers, h, s, peak) == pytest.approx(tokens * per_token / peak)
+    assert flops.mfu(tokens, psi, layers, h, s, peak, num_gpus=8) == pytest.approx(
+        tokens * per_token / (8 * peak))
+    assert flops.hfu(tokens, psi, layers, h, s, peak) == flops.mfu(tokens, psi, layers, h, s,
                                                                      peak)
-    full = memory.hfu(tokens, psi, layers, h, s, peak, recompute="full")
+    full = flops.hfu(tokens, psi, layers, h, s, peak, recompute="full")
     assert full == pytest.approx(tokens * (8 * psi + 16 * layers * h * s) / peak)
-    assert memory.hfu(tokens, psi, layers, h, s, peak, recompute="selective") == pytest.approx(
+    assert flops.hfu(tokens, psi, layers, h, s, peak, recompute="selective") == pytest.approx(
         tokens * (6 * psi + 16 * layers * h * s) / peak)
 
 
 def test_scaling_efficiency():
-    assert memory.strong_scaling_efficiency(100.0, 25.0, 4) == 1.0
-    assert memory.strong_scaling_efficiency(100.0, 50.0, 4) == 0.5
-    assert memory.weak_scaling_efficiency(10.0, 12.5) == 0.8
+    assert flops.strong_scaling_efficiency(100.0, 25.0, 4) == 1.0
+    assert flops.strong_scaling_efficiency(100.0, 50.0, 4) == 0.5
+    assert flops.weak_scaling_efficiency(10.0, 12.5) == 0.8
 
 
 # --- Bad input --------------------------------------------------------------------------------
@@ -262,15 +255,15 @@ def test_scaling_efficiency():
          "tp=8 does not divide seq_len=100"),
         (lambda: activation_bytes(128, 1, 64, 4, recompute="some"), "recompute='some'"),
         (lambda: bubble_fraction("pipedream", 4, 8), "schedule='pipedream'"),
-        (lambda: bubble_fraction("1f1b", 0, 8), "stages=0: must be a positive integer"),
+        (lambda: bubble_fraction("1f1b", 0, 8), "ranks=0: must be a positive integer"),
         (lambda: bubble_fraction("1f1b", 4, -1), "microbatches=-1"),
-        (lambda: bubble_fraction("interleaved", 4, 6, 2), "not a multiple of stages=4"),
+        (lambda: bubble_fraction("interleaved", 4, 6, 2), "not a multiple of ranks=4"),
         (lambda: bubble_fraction("1f1b", 4, 8, 2), "chunks=2: only the 'interleaved'"),
-        (lambda: bubble_fraction("zb-h1", 4, 2), "microbatches=2 < stages=4"),
-        (lambda: inflight_microbatches("1f1b", 4, 8, 4), "stage=4: must be an integer in"),
+        (lambda: bubble_fraction("zb-h1", 4, 2), "microbatches=2 < ranks=4"),
+        (lambda: inflight_microbatches("1f1b", 4, 8, 4), "rank=4: must be an integer in"),
         (lambda: data_parallel_traffic(1e9, 8, 5), "zero_stage=5"),
-        (lambda: memory.mfu(0, 1e9, 1, 1, 1, 1e12), "tokens_per_second=0"),
-        (lambda: memory.mfu(1, 1e9, 1, 1, 1, 1e12, num_gpus=0), "num_gpus=0"),
+        (lambda: flops.mfu(0, 1e9, 1, 1, 1, 1e12), "tokens_per_second=0"),
+        (lambda: flops.mfu(1, 1e9, 1, 1, 1, 1e12, num_gpus=0), "num_gpus=0"),
     ],
 )
 def test_bad_input_names_the_argument_and_the_rule(call, message):

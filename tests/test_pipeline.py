@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from minidist import gantt, launch, pipeline_exec
-from minidist.models import TinyGPT
+from minidist.models import TinyGPT, lm_loss
 from minidist.pipeline import (
     Action,
     Costs,
@@ -200,10 +200,10 @@ def test_weight_gradient_in_an_unsplit_schedule() -> None:
 def test_bad_arguments_give_clear_errors() -> None:
     with pytest.raises(ValueError, match="microbatches=0: must be a positive integer"):
         schedule("1f1b", 4, 0)
-    with pytest.raises(ValueError, match="unknown schedule 'pipedream'"):
+    with pytest.raises(ValueError, match="schedule='pipedream': choose one of"):
         schedule("pipedream", 4, 8)
     with pytest.raises(ValueError, match="interleaved needs microbatches to be a multiple of "
-                                         "stages: m=6, p=4; use m=4 or m=8"):
+                                         "ranks: m=6, p=4; use m=4 or m=8"):
         schedule("interleaved", 4, 6, chunks=2)
     with pytest.raises(ValueError, match="chunks=2 applies to 'interleaved' only"):
         schedule("gpipe", 4, 8, chunks=2)
@@ -227,7 +227,7 @@ VOCAB, HIDDEN, SEQ = 32, 16, 8
 def gpt_stages(num_stages: int) -> list[nn.Module]:
     torch.manual_seed(0)
     model = TinyGPT(VOCAB, HIDDEN, heads=2, layers=6, max_seq=SEQ)
-    return pipeline_exec.split_layers(pipeline_exec.gpt_layers(model), num_stages)
+    return pipeline_exec.split_layers(model.layers(), num_stages)
 
 
 def gpt_batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -247,7 +247,7 @@ def grads_from_both_executors(rank: int, world_size: int) -> list:
         for step in (pipeline_exec.execute, pipeline_exec.torch_step):
             stages = gpt_stages(s.num_stages)
             mine = {k: stages[k] for k in s.stages_of(rank)}
-            output = step(s, mine, inputs, targets, pipeline_exec.lm_loss)
+            output = step(s, mine, inputs, targets, lm_loss)
             grads = {f"{k}.{n}": p.grad for k, m in mine.items() for n, p in m.named_parameters()}
             runs.append((grads, output))
         results.append(runs)
@@ -260,7 +260,7 @@ def test_executor_gradients_equal_single_process_and_pytorch() -> None:
     for index, (name, v) in enumerate(SCHEDULES):
         s = schedule(name, 4, 4, chunks=v)
         expected, _ = pipeline_exec.reference_grads(lambda s=s: gpt_stages(s.num_stages),
-                                                    inputs, targets, pipeline_exec.lm_loss)
+                                                    inputs, targets, lm_loss)
         ours = {k: g for runs in per_rank for k, g in runs[index][0][0].items()}
         theirs = {k: g for runs in per_rank for k, g in runs[index][1][0].items()}
         assert ours.keys() == theirs.keys() == expected.keys()

@@ -67,7 +67,7 @@ def test_memory_estimate_adds_up_model_state_and_activations():
     model = MODELS["70B"]
     layout = Layout(tp=8, pp=4, dp=2, zero_stage=1, micro_batch=1, microbatches=16,
                     recompute="selective")
-    first = planner.stage_memory(layout, model, 0)
+    first = planner.pipeline_rank_memory(layout, model, 0)
     state = model_state_bytes(70e9 / 32, 1, 2)
     assert (first.params, first.grads, first.optimizer) == (state.params, state.grads,
                                                              state.optimizer)
@@ -75,7 +75,7 @@ def test_memory_estimate_adds_up_model_state_and_activations():
     per_layer = activation_bytes(*shape, recompute="selective")
     workspace = activation_bytes(*shape) - per_layer
     assert first.activations == pytest.approx(4 * 80 / 4 * per_layer + workspace)
-    last = planner.stage_memory(layout, model, 3)
+    last = planner.pipeline_rank_memory(layout, model, 3)
     logits = 4 * 4096 * 32000 / 8
     assert last.activations == pytest.approx(1 * 80 / 4 * per_layer + workspace + logits)
 

@@ -56,7 +56,7 @@ def _train(rank: int, world_size: int, kind: str) -> dict:
     result = {"psi": psi}
     for _ in range(STEPS):
         optimizer.zero_grad()
-        with comm.count_bytes() as counter:
+        with comm.count_traffic() as counter:
             wrapped.loss(ids, targets).backward()
             if kind.startswith("zero2"):
                 result["grad elements kept"] = sum(
@@ -195,6 +195,6 @@ def _bad(rank: int, world_size: int) -> list[str]:
 def test_bad_input_is_explained():
     messages = run(_bad, 2)[0]
     assert "stage=3" in messages[0] and "minidist.fsdp" in messages[0]
-    assert "different parameters" in messages[1]
+    assert "the ranks' models differ" in messages[1] and "same model" in messages[1]
     with pytest.raises(RuntimeError, match="no process group"):
         FullyShardedDataParallel(nn.Linear(2, 2))

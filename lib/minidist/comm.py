@@ -1,4 +1,4 @@
-"""Collectives built only from point-to-point send/recv, and a counter of the bytes they send.
+"""Collectives built only from point-to-point send/recv, and the one counter of communication.
 
 Ring all-reduce (Patarasuk & Yuan 2009) on N ranks cuts the tensor into N chunks and makes two
 trips around the ring rank 0 -> 1 -> ... -> N-1 -> 0:
@@ -15,16 +15,25 @@ use rings for large messages. `minidist.cost` turns these formulas into numbers.
 
 Every function works in place on a contiguous tensor, on the default process group or on
 `group` (ranks are then counted inside the group, as torch does).
+
+`count_traffic()` is how every parallelism in minidist reports what it sends: inside its block
+it counts the point-to-point bytes and messages this rank sends, and keeps one
+`minidist.traffic.Collective` record per collective that any minidist module runs (these rings,
+`sharding`, `ddp`, `zero`, `fsdp`, `tensor_parallel`), the same records that
+`minidist.traffic` predicts.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from minidist._checks import require_process_group
+from minidist.traffic import Collective, Traffic
 
 _TORCH_OP_NAMES = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg"}
 
@@ -60,12 +69,8 @@ class _Ring:
     group: dist.ProcessGroup | None
 
 
-def _ring(group: dist.ProcessGroup | None) -> _Ring:
-    if not dist.is_initialized():
-        raise RuntimeError(
-            "no process group: call this inside minidist.launch.run or after "
-            "torch.distributed.init_process_group"
-        )
+def _ring(group: dist.ProcessGroup | None, what: str) -> _Ring:
+    require_process_group(what)
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     if rank < 0:
         raise ValueError(f"rank {dist.get_rank()} is not a member of group {group}")
@@ -131,7 +136,7 @@ def _recv_buffer(numel: int, like: torch.Tensor) -> torch.Tensor:
     return buffer[:numel]
 
 
-def _reduce_scatter(flat: torch.Tensor, ring: _Ring) -> None:
+def _ring_reduce_scatter_steps(flat: torch.Tensor, ring: _Ring) -> None:
     chunks = chunk_bounds(flat.numel(), ring.size)
     buffer = _recv_buffer(chunks[0][1] - chunks[0][0], flat)  # chunk 0 is the largest
     for step in range(ring.size - 1):
@@ -144,7 +149,7 @@ def _reduce_scatter(flat: torch.Tensor, ring: _Ring) -> None:
         flat[recv_start:recv_end].add_(received)  # in the tensor's own dtype, as gloo does
 
 
-def _all_gather(flat: torch.Tensor, ring: _Ring) -> None:
+def _ring_all_gather_steps(flat: torch.Tensor, ring: _Ring) -> None:
     chunks = chunk_bounds(flat.numel(), ring.size)
     for step in range(ring.size - 1):
         # Forward the chunk received in the previous step (at step 0: our own chunk r); the
@@ -172,8 +177,9 @@ def ring_reduce_scatter(
     """
     flat = _flat(tensor, "ring_reduce_scatter")
     op_name = _reduce_op(op, tensor)
-    ring = _ring(group)
-    _reduce_scatter(flat, ring)
+    ring = _ring(group, "ring_reduce_scatter")
+    record("reduce_scatter", flat, group)
+    _ring_reduce_scatter_steps(flat, ring)
     start, end = chunk_bounds(flat.numel(), ring.size)[ring.rank]
     if op_name == "avg":
         flat[start:end].div_(ring.size)
@@ -186,7 +192,10 @@ def ring_all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
     On entry chunk r (per `chunk_bounds`) must be valid on rank r; the other chunks are
     overwritten. N-1 steps, (N-1)/N * S bytes sent per rank.
     """
-    _all_gather(_flat(tensor, "ring_all_gather"), _ring(group))
+    flat = _flat(tensor, "ring_all_gather")
+    ring = _ring(group, "ring_all_gather")
+    record("all_gather", flat, group)
+    _ring_all_gather_steps(flat, ring)
     return tensor
 
 
@@ -203,13 +212,14 @@ def ring_all_reduce(
     """
     flat = _flat(tensor, "ring_all_reduce")
     op_name = _reduce_op(op, tensor)
-    ring = _ring(group)
-    _reduce_scatter(flat, ring)
+    ring = _ring(group, "ring_all_reduce")
+    record("all_reduce", flat, group)
+    _ring_reduce_scatter_steps(flat, ring)
     if op_name == "avg":
         # Divide only the chunk this rank owns, before it is sent around: N times less work.
         start, end = chunk_bounds(flat.numel(), ring.size)[ring.rank]
         flat[start:end].div_(ring.size)
-    _all_gather(flat, ring)
+    _ring_all_gather_steps(flat, ring)
     return tensor
 
 
@@ -226,7 +236,7 @@ def tree_broadcast(
     chain or a scatter + all-gather (~2S * beta) wins.
     """
     flat = _flat(tensor, "tree_broadcast")
-    ring = _ring(group)
+    ring = _ring(group, "tree_broadcast")
     members = dist.get_process_group_ranks(group or dist.group.WORLD)
     if src not in members:
         raise ValueError(f"src={src} is not a rank of the group; its global ranks are {members}")
@@ -244,65 +254,111 @@ def tree_broadcast(
         elif distance <= relative < 2 * distance:
             dist.recv(flat, peer(relative - distance), group=group)
         distance *= 2
+    record("broadcast", flat, group)
     return tensor
 
 
-# --- Counting bytes -----------------------------------------------------------------------------
+# --- Counting what is sent ----------------------------------------------------------------------
 
 
 @dataclass
-class ByteCounter:
-    """What this rank sent inside one `count_bytes` block."""
+class TrafficLog:
+    """What this rank sent inside one `count_traffic` block.
+
+    `bytes_sent` and `messages`: the point-to-point payload bytes and sends that left this
+    process. `collectives`: one `Collective` record per collective call a minidist module made,
+    with the bytes of the full tensor it reduced or produced, the size of its group and, for
+    tensor parallelism, whether it ran "forward" or "backward" (`when`)."""
 
     bytes_sent: int = 0
     messages: int = 0
+    collectives: list[Collective] = field(default_factory=list)
+
+    def calls(self, op: str, when: str | None = None) -> int:
+        """How many `op` collectives ran (only those of phase `when`, if given)."""
+        return sum(c.count for c in self._matching(op, when))
+
+    def nbytes(self, op: str, when: str | None = None) -> int:
+        """Bytes of the full tensors those collectives carried, added up."""
+        return sum(c.count * c.nbytes for c in self._matching(op, when))
+
+    def per_collective(self) -> dict[tuple[str, int], tuple[int, int]]:
+        """{(op, group size): (calls, bytes of the full tensors)}, in the order first seen."""
+        totals: dict[tuple[str, int], tuple[int, int]] = {}
+        for c in self.collectives:
+            calls, nbytes = totals.get((c.op, c.group), (0, 0))
+            totals[(c.op, c.group)] = (calls + c.count, nbytes + c.count * c.nbytes)
+        return totals
+
+    @property
+    def traffic(self) -> Traffic:
+        """The records as a `Traffic`, to compare with `minidist.traffic`'s predictions."""
+        return Traffic(tuple(self.collectives))
+
+    def _matching(self, op: str, when: str | None) -> list[Collective]:
+        return [c for c in self.collectives if c.op == op and when in (None, c.when)]
 
 
-_active_counters: list[ByteCounter] = []
+_active_logs: list[TrafficLog] = []
 # Taken from the class dict, not with getattr: pybind stores methods as descriptors there, and
 # only the descriptor binds `self` when put back on the class.
 _uncounted_send = vars(dist.ProcessGroup)["send"]
+
+
+def record(op: str, full: torch.Tensor | int, group: dist.ProcessGroup | None = None,
+           when: str = "") -> None:
+    """Add one `op` collective to every open `count_traffic` log. `full` is the full tensor
+    the collective reduces or produces, or its size in bytes. Every minidist module that runs
+    a collective calls this once per call."""
+    if _active_logs:
+        nbytes = full if isinstance(full, int) else full.numel() * full.element_size()
+        entry = Collective(op, nbytes, dist.get_world_size(group), 1, when)
+        for log in _active_logs:
+            log.collectives.append(entry)
 
 
 def _counting_send(
     self: dist.ProcessGroup, tensors: list[torch.Tensor], *args, **kwargs
 ) -> dist.Work:
     nbytes = sum(tensor.numel() * tensor.element_size() for tensor in tensors)
-    for counter in _active_counters:
-        counter.bytes_sent += nbytes
-        counter.messages += 1
+    for log in _active_logs:
+        log.bytes_sent += nbytes
+        log.messages += 1
     return _uncounted_send(self, tensors, *args, **kwargs)
 
 
 @contextlib.contextmanager
-def count_bytes() -> Iterator[ByteCounter]:
-    """Count the point-to-point bytes this rank sends inside the block.
+def count_traffic() -> Iterator[TrafficLog]:
+    """Count what this rank sends inside the block: point-to-point bytes and messages, and
+    every collective a minidist module runs.
 
-        with count_bytes() as counter:
+        with count_traffic() as log:
             ring_all_reduce(t)
-        counter.bytes_sent   # 2(N-1)/N * t.nbytes when N divides t.numel()
+        log.bytes_sent              # 2(N-1)/N * t.nbytes when N divides t.numel()
+        log.calls("all_reduce")     # 1
 
-    Counted: every send this process makes through torch.distributed's point-to-point API
-    while the block runs: dist.send, dist.isend, dist.batch_isend_irecv (each P2POp with
-    dist.isend), send_object_list, and the functions of this module. `bytes_sent` adds up
+    Point-to-point: every send this process makes through torch.distributed's point-to-point
+    API while the block runs: dist.send, dist.isend, dist.batch_isend_irecv (each P2POp with
+    dist.isend), send_object_list, and the rings of this module. `bytes_sent` adds up
     numel * element_size of each sent tensor (payload only, no headers); `messages` counts
-    sends. Not counted: receives, and collectives that torch runs as one call
-    (dist.all_reduce, dist.broadcast, ...), since those never go through a Python-level send.
+    sends. Receives are not counted, nor the bytes of collectives that torch runs as one call
+    (dist.all_reduce, ...): those run in C++, where no Python-level send sees them; their
+    calls are in `collectives` when a minidist module made them.
 
-    How: all of those functions end in one method, ProcessGroup.send, and the block replaces
-    that method. Counting there counts each message once however it was sent (dist.send
-    itself calls dist.isend, so wrapping both would count twice), and it leaves
+    How: all of those point-to-point functions end in one method, ProcessGroup.send, and the
+    block replaces that method. Counting there counts each message once however it was sent
+    (dist.send itself calls dist.isend, so wrapping both would count twice), and it leaves
     dist.isend untouched, so P2POp's check that its op is dist.isend still passes for ops
-    made before, inside or after the block. Blocks nest: an outer counter includes what inner
+    made before, inside or after the block. Blocks nest: an outer log includes what inner
     ones count. The original method is back as soon as the outermost block exits.
     """
-    counter = ByteCounter()
-    if not _active_counters:
+    log = TrafficLog()
+    if not _active_logs:
         dist.ProcessGroup.send = _counting_send
-    _active_counters.append(counter)
+    _active_logs.append(log)
     try:
-        yield counter
+        yield log
     finally:
-        _active_counters.remove(counter)
-        if not _active_counters:
+        _active_logs.remove(log)
+        if not _active_logs:
             dist.ProcessGroup.send = _uncounted_send

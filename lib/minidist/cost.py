@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from minidist._checks import positive_int
+
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "send")
 RING_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 
@@ -32,8 +34,7 @@ RING_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 def _check(collective: str, world_size: int, valid: tuple[str, ...] = COLLECTIVES) -> None:
     if collective not in valid:
         raise ValueError(f"unknown collective {collective!r}; valid ones are {', '.join(valid)}")
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    positive_int(world_size=world_size)
 
 
 def _coefficients(collective: str, world_size: int) -> tuple[float, float]:

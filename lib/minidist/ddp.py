@@ -20,8 +20,8 @@ faster than the last (lab 03 builds them in this order):
 Each rank sends 2(N-1)/N * Psi * bytes-per-element per step with a ring all-reduce: the "2 Psi
 elements" data-parallel volume of ZeRO §7 (Rajbhandari et al. 2020) as N grows.
 `all_reduce="ring"` uses minidist's own `comm.ring_all_reduce`, built from send/recv, so that
-`comm.count_bytes()` can count those bytes; the default uses the backend's all-reduce (gloo or
-NCCL), which runs in C++ where no Python-level counter sees it.
+`comm.count_traffic()` can count those bytes; the default uses the backend's all-reduce (gloo or
+NCCL), which runs in C++: `count_traffic()` then sees each call but not its bytes on the wire.
 """
 
 from __future__ import annotations
@@ -38,23 +38,16 @@ import torch.distributed as dist
 from torch import nn
 
 from minidist import comm
+from minidist._checks import check_same_model, first_rank, require_process_group
 
 ALL_REDUCES = ("torch", "ring")
-
-
-def _require_process_group(what: str) -> None:
-    if not dist.is_initialized():
-        raise RuntimeError(
-            f"{what} needs a process group: call it inside minidist.launch.run, or after "
-            f"torch.distributed.init_process_group"
-        )
 
 
 def _check_all_reduce(all_reduce: str) -> None:
     if all_reduce not in ALL_REDUCES:
         raise ValueError(
             f"all_reduce={all_reduce!r}: choose 'torch' (the backend's own all-reduce) or "
-            f"'ring' (minidist.comm.ring_all_reduce, whose bytes comm.count_bytes counts)"
+            f"'ring' (minidist.comm.ring_all_reduce, whose bytes comm.count_traffic counts)"
         )
 
 
@@ -62,6 +55,7 @@ def _all_reduce_sum(tensor: torch.Tensor, all_reduce: str, group: dist.ProcessGr
     if all_reduce == "ring":
         comm.ring_all_reduce(tensor, group=group)
     else:
+        comm.record("all_reduce", tensor, group)
         dist.all_reduce(tensor, group=group)
 
 
@@ -70,8 +64,8 @@ def _all_reduce_sum(tensor: torch.Tensor, all_reduce: str, group: dist.ProcessGr
 
 def broadcast_parameters(module: nn.Module, group: dist.ProcessGroup | None = None) -> None:
     """Copy the group's first rank's parameters and buffers to every rank, in place."""
-    _require_process_group("broadcast_parameters")
-    src = dist.get_global_rank(group, 0) if group is not None else 0
+    require_process_group("broadcast_parameters")
+    src = first_rank(group)
     with torch.no_grad():
         for tensor in [*module.parameters(), *module.buffers()]:
             dist.broadcast(tensor, src=src, group=group)
@@ -83,7 +77,7 @@ def all_reduce_gradients(module: nn.Module, all_reduce: str = "torch",
 
     Call it after backward. Parameters without a gradient (frozen or unused) are skipped, so
     every rank must have the same ones."""
-    _require_process_group("all_reduce_gradients")
+    require_process_group("all_reduce_gradients")
     _check_all_reduce(all_reduce)
     world_size = dist.get_world_size(group)
     for param in module.parameters():
@@ -98,7 +92,7 @@ def all_reduce_gradients_flat(module: nn.Module, all_reduce: str = "torch",
 
     All gradients must have one dtype. One collective pays the latency once, but it can only
     start when backward has finished."""
-    _require_process_group("all_reduce_gradients_flat")
+    require_process_group("all_reduce_gradients_flat")
     _check_all_reduce(all_reduce)
     grads = [param.grad for param in module.parameters() if param.grad is not None]
     if not grads:
@@ -166,13 +160,6 @@ class Event:
     end: float | None
 
 
-class _Done:
-    """The handle of a collective that already finished."""
-
-    def wait(self) -> bool:
-        return True
-
-
 @dataclass
 class _Step:
     """What DistributedDataParallel tracks during one synchronized backward."""
@@ -211,7 +198,7 @@ class DistributedDataParallel(nn.Module):
       gradient instead (its rank contributes 0 to the average), so ranks may use different
       parameters.
     - `all_reduce="ring"` runs minidist's ring all-reduce on a background thread, so
-      `comm.count_bytes()` sees the bytes sent: 2(N-1)/N times each bucket per rank.
+      `comm.count_traffic()` sees the bytes sent: 2(N-1)/N times each bucket per rank.
     - `events` records the last synchronized backward: when each gradient arrived and when
       each bucket's all-reduce started and ended (`plot_timeline` draws them).
 
@@ -226,7 +213,7 @@ class DistributedDataParallel(nn.Module):
                  all_reduce: str = "torch", find_unused_parameters: bool = False,
                  broadcast_buffers: bool = True, group: dist.ProcessGroup | None = None):
         super().__init__()
-        _require_process_group("DistributedDataParallel")
+        require_process_group("DistributedDataParallel")
         _check_all_reduce(all_reduce)
         if isinstance(bucket_cap_mb, bool) or not (
             isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0
@@ -245,7 +232,7 @@ class DistributedDataParallel(nn.Module):
         self._ring_thread = (concurrent.futures.ThreadPoolExecutor(1, "minidist-ddp-ring")
                              if all_reduce == "ring" else None)
 
-        _check_same_structure(module, group)
+        check_same_model(module, group)
         broadcast_parameters(module, group)
         self.buckets = self._make_buckets(int(bucket_cap_mb * 2**20))
         self._where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
@@ -276,7 +263,7 @@ class DistributedDataParallel(nn.Module):
             self._forward_synced = self._sync
             self._step = None  # left over only if the last backward raised before its end
         if self.broadcast_buffers and self.world_size > 1:
-            src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+            src = first_rank(self.group)
             with torch.no_grad():
                 for buffer in self.module.buffers():
                     dist.broadcast(buffer, src=src, group=self.group)
@@ -356,6 +343,7 @@ class DistributedDataParallel(nn.Module):
                 finished()
 
             return self._ring_thread.submit(ring)
+        comm.record("all_reduce", bucket.buffer, self.group)
         work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
         work.get_future().then(finished)
         return work
@@ -411,39 +399,6 @@ def _wait(handle: Any) -> None:
         handle.result()
     else:
         handle.wait()
-
-
-def _check_same_structure(module: nn.Module, group: dist.ProcessGroup | None) -> None:
-    """Raise on every rank if the ranks' models differ in names, shapes, dtypes or which
-    parameters are trainable: their buckets would not line up and the all-reduces would mix
-    unrelated gradients or hang."""
-    mine = [(f"parameter {name}", tuple(p.shape), str(p.dtype), p.requires_grad)
-            for name, p in module.named_parameters()]
-    mine += [(f"buffer {name}", tuple(b.shape), str(b.dtype), False)
-             for name, b in module.named_buffers()]
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    reference = everyone[0]
-    for rank, theirs in enumerate(everyone[1:], start=1):
-        if theirs == reference:
-            continue
-        for ours, other in zip(reference, theirs, strict=False):  # lengths may differ
-            if ours != other:
-                raise ValueError(
-                    f"the ranks' models differ: rank 0 has {_describe(ours)} where rank {rank} "
-                    f"has {_describe(other)}. Build the same model on every rank (the values "
-                    f"may differ: rank 0's are copied to all)"
-                )
-        raise ValueError(
-            f"the ranks' models differ: rank 0 has {len(reference)} parameters and buffers, "
-            f"rank {rank} has {len(theirs)}. Build the same model on every rank"
-        )
-
-
-def _describe(entry: tuple) -> str:
-    name, shape, dtype, requires_grad = entry
-    frozen = "" if requires_grad or name.startswith("buffer") else ", frozen"
-    return f"{name} of shape {list(shape)}, {dtype}{frozen}"
 
 
 # --- Looking at it -------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from minidist import sharding
+from minidist._checks import check_same_model, first_rank, require_process_group
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
@@ -127,7 +128,7 @@ class FullyShardedDataParallel(nn.Module):
 
     Gradients arrive averaged over the group when backward returns. `units` picks the modules
     to shard together (default `default_units`); `ring=True` uses minidist's send/recv rings
-    (countable by `comm.count_bytes()`, no prefetch) instead of PyTorch's collectives.
+    (countable by `comm.count_traffic()`, no prefetch) instead of PyTorch's collectives.
     """
 
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None,
@@ -135,15 +136,13 @@ class FullyShardedDataParallel(nn.Module):
                  group: dist.ProcessGroup | None = None, ring: bool = False,
                  prefetch: bool = True):
         super().__init__()
-        if not dist.is_initialized():
-            raise RuntimeError("no process group: wrap the model inside minidist.launch.run "
-                               "or after torch.distributed.init_process_group")
+        require_process_group("FullyShardedDataParallel")
         self.group, self.ring, self.prefetch = group, ring, prefetch and not ring
         self.world_size = dist.get_world_size(group)
         self.compute_dtype = compute_dtype or torch.float32
-        _check_same_shapes(module, group)
+        check_same_model(module, group)
         for tensor in [*module.parameters(), *module.buffers()]:
-            dist.broadcast(tensor.data, dist.get_global_rank(group, 0) if group else 0, group)
+            dist.broadcast(tensor.data, first_rank(group), group)
         chosen = units(module)
         if module_params := [k for k, p in module._parameters.items() if p is not None]:
             raise ValueError(f"{type(module).__name__} owns parameters {module_params} outside "
@@ -239,13 +238,3 @@ class FullyShardedDataParallel(nn.Module):
         held = sum(u.shard.numel() * u.shard.element_size() for u in self.units)
         return held + sum(u.full.untyped_storage().nbytes() for u in self.units
                           if u.full is not None)
-
-
-def _check_same_shapes(module: nn.Module, group) -> None:
-    shapes = [(name, tuple(p.shape)) for name, p in module.named_parameters()]
-    everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, shapes, group=group)
-    for rank, theirs in enumerate(everyone):
-        if theirs != shapes:
-            raise ValueError(f"rank {rank}'s model has different parameters than rank "
-                             f"{dist.get_rank(group)}'s: build the same model on every rank")

@@ -7,17 +7,14 @@ deterministic and sharded and unsharded outputs can be compared exactly.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-def _check_positive(**sizes: int) -> None:
-    for name, value in sizes.items():
-        if value < 1:
-            raise ValueError(f"{name}={value}: must be a positive integer")
+from minidist._checks import positive_int
 
 
 class MLP(nn.Module):
@@ -25,7 +22,7 @@ class MLP(nn.Module):
 
     def __init__(self, in_features: int, hidden: int, out_features: int, depth: int = 2):
         super().__init__()
-        _check_positive(in_features=in_features, hidden=hidden, out_features=out_features,
+        positive_int(in_features=in_features, hidden=hidden, out_features=out_features,
                         depth=depth)
         widths = [in_features] + [hidden] * depth
         self.layers = nn.Sequential(
@@ -43,7 +40,7 @@ class Attention(nn.Module):
 
     def __init__(self, hidden: int, heads: int):
         super().__init__()
-        _check_positive(hidden=hidden, heads=heads)
+        positive_int(hidden=hidden, heads=heads)
         if hidden % heads:
             raise ValueError(f"heads={heads} must divide hidden={hidden}")
         self.heads = heads
@@ -69,7 +66,7 @@ class FeedForward(nn.Module):
 
     def __init__(self, hidden: int, ffn_hidden: int):
         super().__init__()
-        _check_positive(hidden=hidden, ffn_hidden=ffn_hidden)
+        positive_int(hidden=hidden, ffn_hidden=ffn_hidden)
         self.fc1 = nn.Linear(hidden, ffn_hidden)
         self.fc2 = nn.Linear(ffn_hidden, hidden)
 
@@ -101,7 +98,7 @@ class TinyGPT(nn.Module):
     def __init__(self, vocab: int, hidden: int, heads: int, layers: int, max_seq: int,
                  ffn_hidden: int | None = None):
         super().__init__()
-        _check_positive(vocab=vocab, layers=layers, max_seq=max_seq)
+        positive_int(vocab=vocab, layers=layers, max_seq=max_seq)
         self.max_seq = max_seq
         self.tok_emb = nn.Embedding(vocab, hidden)
         self.pos_emb = nn.Embedding(max_seq, hidden)
@@ -111,15 +108,37 @@ class TinyGPT(nn.Module):
         self.norm = nn.LayerNorm(hidden)
         self.head = nn.Linear(hidden, vocab, bias=False)
 
+    def layers(self) -> list[nn.Module]:
+        """The model as a list of layers, e.g. for `minidist.pipeline_exec.split_layers`: the
+        embeddings, each transformer block, then the final norm and LM head. They share the
+        model's parameters; running them in order is `model(ids)`."""
+        return [_Embeddings(self.tok_emb, self.pos_emb), *self.blocks,
+                nn.Sequential(OrderedDict(norm=self.norm, head=self.head))]
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         seq = ids.shape[1]
         if seq > self.max_seq:
             raise ValueError(f"sequence length {seq} exceeds max_seq={self.max_seq}")
-        x = self.tok_emb(ids) + self.pos_emb(torch.arange(seq, device=ids.device))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x))
+        x = ids
+        for layer in self.layers():
+            x = layer(x)
+        return x
 
     def loss(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self(ids)
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return lm_loss(self(ids), targets)
+
+
+class _Embeddings(nn.Module):
+    """Token plus position embeddings: TinyGPT's first layer."""
+
+    def __init__(self, tok_emb: nn.Embedding, pos_emb: nn.Embedding):
+        super().__init__()
+        self.tok_emb, self.pos_emb = tok_emb, pos_emb
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.tok_emb(ids) + self.pos_emb(torch.arange(ids.shape[1], device=ids.device))
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of logits [batch, seq, vocab] against targets [batch, seq]."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())

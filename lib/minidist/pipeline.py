@@ -3,15 +3,17 @@ simulator that turns a schedule into a timeline with its bubble and memory.
 
     from minidist import pipeline
 
-    s = pipeline.schedule("1f1b", stages=4, microbatches=8)
+    s = pipeline.schedule("1f1b", ranks=4, microbatches=8)
     print(s)                            # each rank's actions, in order
     print(s.table())                    # the same, placed in time (one column per time unit)
     pipeline.validate(s)                # raises ScheduleError naming the rank and action at fault
     t = pipeline.simulate(s)            # uniform costs: F = 1, B = 1, W = 1 (backward = 2F)
     t.makespan, t.bubble_fraction, t.peak_inflight   # 33.0, 0.2727..., [4, 3, 2, 1]
 
-The model is cut into `num_stages` consecutive stages; virtual stage k lives on rank k mod p
-(Narayanan et al. 2021's placement: with v chunks per rank, rank r holds stages r, r+p, ...).
+A stage is always a piece of the model: it is cut into `num_stages` = p·v consecutive stages
+over p pipeline ranks, v chunks per rank, and stage k lives on rank k mod p (Narayanan et al.
+2021's placement: rank r holds stages r, r+p, ...). Without interleaving v = 1, so rank r holds
+stage r alone.
 A schedule is, for each rank, the ordered list of what it does:
 
     F3     forward of microbatch 3 through this rank's stage
@@ -31,11 +33,13 @@ rules, so a schedule the validator accepts cannot deadlock on real ranks.
 Formulas the simulator reproduces (uniform costs, no communication latency; tests/test_pipeline.py
 checks them for every p <= 8, m <= 32): GPipe and 1F1B idle (p-1)/(m+p-1) of total time, i.e.
 (p-1)/m relative to the ideal time (Huang et al. 2019; Narayanan et al. 2021 §2.2); 1F1B keeps
-min(p-i, m) microbatches in flight on stage i (§2.2.1); interleaved with v chunks idles
+min(p-i, m) microbatches in flight on rank i (§2.2.1); interleaved with v chunks idles
 (p-1)/(v*m + p - 1) of total time, (p-1)/(v*m) relative to ideal, with v*p + p - 1
 chunk-microbatches in flight on the first rank (at most v*m) (§2.2.2); ZB-H1 idles
 (p-1)(T_F + T_B - T_W) per rank, with p microbatches in flight on every rank (Qi et al. 2023
 §2), given m >= p and T_W <= T_F (with fewer microbatches the pipeline cannot fill).
+`bubble_fraction`, `bubble_relative_to_ideal` and `inflight_microbatches` give those formulas
+directly, also for ZB-H2 (Qi et al. §2.2), which has a formula here but no generator.
 """
 
 from __future__ import annotations
@@ -45,7 +49,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+from minidist._checks import one_of, positive, positive_int
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")
+"""Every schedule minidist knows. `schedule` generates all but "zb-h2", whose bubble and
+memory the formulas below give."""
 
 COMPUTE = ("F", "B", "W")
 COMMUNICATION = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
@@ -248,8 +256,8 @@ class Schedule:
 # --- Generators ----------------------------------------------------------------------------------
 
 
-def schedule(name: str, stages: int, microbatches: int, chunks: int = 1) -> Schedule:
-    """A named schedule. `stages` is the number of pipeline ranks p, `microbatches` is m.
+def schedule(name: str, ranks: int, microbatches: int, chunks: int = 1) -> Schedule:
+    """A named schedule on `ranks` = p pipeline ranks, for `microbatches` = m.
 
     name: "gpipe" (all forwards, then all backwards; Huang et al. 2019), "1f1b" (PipeDream-Flush:
     p-1-r forwards on rank r, then alternate one forward, one backward; Narayanan et al. 2021),
@@ -258,19 +266,20 @@ def schedule(name: str, stages: int, microbatches: int, chunks: int = 1) -> Sche
     into input gradient B and weight gradient W, rank r holding back r of its W's to fill the
     cool-down; Qi et al. 2023). Every rank has one stage except with "interleaved".
     """
-    for arg, value in (("stages", stages), ("microbatches", microbatches), ("chunks", chunks)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{arg}={value!r}: must be a positive integer")
-    if name not in SCHEDULES:
-        raise ValueError(f"unknown schedule {name!r}: choose one of {', '.join(SCHEDULES)}")
+    positive_int(ranks=ranks, microbatches=microbatches, chunks=chunks)
+    if name == "zb-h2":
+        raise ValueError("schedule 'zb-h2' has bubble and memory formulas here "
+                         "(bubble_fraction, inflight_microbatches) but no generator: choose one "
+                         f"of {', '.join(SCHEDULES[:-1])}")
+    one_of("schedule", name, SCHEDULES)
     if chunks != 1 and name != "interleaved":
         raise ValueError(f"chunks={chunks} applies to 'interleaved' only; {name!r} has one stage "
                          "per rank (leave chunks=1)")
-    p, m = stages, microbatches
+    p, m = ranks, microbatches
     if name == "interleaved":
         if m % p:
             raise ValueError(
-                f"interleaved needs microbatches to be a multiple of stages: m={m}, p={p}; use "
+                f"interleaved needs microbatches to be a multiple of ranks: m={m}, p={p}; use "
                 f"m={max(p, m // p * p)} or m={(m // p + 1) * p}")
         compute = [_interleaved(rank, p, m, chunks) for rank in range(p)]
         return Schedule.from_compute(name, compute, m, chunks)
@@ -683,3 +692,101 @@ def _cycle(waits_for: dict[int, int]) -> list[int]:
         if rank in path:
             return path[path.index(rank):] + [rank]
     return []
+
+
+# --- Formulas ------------------------------------------------------------------------------------
+
+ZB_COSTS = (1.0, 1.0, 1.0)  # (T_F, T_B, T_W): ZB §2's assumption of equal F, B and W times
+
+
+def _check_schedule(schedule: str, ranks: int, microbatches: int, chunks: int) -> None:
+    one_of("schedule", schedule, SCHEDULES)
+    positive_int(ranks=ranks, microbatches=microbatches, chunks=chunks)
+    if chunks > 1 and schedule != "interleaved":
+        raise ValueError(f"chunks={chunks}: only the 'interleaved' schedule has more than one "
+                         "model chunk per rank")
+    if schedule == "interleaved" and microbatches % ranks:
+        raise ValueError(f"microbatches={microbatches} is not a multiple of ranks={ranks}: "
+                         "the interleaved schedule runs microbatches in groups of p")
+    if schedule == "zb-h1" and microbatches < ranks:
+        raise ValueError(f"microbatches={microbatches} < ranks={ranks}: ZB-H1 needs at least "
+                         "p microbatches to fill its bubbles with W passes")
+
+
+def bubble_time(schedule: str, ranks: int, microbatches: int, chunks: int = 1,
+                costs: tuple[float, float, float] = ZB_COSTS) -> tuple[float, float]:
+    """(bubble, ideal) time of one pipeline rank per step, in the units of `costs`.
+
+    `costs` = (T_F, T_B, T_W): forward, backward for the input, backward for the weights, per
+    microbatch per stage. Schedules that do not split the backward run B and W as one pass of
+    T_B + T_W. Ideal = m(T_F + T_B + T_W), the rank's own work. Bubble:
+
+        gpipe, 1f1b    (p-1)(T_F + T_B + T_W)         GPipe; Narayanan §2.2.1
+        interleaved    (p-1)(T_F + T_B + T_W) / v     Narayanan §2.2.2 (m a multiple of p)
+        zb-h1          (p-1)(T_F + T_B - T_W)         ZB §2.1 (m >= p)
+        zb-h2          0                              ZB §2.2, the ideal handcrafted schedule
+    """
+    _check_schedule(schedule, ranks, microbatches, chunks)
+    positive(T_F=costs[0], T_B=costs[1], T_W=costs[2])
+    t_f, t_b, t_w = costs
+    ideal = microbatches * (t_f + t_b + t_w)
+    bubble = {
+        "gpipe": (ranks - 1) * (t_f + t_b + t_w),
+        "1f1b": (ranks - 1) * (t_f + t_b + t_w),
+        "interleaved": (ranks - 1) * (t_f + t_b + t_w) / chunks,
+        "zb-h1": (ranks - 1) * max(0.0, t_f + t_b - t_w),
+        "zb-h2": 0.0,
+    }[schedule]
+    return bubble, ideal
+
+
+def bubble_fraction(schedule: str, ranks: int, microbatches: int, chunks: int = 1,
+                    costs: tuple[float, float, float] = ZB_COSTS) -> float:
+    """The bubble as a share of total time, bubble / (ideal + bubble).
+
+    GPipe and 1F1B: (p-1)/(m+p-1); interleaved: (p-1)/(v·m + p-1); ZB-H1 with
+    T_F = T_B = T_W: (p-1)/(3m + p-1). Worked values: p=4, m=1: 75%; p=4, m=8: 3/11 ≈ 27.3%;
+    p=4, m=30: 3/33 ≈ 9.1%. For bubble / ideal, see `bubble_relative_to_ideal`.
+    """
+    bubble, ideal = bubble_time(schedule, ranks, microbatches, chunks, costs)
+    return bubble / (ideal + bubble)
+
+
+def bubble_relative_to_ideal(schedule: str, ranks: int, microbatches: int, chunks: int = 1,
+                             costs: tuple[float, float, float] = ZB_COSTS) -> float:
+    """The bubble relative to the ideal (bubble-free) time, bubble / ideal: the step takes
+    (1 + this) times as long as the pure compute.
+
+    GPipe and 1F1B: (p-1)/m; interleaved: (p-1)/(v·m) (Narayanan §2.2). This is not the
+    share of total time (`bubble_fraction`): p=4, m=8 gives 3/8 here and 3/11 there.
+    """
+    bubble, ideal = bubble_time(schedule, ranks, microbatches, chunks, costs)
+    return bubble / ideal
+
+
+def inflight_microbatches(schedule: str, ranks: int, microbatches: int, rank: int,
+                          chunks: int = 1) -> int:
+    """Peak number of microbatches whose activations pipeline rank `rank` (0-based, i below)
+    holds at once.
+
+        gpipe        m                          (all forwards before any backward)
+        1f1b         min(p - i, m)              Narayanan §2.2.1
+        interleaved  min((v-1)p + 2(p-i-1) + 1, v·m) chunk-microbatches: the first rank
+                     holds v·p + p - 1, each 1/v of a stage's layers   Narayanan §2.2.2
+        zb-h1        min(p, m) on every rank    ZB §2.1 (W passes deferred, 1F1B's peak)
+        zb-h2        min(2p - 1, m)             ZB §2.2
+
+    So under 1F1B the first rank holds p microbatches of its L/p layers, whatever p is:
+    pipelining does not cut the first rank's activation memory (Korthikanti §4.2.3).
+    """
+    _check_schedule(schedule, ranks, microbatches, chunks)
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < ranks:
+        raise ValueError(f"rank={rank!r}: must be an integer in [0, ranks={ranks})")
+    p, m, v, i = ranks, microbatches, chunks, rank
+    return {
+        "gpipe": m,
+        "1f1b": min(p - i, m),
+        "interleaved": min((v - 1) * p + 2 * (p - i - 1) + 1, v * m),
+        "zb-h1": min(p, m),
+        "zb-h2": min(2 * p - 1, m),
+    }[schedule]

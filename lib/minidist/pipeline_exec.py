@@ -6,7 +6,7 @@
         torch.manual_seed(0)
         return pipeline_exec.split_layers([nn.Linear(16, 16) for _ in range(8)], 4)
 
-    s = pipeline.schedule("1f1b", stages=4, microbatches=8)
+    s = pipeline.schedule("1f1b", ranks=4, microbatches=8)
     result = pipeline_exec.run_pipeline(s, build_stages, x, y, F.mse_loss, time_unit=0.02)
     result.grads            # {"0.0.weight": ..., ...}, named like nn.Sequential(*stages)
     result.timeline         # measured: .bubble_fraction, .peak_inflight, like pipeline.simulate
@@ -49,8 +49,8 @@ import torch.distributed as dist
 from torch import nn
 
 from minidist import launch
+from minidist._checks import positive_int
 from minidist.comm import chunk_bounds
-from minidist.models import TinyGPT
 from minidist.pipeline import Action, Costs, Schedule, Span, Timeline, peer, validate
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -74,44 +74,13 @@ class PipelineDeadlock(RuntimeError):
 def split_layers(layers: Sequence[nn.Module], num_stages: int) -> list[nn.Sequential]:
     """Cut a list of layers into `num_stages` consecutive stages of (nearly) equal length."""
     layers = list(layers)
-    if not isinstance(num_stages, int) or num_stages < 1:
-        raise ValueError(f"num_stages={num_stages!r}: must be a positive integer")
+    positive_int(num_stages=num_stages)
     if num_stages > len(layers):
         raise ValueError(
             f"{num_stages} stages but the model has only {len(layers)} layers: every stage "
             f"needs at least one layer; use at most {len(layers)} stages or a deeper model")
     return [nn.Sequential(*layers[start:end]) for start, end in chunk_bounds(len(layers),
                                                                              num_stages)]
-
-
-class _GPTEmbeddings(nn.Module):
-    def __init__(self, model: TinyGPT):
-        super().__init__()
-        self.tok_emb, self.pos_emb = model.tok_emb, model.pos_emb
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.tok_emb(ids) + self.pos_emb(torch.arange(ids.shape[1], device=ids.device))
-
-
-class _GPTHead(nn.Module):
-    def __init__(self, model: TinyGPT):
-        super().__init__()
-        self.norm, self.head = model.norm, model.head
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.norm(x))
-
-
-def gpt_layers(model: TinyGPT) -> list[nn.Module]:
-    """`model` as a list of layers for `split_layers`: the embeddings, each transformer
-    block, then the final norm and LM head. They share the model's parameters; running them
-    in order computes `model(ids)`."""
-    return [_GPTEmbeddings(model), *model.blocks, _GPTHead(model)]
-
-
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy of logits [batch, seq, vocab], as `TinyGPT.loss`."""
-    return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 def split_microbatches(batch: torch.Tensor, microbatches: int) -> list[torch.Tensor]:
@@ -251,7 +220,7 @@ class _Executor:
             self.index = index
             if action.is_compute:
                 self.post_receives(index + 1)
-            getattr(self, action.kind.lower())(action)
+            self.ACTIONS[action.kind](self, action)
         for index, action, request, _ in self.sends:
             self.index = index
             self.wait(request, f"wait until rank {peer(self.schedule, action)} receives what "
@@ -261,10 +230,10 @@ class _Executor:
 
     # --- Communication ---
 
-    def send_f(self, action: Action) -> None:
+    def send_activation(self, action: Action) -> None:
         self.send(action, self.stage_output[action.stage, action.microbatch].detach())
 
-    def send_b(self, action: Action) -> None:
+    def send_gradient(self, action: Action) -> None:
         self.send(action, self.input_grad.pop((action.stage, action.microbatch)))
 
     def send(self, action: Action, tensor: torch.Tensor) -> None:
@@ -292,16 +261,16 @@ class _Executor:
         self.wait(request, action.describe(self.schedule))
         return buffer
 
-    def recv_f(self, action: Action) -> None:
+    def receive_activation(self, action: Action) -> None:
         buffer = self.receive(action)
         self.stage_input[action.stage, action.microbatch] = buffer.requires_grad_()
 
-    def recv_b(self, action: Action) -> None:
+    def receive_gradient(self, action: Action) -> None:
         self.output_grad[action.stage, action.microbatch] = self.receive(action)
 
     # --- Compute ---
 
-    def f(self, action: Action) -> None:
+    def forward(self, action: Action) -> None:
         k, j = action.stage, action.microbatch
         with self.timed(action):
             x = self.inputs[j] if k == 0 else self.stage_input[k, j]
@@ -314,7 +283,7 @@ class _Executor:
                 self.stage_input[k + 1, j] = out.detach().requires_grad_()
             self.stage_output[k, j] = out
 
-    def b(self, action: Action) -> None:
+    def backward(self, action: Action) -> None:
         k, j = action.stage, action.microbatch
         with self.timed(action):
             grad = self.grad_of_output(k, j)
@@ -328,13 +297,20 @@ class _Executor:
                 self.input_grad[k, j] = x.grad
             self.release(k, j)
 
-    def w(self, action: Action) -> None:
+    def weight_gradient(self, action: Action) -> None:
         k, j = action.stage, action.microbatch
         with self.timed(action):
             weights = [p for p in self.stages[k].parameters() if p.requires_grad]
             torch.autograd.backward(self.stage_output[k, j], self.grad_of_output(k, j),
                                     inputs=weights)
             self.release(k, j)
+
+    # What each kind of action runs (the kinds of minidist.pipeline.Action).
+    ACTIONS: dict[str, Callable[[_Executor, Action], None]] = {
+        "F": forward, "B": backward, "W": weight_gradient,
+        "SEND_F": send_activation, "RECV_F": receive_activation,
+        "SEND_B": send_gradient, "RECV_B": receive_gradient,
+    }
 
     def grad_of_output(self, k: int, j: int) -> torch.Tensor | None:
         if k == self.last:

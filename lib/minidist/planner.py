@@ -12,10 +12,11 @@ a predicted step time:
 
     step = compute + pipeline bubble + exposed communication (TP + PP + DP)
 
-Memory comes from `minidist.memory` (model state with ZeRO, Korthikanti's activations,
-in-flight microbatches of the schedule); communication time from the alpha-beta model of
-`minidist.cost`. Ranks are numbered as Megatron-LM does: TP innermost, then DP, then PP, so a
-TP group is consecutive GPUs of one node and pipeline neighbours are tp x dp GPUs apart.
+Memory comes from `minidist.memory` (model state with ZeRO, Korthikanti's activations) and
+`minidist.pipeline` (in-flight microbatches of the schedule); bytes sent from
+`minidist.traffic`, their time from the alpha-beta model of `minidist.cost`. Ranks are
+numbered as Megatron-LM does: TP innermost, then DP, then PP, so a TP group is consecutive
+GPUs of one node and pipeline neighbours are tp x dp GPUs apart.
 
 What it leaves out, on purpose: embeddings and the LM head are spread evenly over the stages
 (really they sit on the first and last), grouped-query attention and SwiGLU MLPs are treated
@@ -30,21 +31,12 @@ import itertools
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
+from minidist._checks import positive_int
 from minidist.cost import collective_time
-from minidist.memory import (
-    GB,
-    RECOMPUTE,
-    activation_bytes,
-    bubble_relative_to_ideal,
-    bytes_per_param,
-    data_parallel_traffic,
-    hardware_flops_per_token,
-    inflight_microbatches,
-    model_flops_per_token,
-    model_state_bytes,
-    pipeline_traffic,
-    tensor_parallel_traffic,
-)
+from minidist.flops import hardware_flops_per_token, model_flops_per_token
+from minidist.memory import GB, RECOMPUTE, activation_bytes, bytes_per_param, model_state_bytes
+from minidist.pipeline import bubble_relative_to_ideal, inflight_microbatches
+from minidist.traffic import data_parallel_traffic, pipeline_traffic, tensor_parallel_traffic
 
 
 @dataclass(frozen=True)
@@ -211,13 +203,13 @@ class Evaluation:
 LOGIT_BYTES = 4  # the loss is computed on fp32 logits
 
 
-def stage_memory(layout: Layout, model: Model, stage: int,
-                 precision: str = "bf16-mixed", optimizer: str = "adam") -> MemoryEstimate:
-    """Bytes on a GPU of pipeline stage `stage`: model state for Ψ/(tp·pp) parameters under
-    ZeRO, plus activations: `inflight_microbatches` of the schedule times the layers of a
-    chunk times Korthikanti's bytes per layer, plus one layer's recomputed activations while
-    it is recomputed, plus fp32 logits s·b·V/t on the last stage. ZeRO-3 also holds two
-    gathered layers of parameters and one layer's whole gradient."""
+def pipeline_rank_memory(layout: Layout, model: Model, rank: int,
+                         precision: str = "bf16-mixed", optimizer: str = "adam") -> MemoryEstimate:
+    """Bytes on a GPU of pipeline rank `rank` (0 to pp-1): model state for Ψ/(tp·pp)
+    parameters under ZeRO, plus activations: `inflight_microbatches` of the schedule times
+    the layers of a chunk times Korthikanti's bytes per layer, plus one layer's recomputed
+    activations while it is recomputed, plus fp32 logits s·b·V/t on the last rank. ZeRO-3
+    also holds two gathered layers of parameters and one layer's whole gradient."""
     lay = layout
     state = model_state_bytes(model.num_params / (lay.tp * lay.pp), lay.zero_stage, lay.dp,
                               precision, optimizer)
@@ -232,19 +224,20 @@ def stage_memory(layout: Layout, model: Model, stage: int,
     shape = (model.seq_len, lay.micro_batch, model.hidden, model.heads, lay.tp,
              lay.sequence_parallel)
     per_layer = activation_bytes(*shape, recompute=lay.recompute)
-    inflight = inflight_microbatches(lay.schedule, lay.pp, lay.microbatches, stage, lay.chunks)
+    inflight = inflight_microbatches(lay.schedule, lay.pp, lay.microbatches, rank, lay.chunks)
     activations = inflight * model.layers / (lay.pp * lay.chunks) * per_layer
     activations += activation_bytes(*shape, recompute=None) - per_layer  # recompute workspace
-    if stage == lay.pp - 1:
+    if rank == lay.pp - 1:
         activations += LOGIT_BYTES * model.seq_len * lay.micro_batch * model.vocab / lay.tp
     return MemoryEstimate(params, grads, state.optimizer, activations)
 
 
 def estimate_memory(layout: Layout, model: Model, precision: str = "bf16-mixed",
                     optimizer: str = "adam") -> MemoryEstimate:
-    """The fuller of the first stage (most in-flight activations) and the last (logits)."""
-    stages = {0, layout.pp - 1}
-    return max((stage_memory(layout, model, s, precision, optimizer) for s in stages),
+    """The fuller of the first pipeline rank (most in-flight activations) and the last
+    (logits)."""
+    ranks = {0, layout.pp - 1}
+    return max((pipeline_rank_memory(layout, model, r, precision, optimizer) for r in ranks),
                key=lambda estimate: estimate.total)
 
 
@@ -504,8 +497,7 @@ def plan(model: Model, cluster: Cluster, global_batch: int, *, usable_memory: fl
     `usable_memory`: the share of GPU memory the estimate may fill (the rest is for the
     CUDA context, communication buffers and fragmentation). `compute_efficiency`: the share
     of peak FLOP/s the kernels reach."""
-    if not isinstance(global_batch, int) or global_batch < 1:
-        raise ValueError(f"global_batch={global_batch!r}: must be a positive integer")
+    positive_int(global_batch=global_batch)
     if not 0 < usable_memory <= 1 or not 0 < compute_efficiency <= 1:
         raise ValueError(f"usable_memory={usable_memory}, compute_efficiency="
                          f"{compute_efficiency}: both must be in (0, 1]")
@@ -568,7 +560,7 @@ def rules_of_thumb(plan: Plan) -> list[RuleCheck]:
         checks.append(RuleCheck(
             "Pipeline parallelism over p stages cuts activation memory by p.",
             stage0[8] < stage0[1] / 2,
-            f"Under 1F1B the first stage holds p microbatches of L/p layers: "
+            f"Under 1F1B the first pipeline rank holds p microbatches of L/p layers: "
             f"{stage0[1] / GB:.1f} GB of activations with p=1 and {stage0[8] / GB:.1f} GB with "
             "p=8 (Korthikanti §4.2.3)."))
 

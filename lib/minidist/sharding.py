@@ -7,7 +7,7 @@ rank gets the sum of its own slice) and the whole is rebuilt by an **all-gather*
 
 Two implementations, one interface: `ring=False` uses PyTorch's collectives (on uneven sizes
 the shards are padded to equal length, as NCCL and gloo need); `ring=True` uses the
-send/recv rings of `minidist.comm`, whose bytes `comm.count_bytes()` can count.
+send/recv rings of `minidist.comm`, whose bytes `comm.count_traffic()` can count.
 """
 
 from __future__ import annotations
@@ -17,15 +17,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from minidist import comm
+from minidist._checks import require_process_group
 
 
 def shard_bounds(numel: int, group: dist.ProcessGroup | None = None) -> tuple[int, int]:
     """(start, end) of this rank's shard of a flat tensor of `numel` elements."""
-    if not dist.is_initialized():
-        raise RuntimeError(
-            "no process group: shard inside minidist.launch.run or after "
-            "torch.distributed.init_process_group"
-        )
+    require_process_group("shard_bounds")
     return comm.chunk_bounds(numel, dist.get_world_size(group))[dist.get_rank(group)]
 
 
@@ -44,6 +41,7 @@ def reduce_scatter(flat: torch.Tensor, group: dist.ProcessGroup | None = None,
     if ring:
         return comm.ring_reduce_scatter(flat.clone(), group=group).clone()
     padded, longest = _padded(flat, dist.get_world_size(group))
+    comm.record("reduce_scatter", flat, group)
     shard = torch.empty(longest, dtype=flat.dtype, device=flat.device)
     dist.reduce_scatter_single(shard, padded, group=group)
     return shard[: end - start]
@@ -74,6 +72,7 @@ def start_all_gather(shard: torch.Tensor, numel: int, group: dist.ProcessGroup |
         comm.ring_all_gather(full, group=group)
         return PendingGather(None, lambda: full)
     longest = bounds[0][1] - bounds[0][0]
+    comm.record("all_gather", numel * shard.element_size(), group)
     gathered = torch.empty(longest * world_size, dtype=shard.dtype, device=shard.device)
     work = dist.all_gather_single(gathered, F.pad(shard, (0, longest - shard.numel())),
                                   group=group, async_op=True)

@@ -17,101 +17,55 @@ regions along the sequence (dim 1 of the batch-first [b, s, h]): f becomes an al
 forward / reduce-scatter backward, g a reduce-scatter forward / all-gather backward. Same bytes,
 but the activations outside the split layers are no longer replicated t times.
 
-Every collective goes through `_collective`, so `count_collectives()` can list what a block
-really sends.
+Every collective here is recorded for `minidist.comm.count_traffic()`, with `when` set to
+"forward" or "backward", so a lab can list what a block really sends.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from minidist import comm
+from minidist._checks import require_process_group
 from minidist.models import TransformerBlock, attend
 
 SEQUENCE_DIM = 1  # batch-first activations [batch, seq, hidden]
-
-
-# --- Counting what is sent ----------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Collective:
-    op: str  # "all_reduce", "all_gather", "reduce_scatter"
-    phase: str  # "forward" or "backward"
-    numel: int  # elements of the full (unsharded) tensor the collective produces or reduces
-    nbytes: int
-
-
-@dataclass
-class CollectiveLog:
-    calls: list[Collective] = field(default_factory=list)
-
-    def count(self, op: str, phase: str) -> int:
-        return sum(1 for c in self.calls if c.op == op and c.phase == phase)
-
-    def numel(self, op: str, phase: str) -> int:
-        return sum(c.numel for c in self.calls if c.op == op and c.phase == phase)
-
-
-_logs: list[CollectiveLog] = []
-
-
-@contextlib.contextmanager
-def count_collectives() -> Iterator[CollectiveLog]:
-    """Record every tensor-parallel collective this rank calls inside the block."""
-    log = CollectiveLog()
-    _logs.append(log)
-    try:
-        yield log
-    finally:
-        _logs.remove(log)
-
-
-def _record(op: str, phase: str, full: torch.Tensor) -> None:
-    for log in _logs:
-        log.calls.append(Collective(op, phase, full.numel(), full.numel() * full.element_size()))
 
 
 # --- The collectives, on the last dim (features) or the sequence dim -----------------------------
 
 
 def _group_size(group: dist.ProcessGroup | None) -> int:
-    if not dist.is_initialized():
-        raise RuntimeError(
-            "no process group: build tensor-parallel layers inside minidist.launch.run or after "
-            "torch.distributed.init_process_group"
-        )
+    require_process_group("a tensor-parallel layer")
     return dist.get_world_size(group)
 
 
 def _all_reduce(x: torch.Tensor, group, phase: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
     x = x.contiguous()
-    _record("all_reduce", phase, x)
+    comm.record("all_reduce", x, group, phase)
     dist.all_reduce(x, op=op, group=group)
     return x
 
 
-def _all_gather(x: torch.Tensor, dim: int, group, phase: str) -> torch.Tensor:
+def _gather_along(x: torch.Tensor, dim: int, group, phase: str) -> torch.Tensor:
     t = dist.get_world_size(group)
     pieces = [torch.empty_like(x) for _ in range(t)]
     dist.all_gather(pieces, x.contiguous(), group=group)
     full = torch.cat(pieces, dim=dim)
-    _record("all_gather", phase, full)
+    comm.record("all_gather", full, group, phase)
     return full
 
 
-def _reduce_scatter(x: torch.Tensor, dim: int, group, phase: str) -> torch.Tensor:
+def _reduce_scatter_along(x: torch.Tensor, dim: int, group, phase: str) -> torch.Tensor:
     t = dist.get_world_size(group)
     if x.shape[dim] % t:
         raise ValueError(f"dim {dim} of size {x.shape[dim]} is not divisible by t={t}")
-    _record("reduce_scatter", phase, x)
+    comm.record("reduce_scatter", x, group, phase)
     shards = [piece.contiguous() for piece in x.chunk(t, dim=dim)]
     mine = torch.empty_like(shards[0])
     dist.reduce_scatter(mine, shards, group=group)
@@ -153,30 +107,17 @@ class ReduceFromParallel(torch.autograd.Function):
         return grad, None
 
 
-class GatherFromSequenceParallel(torch.autograd.Function):
-    """f with sequence parallel: all-gather the sequence forward, reduce-scatter backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_gather(x, SEQUENCE_DIM, group, "forward")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter(grad, SEQUENCE_DIM, ctx.group, "backward"), None
-
-
 class ReduceScatterToSequenceParallel(torch.autograd.Function):
     """g with sequence parallel: reduce-scatter the sequence forward, all-gather backward."""
 
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _reduce_scatter(x, SEQUENCE_DIM, group, "forward")
+        return _reduce_scatter_along(x, SEQUENCE_DIM, group, "forward")
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, SEQUENCE_DIM, ctx.group, "backward"), None
+        return _gather_along(grad, SEQUENCE_DIM, ctx.group, "backward"), None
 
 
 class GatherFeatures(torch.autograd.Function):
@@ -185,7 +126,7 @@ class GatherFeatures(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _all_gather(x, -1, group, "forward")
+        return _gather_along(x, -1, group, "forward")
 
     @staticmethod
     def backward(ctx, grad):
@@ -202,7 +143,7 @@ class SplitFeatures(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, -1, ctx.group, "backward"), None
+        return _gather_along(grad, -1, ctx.group, "backward"), None
 
 
 class GatherSequenceThenLinears(torch.autograd.Function):
@@ -216,7 +157,7 @@ class GatherSequenceThenLinears(torch.autograd.Function):
     def forward(ctx, x, group, *weights_and_biases):
         ctx.group = group
         weights, biases = weights_and_biases[0::2], weights_and_biases[1::2]
-        full = _all_gather(x, SEQUENCE_DIM, group, "forward")
+        full = _gather_along(x, SEQUENCE_DIM, group, "forward")
         ctx.save_for_backward(x, *weights)
         ctx.has_bias = [bias is not None for bias in biases]
         return tuple(F.linear(full, w, b) for w, b in zip(weights, biases, strict=True))
@@ -224,9 +165,9 @@ class GatherSequenceThenLinears(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         x, *weights = ctx.saved_tensors
-        full = _all_gather(x, SEQUENCE_DIM, ctx.group, "backward").flatten(0, -2)
+        full = _gather_along(x, SEQUENCE_DIM, ctx.group, "backward").flatten(0, -2)
         grad_full = sum(grad @ w for grad, w in zip(grads, weights, strict=True))
-        grad_x = _reduce_scatter(grad_full, SEQUENCE_DIM, ctx.group, "backward")
+        grad_x = _reduce_scatter_along(grad_full, SEQUENCE_DIM, ctx.group, "backward")
         param_grads = []
         for grad, has_bias in zip(grads, ctx.has_bias, strict=True):
             grad = grad.flatten(0, -2)
@@ -302,9 +243,9 @@ class ColumnParallelLinear(nn.Module):
     @torch.no_grad()
     def full_weights(self) -> dict[str, torch.Tensor]:
         """The unsharded layer's weight (and bias), gathered on every rank."""
-        full = {"weight": _all_gather(self.weight, 0, self.group, "forward")}
+        full = {"weight": _gather_along(self.weight, 0, self.group, "forward")}
         if self.bias is not None:
-            full["bias"] = _all_gather(self.bias, 0, self.group, "forward")
+            full["bias"] = _gather_along(self.bias, 0, self.group, "forward")
         return full
 
 
@@ -354,7 +295,7 @@ class RowParallelLinear(nn.Module):
 
     @torch.no_grad()
     def full_weights(self) -> dict[str, torch.Tensor]:
-        full = {"weight": _all_gather(self.weight, 1, self.group, "forward")}
+        full = {"weight": _gather_along(self.weight, 1, self.group, "forward")}
         if self.bias is not None:
             full["bias"] = self.bias.detach().clone()
         return full

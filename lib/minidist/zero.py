@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from minidist import sharding
+from minidist._checks import require_process_group
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -35,7 +36,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     Use it like any optimizer: `loss.backward(); optimizer.step(); optimizer.zero_grad()`.
     Do not also average gradients (no DDP): the reduce-scatter does it. `ring=True` uses
-    minidist's send/recv rings so `comm.count_bytes()` can count the traffic.
+    minidist's send/recv rings so `comm.count_traffic()` can count the traffic.
     """
 
     def __init__(self, params: Iterable[torch.nn.Parameter], optimizer_cls: type,
@@ -48,7 +49,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if not self.params:
             raise ValueError("ZeroOptimizer got no parameters that require gradients")
         self.stage, self.group, self.ring = stage, group, ring
-        self.world_size = dist.get_world_size(group) if dist.is_initialized() else 0
+        require_process_group("ZeroOptimizer")
+        self.world_size = dist.get_world_size(group)
         # The fp32 master slice of each parameter: what the wrapped optimizer updates.
         self.shards = []
         for p in self.params:

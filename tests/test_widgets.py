@@ -1,17 +1,11 @@
-"""The lab's live calculators, driven like a student would, without a browser."""
+"""Lab 02's live widgets, driven like a student would, without a browser."""
 
 import matplotlib
 import pytest
 
-from minidist import memory
-from minidist.calculators import (
-    BubbleExplorer,
-    MemoryCalculator,
-    draw_timeline,
-    pipeline_timeline,
-    rank_memory,
-)
+from minidist import memory, pipeline, widgets
 from minidist.planner import MODELS
+from minidist.widgets import BubbleExplorer, MemoryCalculator, memory_by_zero_stage
 
 matplotlib.use("Agg")
 
@@ -62,36 +56,49 @@ def test_memory_calculator_reports_impossible_layouts():
     assert calculator.figure is not None
 
 
-def test_rank_memory_pipeline_keeps_first_stage_activations():
-    one = rank_memory(MODELS["70B"], dp=8, tp=8, pp=1, recompute="selective")[1]
-    eight = rank_memory(MODELS["70B"], dp=1, tp=8, pp=8, recompute="selective")[1]
+def test_memory_by_zero_stage_pipeline_keeps_first_rank_activations():
+    one = memory_by_zero_stage(MODELS["70B"], dp=8, tp=8, pp=1, recompute="selective")[1]
+    eight = memory_by_zero_stage(MODELS["70B"], dp=1, tp=8, pp=8, recompute="selective")[1]
     assert eight.params == one.params / 8
-    logits = 4 * 4096 * 32000 / 8  # on the last stage, which is also the first when pp=1
+    logits = 4 * 4096 * 32000 / 8  # on the last rank, which is also the first when pp=1
     assert eight.activations == pytest.approx(one.activations - logits)
 
 
 def test_bubble_explorer_measures_and_prints_the_bubble():
-    explorer = BubbleExplorer(schedule="gpipe", stages=4, microbatches=1)
+    explorer = BubbleExplorer(schedule="gpipe", ranks=4, microbatches=1)
     assert "75.0% of the timeline measured, 75.0% by bubble_fraction" in explorer.message
     explorer.controls["microbatches"].value = 8
     assert "27.3%" in explorer.message and "37.5% relative to ideal" in explorer.message
-    assert len(explorer.data) == 4 * 8 * 2  # F and B per stage per microbatch
+    spans = [span for spans in explorer.data.spans for span in spans]
+    assert len(spans) == 4 * 8 * 2  # F and B per rank per microbatch
     explorer.controls["schedule"].value = "zb-h1"
     assert "11.1% of the timeline" in explorer.message  # 3 / (3·8 + 3)
-    assert {op.kind for op in explorer.data} == {"F", "B", "W"}
+    assert {span.action.kind for spans in explorer.data.spans for span in spans} == {"F", "B", "W"}
     explorer.controls["schedule"].value = "interleaved"
     explorer.controls["chunks"].value = 2
-    assert f"{memory.bubble_fraction('interleaved', 4, 8, 2):.1%}" in explorer.message
+    assert f"{pipeline.bubble_fraction('interleaved', 4, 8, 2):.1%}" in explorer.message
     explorer.controls["microbatches"].value = 6
     assert explorer.figure is None
-    assert "microbatches=6 is not a multiple of stages=4" in explorer.message
+    assert "microbatches=6 is not a multiple of ranks=4" in explorer.message
     explorer.controls["schedule"].value = "1f1b"  # chunks only apply to interleaved
     assert explorer.figure is not None and "bubble" in explorer.message
 
 
-def test_timeline_figure_has_a_box_per_pass():
-    ops = pipeline_timeline("1f1b", 3, 4)
-    figure = draw_timeline(ops, "1f1b")
-    assert len(figure.axes[0].patches) == len(ops) == 3 * 4 * 2
-    with pytest.raises(ValueError, match="schedule='zb-h2' has no timeline"):
-        pipeline_timeline("zb-h2", 4, 8)
+def test_bubble_explorer_and_lab_06_simulator_agree(monkeypatch):
+    """Lab 02's explorer and Lab 06 (pipeline.simulate on pipeline.schedule) give the same
+    timeline and bubble for every schedule the explorer offers, across its p, m and v."""
+    monkeypatch.setattr(widgets.gantt, "draw", lambda timeline: None)  # bubbles, not pictures
+    explorer = BubbleExplorer()
+    assert list(explorer.controls["schedule"].options) == ["gpipe", "1f1b", "interleaved", "zb-h1"]
+    for name in explorer.controls["schedule"].options:
+        for p in (1, 2, 3, 4, 8):
+            for m in sorted({1, p, 2 * p, 32}):
+                for v in ((1, 2, 4) if name == "interleaved" else (1,)):
+                    if (name == "interleaved" and m % p) or (name == "zb-h1" and m < p):
+                        continue  # the explorer says why these are not possible
+                    explorer = BubbleExplorer(name, p, m, v)
+                    lab_06 = pipeline.simulate(pipeline.schedule(name, p, m, v))
+                    assert explorer.data.spans == lab_06.spans, (name, p, m, v)
+                    assert explorer.data.bubble_fraction == lab_06.bubble_fraction
+                    assert explorer.data.bubble_fraction == pytest.approx(
+                        pipeline.bubble_fraction(name, p, m, v)), (name, p, m, v)

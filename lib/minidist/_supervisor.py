@@ -1,0 +1,435 @@
+"""Process supervision for `minidist.launch.run` in a notebook or a plain script: start the
+ranks, forward their output, collect their results or failures, and kill them at the end.
+
+Nothing here is course material: `minidist.launch` is what a rank is and what `run` does.
+This module only reports what happened (`RanksFailed`, `RanksStuck`, or the results);
+`minidist.launch` turns that into the errors a student reads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import faulthandler
+import multiprocessing
+import multiprocessing.connection
+import os
+import re
+import signal
+import sys
+import threading
+import time
+import traceback
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+
+_FAILURE_GRACE_S = 0.5  # after the first failure, how long to collect the others before killing
+_STACK_DUMP_WAIT_S = 0.5  # how long stuck ranks get to print their stacks after SIGUSR1
+_EXIT_WAIT_S = 5.0  # how long finished ranks get to leave their process group and exit
+
+
+@dataclass(order=True)
+class Failure:
+    """One rank's failure, as the rank reported it (or as its exit showed it)."""
+
+    peer_error: bool  # broke because another rank went away, not on its own
+    when: float
+    rank: int
+    description: str = field(compare=False)
+    # The rank's own frames (source lines left for the caller to look up: only the caller's
+    # linecache holds notebook cells) and its exception, formatted.
+    frames: list[traceback.FrameSummary] = field(compare=False, default_factory=list)
+    exception: str = field(compare=False, default="")
+
+
+class RanksFailed(Exception):
+    """Ranks failed; `.failures` lists every failure seen before they were all killed, earliest
+    own failure first; `.running` the ranks that were still running then."""
+
+    def __init__(self, failures: list[Failure], running: list[int]):
+        super().__init__(f"{len(failures)} rank(s) failed")
+        self.failures = failures
+        self.running = running
+
+
+class RanksStuck(Exception):
+    """Ranks did not finish in time. `.stuck` maps each to its stack, innermost frame last, as
+    (filename, line number, function) without the launcher's frames; `.finished` lists the
+    ranks that did finish."""
+
+    def __init__(self, stuck: dict[int, list[tuple[str, int, str]]], finished: list[int]):
+        super().__init__(f"rank(s) {sorted(stuck)} did not finish")
+        self.stuck = stuck
+        self.finished = finished
+
+
+def _fork_server() -> multiprocessing.context.ForkServerContext:
+    """A process that imported torch once and forks ranks on demand; started on first use.
+
+    It exits once the process that started it and all ranks are gone.
+    """
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "torch.distributed", "cloudpickle", __name__])
+    return context
+
+
+@contextlib.contextmanager
+def _main_module_hidden():
+    """Stop multiprocessing from re-running the caller's script in each rank.
+
+    It does so to find functions defined there, which is why scripts normally need an
+    `if __name__ == "__main__":` guard; cloudpickle already ships such functions by value.
+    """
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
+
+
+@dataclass
+class _RankSpec:
+    """What a rank process needs to start; pickled across the fork server."""
+
+    rank: int
+    world_size: int
+    backend: str
+    store_port: int
+    timeout: float
+    payload: bytes  # cloudpickle of (fn, args, kwargs)
+    sys_path: list[str]
+    cwd: str
+
+
+@dataclass
+class _RankProcess:
+    """The parent's handle on one rank: its process, pipes and what it reported."""
+
+    rank: int
+    process: multiprocessing.process.BaseProcess
+    stdout: multiprocessing.connection.Connection
+    stderr: multiprocessing.connection.Connection
+    control: multiprocessing.connection.Connection
+    lifeline: multiprocessing.connection.Connection  # closing it kills the rank
+    partial_lines: dict[int, bytes] = field(default_factory=dict)
+    captured_stderr: list[str] | None = None  # set while collecting a stack dump
+    result: bytes | None = None
+    reported_error: bool = False
+    finished: bool = False
+
+
+class Supervisor:
+    """Starts the ranks, forwards their output, collects results, and kills them at the end."""
+
+    def __init__(self, fn, world_size, args, kwargs, backend, timeout):
+        try:
+            payload = cloudpickle.dumps((fn, args, kwargs))
+        except Exception as error:
+            raise ValueError(
+                f"cannot send {getattr(fn, '__name__', fn)!r} and its arguments to the ranks: "
+                f"{error}. Pass plain data (tensors, numbers, lists) as arguments."
+            ) from error
+        self.world_size = world_size
+        self.timeout = timeout
+        # The store is the rendezvous point: binding port 0 lets the OS pick a free port, so
+        # runs in a row or at the same time never collide.
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        context = _fork_server()
+        self.ranks: list[_RankProcess] = []
+        for rank in range(world_size):
+            spec = _RankSpec(
+                rank, world_size, backend, self.store.port, timeout, payload, list(sys.path),
+                os.getcwd(),
+            )
+            stdout_r, stdout_w = context.Pipe(duplex=False)
+            stderr_r, stderr_w = context.Pipe(duplex=False)
+            control, child_control = context.Pipe()
+            child_lifeline, lifeline = context.Pipe(duplex=False)
+            process = context.Process(
+                target=_rank_main,
+                args=(spec, stdout_w, stderr_w, child_control, child_lifeline),
+                name=f"minidist-rank{rank}",
+                daemon=True,
+            )
+            self.ranks.append(_RankProcess(rank, process, stdout_r, stderr_r, control, lifeline))
+            with _main_module_hidden():
+                process.start()
+            for child_end in (stdout_w, stderr_w, child_control, child_lifeline):
+                child_end.close()
+
+    def run(self) -> list[Any]:
+        try:
+            self._wait_for_results()
+            for rank in self.ranks:
+                rank.control.send("release")
+            self._wait_for_exit()
+            return [cloudpickle.loads(rank.result) for rank in self.ranks]
+        finally:
+            self._kill_all()
+            del self.store
+
+    # The parent's only loop: everything it waits on (pipes, process exits) goes through one
+    # `wait`, in the caller's thread, so output lands in the notebook cell that called `run`.
+    def _poll(self, timeout: float) -> list[Failure]:
+        sources = {}
+        for rank in self.ranks:
+            for pipe in (rank.stdout, rank.stderr, rank.control):
+                if not pipe.closed:
+                    sources[pipe] = rank
+            if not rank.finished:
+                sources[rank.process.sentinel] = rank
+        failures = []
+        for source in multiprocessing.connection.wait(list(sources), max(timeout, 0)):
+            rank = sources[source]
+            if source is rank.control:
+                failures += self._on_control(rank)
+            elif source in (rank.stdout, rank.stderr):
+                self._forward_output(rank, source)
+            elif not rank.finished:
+                failures += self._on_exit(rank)
+        return failures
+
+    def _wait_for_results(self) -> None:
+        deadline = time.monotonic() + self.timeout
+        failures: list[Failure] = []
+        while any(rank.result is None for rank in self.ranks):
+            remaining = deadline - time.monotonic()
+            if failures:
+                # Keep listening briefly: the rank that failed first may report a moment later
+                # than the peers whose connections broke because of it.
+                grace_left = min(f.when for f in failures) + _FAILURE_GRACE_S - time.time()
+                if grace_left <= 0:
+                    raise self._failure_error(failures)
+                remaining = min(remaining, grace_left)
+            elif remaining <= 0:
+                raise self._timeout_error()
+            failures += self._poll(remaining)
+
+    def _wait_for_exit(self) -> None:
+        deadline = time.monotonic() + _EXIT_WAIT_S
+        while any(not rank.finished for rank in self.ranks) and time.monotonic() < deadline:
+            self._poll(deadline - time.monotonic())
+        for rank in self.ranks:
+            self._drain_output(rank)
+
+    def _on_control(self, rank: _RankProcess) -> list[Failure]:
+        try:
+            message = rank.control.recv()
+        except (EOFError, OSError):
+            rank.control.close()
+            return []
+        if message[0] == "result":
+            rank.result = message[1]
+            return []
+        _, when, peer_error, description, frames, exception_text = message
+        rank.reported_error = True
+        return [Failure(peer_error, when, rank.rank, description, frames, exception_text)]
+
+    def _on_exit(self, rank: _RankProcess) -> list[Failure]:
+        rank.finished = True
+        # Read what the rank said before it died: its error report may still be in the pipe.
+        self._drain_output(rank)
+        unread = not rank.control.closed and rank.control.poll(0)
+        failures = self._on_control(rank) if unread else []
+        if rank.result is not None or rank.reported_error:
+            return failures
+        code = rank.process.exitcode
+        how = (
+            f"was killed by {signal.Signals(-code).name}"
+            if code is not None and code < 0
+            else f"exited with code {code}"
+        )
+        return [Failure(False, time.time(), rank.rank, f"the process {how} before returning")]
+
+    def _forward_output(self, rank: _RankProcess, pipe) -> None:
+        try:
+            data = os.read(pipe.fileno(), 1 << 16)
+        except OSError:
+            data = b""
+        if not data:
+            self._flush_partial(rank, pipe)
+            pipe.close()
+            return
+        *lines, rank.partial_lines[pipe.fileno()] = (
+            rank.partial_lines.get(pipe.fileno(), b"") + data
+        ).split(b"\n")
+        self._emit(rank, pipe, lines)
+
+    def _flush_partial(self, rank: _RankProcess, pipe) -> None:
+        rest = rank.partial_lines.pop(pipe.fileno(), b"")
+        if rest:
+            self._emit(rank, pipe, [rest])
+
+    def _emit(self, rank: _RankProcess, pipe, lines: list[bytes]) -> None:
+        text = [line.decode(errors="replace") for line in lines]
+        if pipe is rank.stderr and rank.captured_stderr is not None:
+            rank.captured_stderr += text
+            return
+        stream = sys.stderr if pipe is rank.stderr else sys.stdout
+        stream.write("".join(f"[rank{rank.rank}] {line}\n" for line in text))
+        stream.flush()
+
+    def _drain_output(self, rank: _RankProcess) -> None:
+        for pipe in (rank.stdout, rank.stderr):
+            while not pipe.closed and pipe.poll(0):
+                self._forward_output(rank, pipe)
+
+    def _failure_error(self, failures: list[Failure]) -> RanksFailed:
+        failed = {failure.rank for failure in failures}
+        running = [rank.rank for rank in self.ranks
+                   if rank.result is None and rank.rank not in failed]
+        self._kill_all()
+        return RanksFailed(sorted(failures), running)
+
+    def _timeout_error(self) -> RanksStuck:
+        stuck = [rank for rank in self.ranks if rank.result is None]
+        for rank in stuck:
+            rank.captured_stderr = []
+            _signal(rank.process.pid, signal.SIGUSR1)  # faulthandler prints the rank's stack
+        deadline = time.monotonic() + _STACK_DUMP_WAIT_S
+        while time.monotonic() < deadline:
+            self._poll(deadline - time.monotonic())
+        self._kill_all()
+        return RanksStuck({rank.rank: _user_frames(rank.captured_stderr or []) for rank in stuck},
+                          [rank.rank for rank in self.ranks if rank.result is not None])
+
+    def _kill_all(self) -> None:
+        for rank in self.ranks:
+            if rank.process.exitcode is None and rank.process.pid is not None:
+                _signal(rank.process.pid, signal.SIGKILL, whole_group=True)
+        for rank in self.ranks:
+            rank.process.join(timeout=_EXIT_WAIT_S)
+            rank.finished = True
+            for pipe in (rank.stdout, rank.stderr):
+                if not pipe.closed:
+                    self._drain_output(rank)
+            for pipe in (rank.stdout, rank.stderr, rank.control, rank.lifeline):
+                pipe.close()
+
+
+def _signal(pid: int, signum: int, whole_group: bool = False) -> None:
+    try:
+        if whole_group:
+            os.killpg(pid, signum)  # each rank leads its own process group
+        else:
+            os.kill(pid, signum)
+    except ProcessLookupError:
+        pass
+
+
+def _user_frames(dump: list[str]) -> list[tuple[str, int, str]]:
+    """faulthandler's dump (innermost frame first) as (filename, line, function), outermost
+    first, without the launcher's frames."""
+    launcher_frames = ("multiprocessing", "minidist/_supervisor.py", '"<string>"')
+    frames = []
+    for line in dump:
+        frame = re.match(r'\s*File "(.+)", line (\d+) in (.+)', line)
+        if frame and not any(skip in line for skip in launcher_frames):
+            filename, lineno, function = frame.groups()
+            frames.append((filename, int(lineno), function))
+    return frames[::-1]
+
+
+# --- Inside a rank process ---------------------------------------------------------------------
+
+
+def _die_with_caller(lifeline: multiprocessing.connection.Connection) -> None:
+    """Kill this rank, and anything it started, once the caller's end of `lifeline` closes.
+
+    The caller never writes to it; its end closes when the caller exits, however it exits
+    (even SIGKILL), so no rank outlives the notebook kernel that started it.
+    """
+    try:
+        lifeline.recv_bytes()
+    except EOFError:
+        pass
+    os.killpg(0, signal.SIGKILL)
+
+
+def _is_peer_error(error: BaseException) -> bool:
+    """True for errors that mean "another rank went away", not a bug on this rank."""
+    text = str(error).lower()
+    phrases = ("connection closed by peer", "connection reset", "broken pipe")
+    return isinstance(error, dist.DistError) or any(phrase in text for phrase in phrases)
+
+
+def _rank_main(spec: _RankSpec, stdout_w, stderr_w, control, lifeline) -> None:
+    os.setsid()  # own process group, so the parent can kill anything this rank starts
+    threading.Thread(target=_die_with_caller, args=(lifeline,), daemon=True).start()
+    os.dup2(stdout_w.fileno(), 1)
+    os.dup2(stderr_w.fileno(), 2)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    faulthandler.enable()
+    faulthandler.register(signal.SIGUSR1, all_threads=False)
+    sys.path[:] = spec.sys_path
+    os.chdir(spec.cwd)
+    os.environ.update(
+        RANK=str(spec.rank),
+        LOCAL_RANK=str(spec.rank),
+        WORLD_SIZE=str(spec.world_size),
+        LOCAL_WORLD_SIZE=str(spec.world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(spec.store_port),
+        OMP_NUM_THREADS="1",
+    )
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo" if sys.platform.startswith("linux") else "lo0")
+    torch.set_num_threads(1)
+    try:
+        fn, args, kwargs = cloudpickle.loads(spec.payload)
+        if spec.backend == "nccl":
+            torch.cuda.set_device(spec.rank)
+        store = dist.TCPStore(
+            "127.0.0.1", spec.store_port, is_master=False,
+            timeout=datetime.timedelta(seconds=spec.timeout),
+        )
+        # The process group's own timeout is longer than the parent's, so a hang is reported by
+        # the parent (naming the stuck ranks) rather than by gloo/nccl on some random rank.
+        dist.init_process_group(
+            spec.backend, store=store, rank=spec.rank, world_size=spec.world_size,
+            timeout=datetime.timedelta(seconds=spec.timeout + 60),
+        )
+        result = fn(spec.rank, spec.world_size, *args, **kwargs)
+        payload = cloudpickle.dumps(to_cpu(result))
+    except BaseException as error:
+        sys.stdout.flush()
+        control.send((
+            "error", time.time(), _is_peer_error(error),
+            f"{type(error).__name__}: {error}".splitlines()[0], *_rank_traceback(error),
+        ))
+        # Stay, connections open, until the caller stops every rank: the peers then fail on
+        # their own or not at all, never merely because this rank vanished under them.
+        with contextlib.suppress(EOFError, OSError):
+            control.recv()
+        os._exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    control.send(("result", payload))
+    control.recv()  # "release": stay in the group until every rank is done
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def _rank_traceback(error: BaseException) -> tuple[list[traceback.FrameSummary], str]:
+    """The user's frames (source lines left for the caller to look up) and the exception."""
+    stack = traceback.StackSummary.extract(traceback.walk_tb(error.__traceback__),
+                                           lookup_lines=False)
+    frames = [frame for frame in stack if not frame.filename.endswith("minidist/_supervisor.py")]
+    return frames, "".join(traceback.format_exception_only(error))
+
+
+def to_cpu(value: Any) -> Any:
+    """Move tensors in a (nested) result to the CPU, so the caller never touches a rank's GPU."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if type(value) in (list, tuple):
+        return type(value)(to_cpu(item) for item in value)
+    if isinstance(value, dict):
+        return {key: to_cpu(item) for key, item in value.items()}
+    return value

@@ -1,0 +1,131 @@
+"""What each parallelism sends per step: collectives as records, and their totals.
+
+A `Collective` is one record, whether predicted here from sizes or counted on real ranks by
+`minidist.comm.count_traffic()`: `count` runs of collective `op` on a tensor of `nbytes` bytes
+over a group of `group` ranks. `Traffic` adds records up two ways: `volume`, the bytes per rank
+as N → ∞ that ZeRO §7 counts (2S per all-reduce), and `bytes_sent`, with the ring's (N-1)/N
+factors (`minidist.cost`).
+
+Sources:
+  ZeRO       Rajbhandari et al., SC 2020 (§7 communication).
+  Megatron   Shoeybi et al., "Megatron-LM", 2019 (§3, tensor parallel).
+  Korthikanti Korthikanti et al., MLSys 2023 (§4.2.2, sequence parallel).
+  Narayanan  Narayanan et al., SC 2021 (§2.2 and §3, pipeline parallel).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from minidist._checks import one_of, positive, positive_int
+from minidist.cost import ring_bytes_sent
+
+
+@dataclass(frozen=True)
+class Collective:
+    """`count` runs of collective `op` on a tensor of `nbytes` bytes over `group` ranks;
+    `when` says where in the step (e.g. "forward", "gradients, after backward")."""
+
+    op: str  # "all_reduce", "reduce_scatter", "all_gather", "broadcast" or "send"
+    nbytes: float  # the full tensor reduced or produced (the message, for send)
+    group: int  # ranks in the group (2 for a point-to-point send)
+    count: int = 1
+    when: str = ""
+
+    @property
+    def bytes_sent(self) -> float:
+        """Bytes each rank sends: ring algorithms (minidist.cost), or the message for send.
+        A broadcast has none: its root sends more than the other ranks."""
+        if self.op == "send":
+            return self.count * self.nbytes
+        return self.count * ring_bytes_sent(self.op, self.nbytes, self.group)
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """The collectives of one training step (or one layer), and what they add up to."""
+
+    collectives: tuple[Collective, ...]
+
+    @property
+    def volume(self) -> float:
+        """The bytes a rank sends as N → ∞, the measure ZeRO §7 counts: 2S per all-reduce
+        (a reduce-scatter plus an all-gather), S per reduce-scatter, all-gather or send. DDP:
+        2Ψ elements; ZeRO-3: 3Ψ."""
+        return sum(c.count * c.nbytes * (2 if c.op == "all_reduce" else 1)
+                   for c in self.collectives)
+
+    @property
+    def bytes_sent(self) -> float:
+        """Bytes each rank actually sends, with the ring's (N-1)/N factors."""
+        return sum(c.bytes_sent for c in self.collectives)
+
+
+def data_parallel_traffic(num_params: float, dp: int, zero_stage: int = 0,
+                          bytes_per_element: int = 2, microbatches: int = 1) -> Traffic:
+    """Gradient and parameter traffic of one step of data parallelism over N = `dp` ranks.
+
+    ZeRO §7: DDP all-reduces the gradients (a reduce-scatter plus an all-gather: 2Ψ
+    elements); ZeRO-1 and ZeRO-2 reduce-scatter the gradients and all-gather the updated
+    parameters (2Ψ, the same); ZeRO-3 all-gathers the parameters in forward and again in
+    backward and reduce-scatters the gradients (3Ψ, 1.5x).
+
+    With `microbatches` > 1 (gradient accumulation) DDP and ZeRO-1 accumulate full local
+    gradients and communicate once per step; ZeRO-2 keeps only its gradient shard, so it
+    reduce-scatters after every microbatch; ZeRO-3 gathers the parameters for every
+    microbatch's forward and backward, and reduce-scatters its gradients each time.
+    """
+    positive(num_params=num_params)
+    positive_int(dp=dp, bytes_per_element=bytes_per_element, microbatches=microbatches)
+    one_of("zero_stage", zero_stage, (0, 1, 2, 3))
+    size, m = num_params * bytes_per_element, microbatches
+    if zero_stage == 0:
+        collectives = [Collective("all_reduce", size, dp, 1, "gradients, after backward")]
+    elif zero_stage == 1:
+        collectives = [Collective("reduce_scatter", size, dp, 1, "gradients, after backward"),
+                       Collective("all_gather", size, dp, 1, "parameters, after the step")]
+    elif zero_stage == 2:
+        collectives = [Collective("reduce_scatter", size, dp, m, "gradients, every backward"),
+                       Collective("all_gather", size, dp, 1, "parameters, after the step")]
+    else:
+        collectives = [Collective("all_gather", size, dp, m, "parameters, every forward"),
+                       Collective("all_gather", size, dp, m, "parameters, every backward"),
+                       Collective("reduce_scatter", size, dp, m, "gradients, every backward")]
+    return Traffic(tuple(collectives))
+
+
+def tensor_parallel_traffic(seq_len: int, micro_batch: int, hidden: int, tp: int,
+                            sequence_parallel: bool = False,
+                            bytes_per_element: int = 2) -> Traffic:
+    """Traffic of one transformer layer, one microbatch, forward and backward.
+
+    Megatron §3: attention and MLP each end in an all-reduce forward (g) and start with one
+    in backward (f): 2 + 2 all-reduces of b·s·h elements per layer. With sequence parallelism
+    (Korthikanti §4.2.2) each all-reduce becomes a reduce-scatter plus an all-gather: the
+    same bytes. Full recompute repeats the forward's two.
+    """
+    positive_int(seq_len=seq_len, micro_batch=micro_batch, hidden=hidden, tp=tp,
+                  bytes_per_element=bytes_per_element)
+    size = seq_len * micro_batch * hidden * bytes_per_element
+    if not sequence_parallel:
+        return Traffic((Collective("all_reduce", size, tp, 2, "forward, after attention, MLP"),
+                        Collective("all_reduce", size, tp, 2, "backward, before attention, MLP")))
+    return Traffic((Collective("all_gather", size, tp, 2, "forward, before attention, MLP"),
+                    Collective("reduce_scatter", size, tp, 2, "forward, after attention, MLP"),
+                    Collective("all_gather", size, tp, 2, "backward, of the reduce-scatters"),
+                    Collective("reduce_scatter", size, tp, 2, "backward, of the all-gathers")))
+
+
+def pipeline_traffic(seq_len: int, micro_batch: int, hidden: int, microbatches: int = 1,
+                     chunks: int = 1, bytes_per_element: int = 2) -> Traffic:
+    """Point-to-point traffic a pipeline rank sends per step (Narayanan §2.2, §3).
+
+    Each microbatch crosses each stage boundary as a b·s·h activation forward and its
+    gradient backward. A rank with v chunks sends across v boundaries: v times the traffic of
+    the plain schedule."""
+    positive_int(seq_len=seq_len, micro_batch=micro_batch, hidden=hidden,
+                  microbatches=microbatches, chunks=chunks, bytes_per_element=bytes_per_element)
+    size = seq_len * micro_batch * hidden * bytes_per_element
+    n = microbatches * chunks
+    return Traffic((Collective("send", size, 2, n, "activations, forward"),
+                    Collective("send", size, 2, n, "gradients, backward")))

@@ -1,0 +1,192 @@
+"""Lab 02's live widgets: a memory calculator and a pipeline-bubble explorer.
+
+    display(MemoryCalculator().widget)     # sliders -> stacked bars against the GPU's memory
+    display(BubbleExplorer().widget)       # schedule, p, m, v -> timeline and bubble
+
+Each widget is a function from values to data (`memory_by_zero_stage`, or
+`minidist.pipeline.simulate`), a function from data to a figure (`draw_memory`, or
+`minidist.gantt.draw`), and a thin widget that calls them when a control moves. Tests set
+`widget.controls[name].value` and read `widget.data`, `widget.figure` and `widget.message`; no
+browser is needed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from minidist import gantt, memory, pipeline
+from minidist.planner import MODELS, Layout, MemoryEstimate, Model, pipeline_rank_memory
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+# --- Memory per rank --------------------------------------------------------------------------
+
+
+def memory_by_zero_stage(model: Model, dp: int = 8, tp: int = 1, pp: int = 1,
+                         seq_len: int | None = None, micro_batch: int = 1,
+                         recompute: str | None = None) -> dict[int, MemoryEstimate]:
+    """Bytes on the first pipeline rank's GPUs for each ZeRO stage 0-3 (1F1B, m >= p
+    microbatches, so that rank holds p of them), by `minidist.planner.pipeline_rank_memory`."""
+    if seq_len is not None:
+        model = replace(model, seq_len=seq_len)
+    if model.layers % pp:
+        raise ValueError(f"pp={pp} does not divide layers={model.layers}: stages need equal "
+                         "numbers of layers")
+    return {zero: pipeline_rank_memory(Layout(tp, pp, dp, zero, micro_batch, pp, recompute),
+                                       model, 0)
+            for zero in range(4)}
+
+
+PARTS = (("params", "parameters", "tab:blue"), ("grads", "gradients", "tab:orange"),
+         ("optimizer", "optimizer state", "tab:green"), ("activations", "activations", "tab:red"))
+
+
+def draw_memory(estimates: dict[int, MemoryEstimate], gpu_memory: float,
+                selected: int | None = None, title: str = "") -> Figure:
+    """Stacked bars of params, grads, optimizer state and activations per ZeRO stage, in GB,
+    with the GPU's memory as a dashed line; the `selected` stage is outlined."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    stages = sorted(estimates)
+    bottoms = [0.0] * len(stages)
+    for attribute, label, color in PARTS:
+        heights = [getattr(estimates[s], attribute) / memory.GB for s in stages]
+        ax.bar([f"ZeRO-{s}" for s in stages], heights, bottom=bottoms, label=label, color=color)
+        bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+    for i, s in enumerate(stages):
+        ax.text(i, bottoms[i], f"{bottoms[i]:.1f}", ha="center", va="bottom", fontsize=8)
+        if s == selected:
+            ax.bar(i, bottoms[i], fill=False, edgecolor="black", linewidth=2.5)
+    ax.axhline(gpu_memory / memory.GB, color="black", linestyle="--",
+               label=f"GPU memory ({gpu_memory / memory.GB:.0f} GB)")
+    ax.set_ylabel("GB per GPU (1 GB = 1e9 bytes)")
+    ax.set_ylim(0, max(max(bottoms), gpu_memory / memory.GB) * 1.15)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    return fig
+
+
+# --- Widgets ----------------------------------------------------------------------------------
+
+
+class _Widget:
+    """Controls, an output area, and `update()` rerun whenever a control moves."""
+
+    def __init__(self, controls: dict) -> None:
+        import ipywidgets as widgets
+
+        self.controls = controls
+        self.output = widgets.Output()
+        self.figure: Figure | None = None
+        self.message = ""
+        for control in controls.values():
+            control.observe(lambda change: self.update(), names="value")
+        self.widget = widgets.VBox([widgets.HBox(list(controls.values())[:4]),
+                                    widgets.HBox(list(controls.values())[4:]), self.output])
+        self.update()
+
+    def values(self) -> dict:
+        return {name: control.value for name, control in self.controls.items()}
+
+    def compute(self) -> tuple[object, Figure, str]:
+        raise NotImplementedError
+
+    def update(self) -> None:
+        import matplotlib.pyplot as plt
+        from IPython.display import clear_output, display
+
+        try:
+            self.data, self.figure, self.message = self.compute()
+        except ValueError as error:
+            self.data, self.figure, self.message = None, None, f"Not possible: {error}"
+        with self.output:
+            clear_output(wait=True)
+            print(self.message)
+            if self.figure is not None:
+                display(self.figure)
+        if self.figure is not None:
+            plt.close(self.figure)  # shown in the output area only, not again by the inline backend
+
+
+class MemoryCalculator(_Widget):
+    """Bytes per GPU for a model, ZeRO stage, DP size N, TP, PP, sequence length, micro-batch
+    and recompute; bars for every ZeRO stage, the selected one outlined."""
+
+    def __init__(self, model: str = "7B", zero_stage: int = 0, dp: int = 8, tp: int = 1,
+                 pp: int = 1, seq_len: int = 4096, micro_batch: int = 1,
+                 recompute: str | None = None, gpu_memory_gb: int = 80) -> None:
+        import ipywidgets as w
+
+        def powers(low: int, high: int) -> list[int]:
+            return [2**k for k in range(low, high + 1)]
+
+        style = {"description_width": "initial"}
+        super().__init__({
+            "model": w.SelectionSlider(options=list(MODELS), value=model, description="model",
+                                       style=style),
+            "zero_stage": w.IntSlider(zero_stage, 0, 3, description="ZeRO stage", style=style),
+            "dp": w.SelectionSlider(options=powers(0, 10), value=dp, description="N (DP)",
+                                    style=style),
+            "tp": w.SelectionSlider(options=powers(0, 4), value=tp, description="TP",
+                                    style=style),
+            "pp": w.SelectionSlider(options=powers(0, 4), value=pp, description="PP",
+                                    style=style),
+            "seq_len": w.SelectionSlider(options=powers(9, 15), value=seq_len,
+                                         description="sequence", style=style),
+            "micro_batch": w.SelectionSlider(options=powers(0, 4), value=micro_batch,
+                                             description="micro-batch", style=style),
+            "recompute": w.Dropdown(options=[("none", None), ("selective", "selective"),
+                                             ("full", "full")], value=recompute,
+                                    description="recompute", style=style),
+            "gpu_memory_gb": w.SelectionSlider(options=[24, 40, 80, 141], value=gpu_memory_gb,
+                                               description="GPU GB", style=style),
+        })
+
+    def compute(self) -> tuple[dict[int, MemoryEstimate], Figure, str]:
+        v = self.values()
+        model = MODELS[v["model"]]
+        estimates = memory_by_zero_stage(model, v["dp"], v["tp"], v["pp"], v["seq_len"],
+                                v["micro_batch"], v["recompute"])
+        gpu = v["gpu_memory_gb"] * memory.GB
+        chosen = estimates[v["zero_stage"]]
+        verdict = "fits" if chosen.total <= gpu else "does NOT fit"
+        message = (f"{v['model']} ({model.num_params / 1e9:g}B params), ZeRO-{v['zero_stage']}, "
+                   f"N={v['dp']}, TP={v['tp']}, PP={v['pp']}: {chosen.total / memory.GB:.1f} GB "
+                   f"per GPU on the first pipeline rank, {verdict} in {v['gpu_memory_gb']} GB")
+        title = (f"{v['model']}, s={v['seq_len']}, b={v['micro_batch']}, "
+                 f"recompute={v['recompute']}")
+        return estimates, draw_memory(estimates, gpu, v["zero_stage"], title), message
+
+
+class BubbleExplorer(_Widget):
+    """A schedule's timeline for p ranks, m microbatches and v chunks, simulated by
+    `minidist.pipeline.simulate` and drawn by `minidist.gantt.draw`, with its bubble measured
+    on the timeline and given by `minidist.pipeline.bubble_fraction`."""
+
+    def __init__(self, schedule: str = "1f1b", ranks: int = 4, microbatches: int = 8,
+                 chunks: int = 1) -> None:
+        import ipywidgets as w
+
+        generated = [name for name in pipeline.SCHEDULES if name != "zb-h2"]
+        super().__init__({
+            "schedule": w.Dropdown(options=generated, value=schedule, description="schedule"),
+            "ranks": w.IntSlider(ranks, 1, 8, description="p"),
+            "microbatches": w.IntSlider(microbatches, 1, 32, description="m"),
+            "chunks": w.IntSlider(chunks, 1, 4, description="v"),
+        })
+
+    def compute(self) -> tuple[pipeline.Timeline, Figure, str]:
+        v = self.values()
+        args = (v["schedule"], v["ranks"], v["microbatches"],
+                v["chunks"] if v["schedule"] == "interleaved" else 1)
+        formula = pipeline.bubble_fraction(*args)  # raises, saying why, where none is possible
+        relative = pipeline.bubble_relative_to_ideal(*args)
+        timeline = pipeline.simulate(pipeline.schedule(*args))
+        message = (f"bubble: {timeline.bubble_fraction:.1%} of the timeline measured, "
+                   f"{formula:.1%} by bubble_fraction (share of total time); {relative:.1%} "
+                   "relative to ideal")
+        return timeline, gantt.draw(timeline), message
