@@ -22,12 +22,12 @@ from matplotlib.axes import Axes  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.patches import FancyArrowPatch, Rectangle  # noqa: E402
 
-from minidist import gantt, memory, pipeline  # noqa: E402
-from minidist.calculators import draw_memory, rank_memory  # noqa: E402
+from minidist import gantt, memory, pipeline, traffic  # noqa: E402
 from minidist.cost import busbw_factor, collective_time, ring_bytes_sent  # noqa: E402
 from minidist.ddp import Event, assign_buckets, plot_timeline  # noqa: E402
 from minidist.diagrams import draw_collectives, draw_linear_splits  # noqa: E402
 from minidist.planner import MODELS, Cluster  # noqa: E402
+from minidist.widgets import draw_memory, memory_by_zero_stage  # noqa: E402
 
 GB = memory.GB
 H100 = Cluster.dgx_h100(64)
@@ -351,7 +351,7 @@ def zero_stages_7_5b() -> Figure:
 
 def memory_bars_7b() -> Figure:
     """minidist's memory calculator: a 7B model on 8 data-parallel ranks, per ZeRO stage."""
-    estimates = rank_memory(MODELS["7B"], dp=8, recompute="full")
+    estimates = memory_by_zero_stage(MODELS["7B"], dp=8, recompute="full")
     return draw_memory(estimates, H100.gpu_memory, selected=3,
                        title="7B model (s = 4096, b = 1, full recompute), 8 data-parallel ranks: "
                              "GB per GPU by ZeRO stage")
@@ -385,9 +385,9 @@ def comm_volume_by_stage() -> Figure:
     psi, n = MODELS["7B"].num_params, 8
     names = ["DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3 / FSDP"]
     for stage in range(len(names)):
-        traffic = memory.data_parallel_traffic(psi, n, stage)
+        volume = traffic.data_parallel_traffic(psi, n, stage)
         left = 0.0
-        for collective in traffic.collectives:
+        for collective in volume.collectives:
             value = collective.bytes_sent / GB
             color = {"all_reduce": "tab:purple", "reduce_scatter": "tab:orange",
                      "all_gather": "tab:green"}[collective.op]
@@ -395,7 +395,7 @@ def comm_volume_by_stage() -> Figure:
             ax.text(left + value / 2, stage, collective.op.replace("_", "-"), ha="center",
                     va="center", fontsize=10)
             left += value
-        ax.text(left + 0.3, stage, f"{left:.1f} GB  ({traffic.volume / psi / 2:g}Ψ elements)",
+        ax.text(left + 0.3, stage, f"{left:.1f} GB  ({volume.volume / psi / 2:g}Ψ elements)",
                 va="center", fontsize=11)
     ax.set_yticks(range(4), names)
     ax.invert_yaxis()
@@ -410,12 +410,12 @@ def bubble_against_m() -> Figure:
     """Both bubble fractions for p = 4, and the worked values."""
     fig, ax = plt.subplots(figsize=(10, 4))
     ms = list(range(1, 33))
-    total = [memory.bubble_fraction("1f1b", 4, m) for m in ms]
-    ideal = [memory.bubble_relative_to_ideal("1f1b", 4, m) for m in ms]
+    total = [pipeline.bubble_fraction("1f1b", 4, m) for m in ms]
+    ideal = [pipeline.bubble_relative_to_ideal("1f1b", 4, m) for m in ms]
     ax.plot(ms, total, lw=2.5, label="share of total time (p−1)/(m+p−1)")
     ax.plot(ms, ideal, lw=2.5, ls="--", label="relative to ideal time (p−1)/m")
     for m in (1, 8, 30):
-        value = memory.bubble_fraction("1f1b", 4, m)
+        value = pipeline.bubble_fraction("1f1b", 4, m)
         ax.plot(m, value, "o", color="black")
         ax.annotate(f"m={m}: {value:.1%}", (m, value), (m + 1.2, value + 0.18),
                     arrowprops={"arrowstyle": "->"}, fontsize=11)
@@ -747,9 +747,9 @@ def tensor_parallel_time_in_and_across_nodes() -> Figure:
         alpha, beta = H100.link(span)
         times = []
         for t in ts:
-            traffic = memory.tensor_parallel_traffic(model.seq_len, 1, model.hidden, t)
+            volume = traffic.tensor_parallel_traffic(model.seq_len, 1, model.hidden, t)
             times.append(sum(c.count * collective_time(c.op, c.nbytes, t, alpha, beta)
-                             for c in traffic.collectives) * 1e3)
+                             for c in volume.collectives) * 1e3)
         ax.plot(ts, times, "o-", lw=2.5, label=span_label)
     ax.set_xscale("log", base=2)
     ax.set_xticks([2, 4, 8, 16], ["2", "4", "8", "16"])
@@ -801,7 +801,7 @@ def inflight_by_stage() -> Figure:
     p, m = 4, 8
     names = ("gpipe", "1f1b", "zb-h1")
     for k, name in enumerate(names):
-        values = [memory.inflight_microbatches(name, p, m, i) for i in range(p)]
+        values = [pipeline.inflight_microbatches(name, p, m, i) for i in range(p)]
         ax.bar([i + (k - 1) * 0.27 for i in range(p)], values, width=0.27, label=name,
                color=COLORS(k))
         for i, value in enumerate(values):
