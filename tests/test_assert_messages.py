@@ -15,7 +15,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted(REPO.glob("solutions/*/*.ipynb"))
-HIDDEN = re.compile(r"^[ \t]*### BEGIN HIDDEN TESTS.*?^[ \t]*### END HIDDEN TESTS[^\n]*", re.M | re.S)
+HIDDEN = re.compile(
+    r"^[ \t]*### BEGIN HIDDEN TESTS.*?^[ \t]*### END HIDDEN TESTS[^\n]*", re.M | re.S
+)
 IPYTHON_LINE = re.compile(r"^[ \t]*[%!].*$", re.M)  # magics and shell escapes are not Python
 
 
@@ -35,7 +37,10 @@ def asserts_without_message(source: str) -> list[str]:
 
 
 def test_visible_source_drops_only_hidden_tests() -> None:
-    source = "assert a == 1, a\n### BEGIN HIDDEN TESTS\nassert b == 2\n### END HIDDEN TESTS\nassert c"
+    source = "\n".join(
+        ["assert a == 1, a", "### BEGIN HIDDEN TESTS", "assert b == 2", "### END HIDDEN TESTS",
+         "assert c"]
+    )
     assert asserts_without_message(source) == ["line 5: assert c"]
 
 
@@ -45,7 +50,8 @@ def test_every_visible_assert_has_a_message(notebook: Path) -> None:
     for cell in nbformat.read(notebook, as_version=nbformat.NO_CONVERT).cells:
         meta = cell.metadata.get("nbgrader", {})
         if cell.cell_type == "code" and meta.get("grade"):
-            missing += [f"{meta['grade_id']} {found}" for found in asserts_without_message(cell.source)]
+            found = asserts_without_message(cell.source)
+            missing += [f"{meta['grade_id']} {line}" for line in found]
     assert not missing, (
         f"{notebook.relative_to(REPO)}: give these asserts a message saying what was expected and "
         "what was got:\n" + "\n".join(missing)
