@@ -19,7 +19,6 @@ One module per idea:
     gantt   timelines of simulated or measured schedules
     models  the plain MLP, transformer block and tiny GPT every parallel version is checked on
     diagrams  pictures of the collectives and of tensor-parallel splits
-    grading  nbgrader feedback without hidden tests
 """
 
 __version__ = "0.1.0"
