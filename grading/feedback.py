@@ -26,7 +26,7 @@ from nbconvert.preprocessors import Preprocessor
 from nbformat.notebooknode import NotebookNode
 from nbgrader import utils
 from nbgrader.preprocessors import ClearHiddenTests
-from traitlets import List
+from traitlets import Bool, List
 
 # The feedback template's folder: GenerateFeedback's HTMLExporter looks here first.
 TEMPLATES = Path(__file__).resolve().parent / "templates"
@@ -102,6 +102,8 @@ _XMLNS = re.compile(r' xmlns="[^"]*"')  # HTML5 knows <math> without a namespace
 
 class MathToMathML(Preprocessor):
     """Replace the LaTeX in markdown cells with MathML, so feedback renders math offline."""
+
+    enabled = Bool(True, help="nbconvert's preprocessors are off unless enabled").tag(config=True)
 
     def preprocess_cell(
         self, cell: NotebookNode, resources: ResourcesDict, cell_index: int

@@ -104,8 +104,8 @@ def test_guide_runs_word_for_word_from_a_fresh_clone(guided: dict) -> None:
 def test_guide_explains_checksum_warnings_and_formgrader(guided: dict) -> None:
     guide = GUIDE.read_text()
     autograde = next(out for block, out in guided["outputs"].items() if "autograde" in block)
-    if "Checksum for" in autograde:
-        assert "Checksum for grade cell" in guide, "the guide should explain autograde's warning"
+    if "Attribute 'checksum' for cell" in autograde:
+        assert "Attribute 'checksum' for cell" in guide, "the guide should explain this warning"
     assert "Formgrader" in guide
 
 
