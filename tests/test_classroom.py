@@ -21,7 +21,7 @@ import nbformat
 import pytest
 import requests
 from nbgrader.api import Gradebook
-from test_grading import answered, read_notebook, secret_lines
+from test_grading import HIDDEN_TESTS, answered, read_notebook, secret_lines, split_region
 
 REPO = Path(__file__).resolve().parents[1]
 GUIDE = REPO / "solutions" / "README.md"
@@ -118,12 +118,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def all_text(folder: Path) -> str:
+def all_text(folder: Path, skip: tuple[str, ...] = ()) -> str:
     texts = []
     for path in folder.rglob("*"):
-        if path.is_file() and ".venv" not in path.parts:
+        parts = path.relative_to(folder).parts
+        if path.is_file() and ".venv" not in parts and parts[0] not in skip:
             texts.append(path.read_bytes().decode("utf-8", "replace"))
     return "\n".join(texts)
+
+
+def hidden_test_lines(notebook: Path) -> set[str]:
+    lines = set()
+    for cell in read_notebook(notebook).cells:
+        lines |= {line.strip() for line in split_region(cell.source, HIDDEN_TESTS)[1]}
+    return {line for line in lines if len(line) >= 6}
 
 
 def test_student_release_has_no_solutions_and_make_lab_opens_the_labs(guided: dict) -> None:
@@ -135,11 +143,15 @@ def test_student_release_has_no_solutions_and_make_lab_opens_the_labs(guided: di
     assert {"labs", "lib", "slides", "README.md", "requirements.txt", "Makefile"} <= names
     assert not list(release.rglob("gradebook.db"))
     text = all_text(release)
-    secrets = set()
-    for notebook in (clone / "solutions").glob("*/*.ipynb"):
-        secrets |= secret_lines(read_notebook(notebook))
-    assert not [line for line in secrets if line in text], "solution or hidden-test text leaked"
+    notebooks = sorted((clone / "solutions").glob("*/*.ipynb"))
+    hidden = set().union(*map(hidden_test_lines, notebooks))
+    assert hidden and not (found := sorted(line for line in hidden if line in text)), found
     assert "BEGIN HIDDEN TESTS" not in text and "BEGIN SOLUTION" not in text
+    # minidist (lib/) is the reference students compare their code with, by design; nothing
+    # else in the release may show a line of a solution.
+    secrets = set().union(*(secret_lines(read_notebook(path)) for path in notebooks))
+    outside_lib = all_text(release, skip=("lib",))
+    assert not (found := sorted(line for line in secrets if line in outside_lib)), found
     with tarfile.open(clone / "release" / "scaling-lab.tar.gz") as tarball:
         members = {name.split("/")[1] for name in tarball.getnames() if "/" in name}
     assert members == names
