@@ -150,7 +150,7 @@ def test_student_release_has_no_solutions_and_make_lab_opens_the_labs(guided: di
     released = "\n".join(path.read_text() for path in release.glob("labs/*/*.ipynb"))
     secrets = {
         line for path in notebooks for line in secret_lines(read_notebook(path))
-        if json.dumps(line)[1:-1] not in released
+        if json.dumps(line, ensure_ascii=False)[1:-1] not in released
     }
     hidden = secrets & set().union(*map(hidden_test_lines, notebooks))
     assert hidden and "BEGIN HIDDEN TESTS" not in text and "BEGIN SOLUTION" not in text
