@@ -40,8 +40,10 @@ c.CourseDirectory.release_directory = "labs"
 # nbgrader's gradebook shells out to `alembic`: find it next to this Python, so that
 # `.venv/bin/nbgrader` works without activating the venv.
 VENV_BIN = str(Path(sys.executable).parent)
-if VENV_BIN not in os.environ["PATH"].split(os.pathsep):
-    os.environ["PATH"] = os.pathsep.join([VENV_BIN, os.environ["PATH"]])
+# (A JupyterLab started by JupyterHub's SlurmSpawner may have no PATH at all.)
+PATH = os.environ.get("PATH", os.defpath)
+if VENV_BIN not in PATH.split(os.pathsep):
+    os.environ["PATH"] = os.pathsep.join([VENV_BIN, PATH])
 
 # Grading runs students' code: a cell that hangs is interrupted after CELL_TIMEOUT_S and scores
 # 0, and the rest of the notebook still runs. minidist's own timeout is set below the cell's,
