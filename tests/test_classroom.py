@@ -21,6 +21,7 @@ from pathlib import Path
 import nbformat
 import pytest
 import requests
+from nbclient import NotebookClient
 from nbgrader.api import Gradebook
 from test_grading import HIDDEN_TESTS, answered, read_notebook, secret_lines, split_region
 
@@ -237,3 +238,22 @@ def test_update_keeps_the_students_edits_and_brings_the_change(tmp_path: Path) -
     assert "Course fix" in nbformat.read(beside[0], as_version=4).cells[0].source
     assert (student / "my-labs" / new_lab / f"{new_lab}.ipynb").exists()
     assert "none of your labs changed" in sh("make update", student)
+
+
+# --- Saved notebooks -----------------------------------------------------------------------
+
+
+def test_progress_bars_leave_text_not_widget_placeholders(tmp_path: Path) -> None:
+    """A widget progress bar saved without its widget state reopens as "Error displaying
+    widget: model not found"; minidist's progress bars are text."""
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+        "from minidist.bandwidth import measure\n"
+        "rows = measure(2, [1024], collective='all_reduce', iters=1, warmup=0, repeats=1)"
+    )])
+    NotebookClient(notebook, timeout=120, kernel_name="python3",
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    outputs = notebook.cells[0].outputs
+    view = "application/vnd.jupyter.widget-view+json"
+    widgets = [output for output in outputs if view in output.get("data", {})]
+    assert not widgets, widgets
+    assert "all_reduce on 2 ranks" in "".join(o.get("text", "") for o in outputs), outputs
