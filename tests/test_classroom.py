@@ -25,6 +25,9 @@ from nbclient import NotebookClient
 from nbgrader.api import Gradebook
 from test_grading import HIDDEN_TESTS, answered, read_notebook, secret_lines, split_region
 
+# One worker runs them all, so the fresh clone that the guide's commands grade is made once.
+pytestmark = pytest.mark.xdist_group("classroom")
+
 REPO = Path(__file__).resolve().parents[1]
 GUIDE = REPO / "solutions" / "README.md"
 BLOCK_LIMIT_S = 300
