@@ -41,7 +41,7 @@ from nbgrader.api import Gradebook
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # grading/, the instructors' tooling beside nbgrader_config.py
-from grading.feedback import HideHiddenTests  # noqa: E402
+from grading.feedback import HideHiddenTests, markdown_with_mathml  # noqa: E402
 
 LABS = sorted({notebook.parent.name for notebook in REPO.glob("solutions/*/*.ipynb")})
 
@@ -504,6 +504,19 @@ def test_feedback_hides_hidden_tests_and_tracebacks_that_quote_them() -> None:
         "AssertionError: ",
     ]
     assert hidden.outputs[0].traceback == ["A hidden test failed: AssertionError"]
+
+
+def test_feedback_math_is_mathml_and_code_is_left_alone() -> None:
+    converted = markdown_with_mathml(
+        "Each rank sends $2(N-1)/N \\cdot S$ bytes; `cost = $5` and\n```\n$x$\n```\n$$\\Psi$$"
+    )
+    assert converted.startswith('Each rank sends <math display="inline">')
+    assert "`cost = $5`" in converted and "```\n$x$\n```" in converted
+    assert converted.endswith('<math display="block"><mrow><mi>&#x003A8;</mi></mrow></math>')
+    for notebook in REPO.glob("solutions/*/*.ipynb"):  # every lab's math converts
+        for cell in read_notebook(notebook).cells:
+            if cell.cell_type == "markdown":
+                markdown_with_mathml(cell.source)
 
 
 def _lab_files(folder: Path) -> dict[str, Path]:
