@@ -1,6 +1,12 @@
 # The two commands a new user needs (see README.md):
-#   make lab   install the course into .venv and open JupyterLab on labs/
+#   make lab   install the course into .venv, copy the labs into my-labs/ (first time only)
+#              and open JupyterLab there
 #   make test  install the course into .venv and run the whole test suite
+# and two more:
+#   make update   git pull, then bring new and changed labs into my-labs/ without touching the
+#                 student's copies (tools/my_labs.py)
+#   make release  the student release of a graded class (solutions/README.md): release/scaling-lab/
+#                 and release/scaling-lab.tar.gz, built from the last commit
 # Installing is skipped when requirements.txt and pyproject.toml have not changed.
 # The test suite also needs the cluster tools (JupyterHub, SlurmSpawner, Ansible, linters) that
 # cluster_setup/ pins; students never need them, so `make lab` leaves them out.
@@ -12,7 +18,16 @@ CLUSTER_STAMP := $(VENV)/.cluster-tools-installed
 CLUSTER_REQUIREMENTS := cluster_setup/requirements-hub.txt cluster_setup/requirements-admin.txt
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: lab test install cluster-tools
+# Students' JupyterLab runs without nbgrader's instructor tools (Formgrader, Create Assignment)
+# and its exchange panels: jupyter-student-config/ turns them off.
+STUDENT_JUPYTER := JUPYTER_CONFIG_PATH=$(CURDIR)/jupyter-student-config
+# What students get: no solutions/, tests/ (hidden tests), grading/, nbgrader_config.py or
+# cluster_setup/.
+RELEASE := release/scaling-lab
+RELEASED := labs lib slides tools jupyter-student-config README.md requirements.txt pyproject.toml \
+	Makefile .gitignore
+
+.PHONY: lab test install cluster-tools update release
 
 install: $(STAMP)
 
@@ -30,7 +45,20 @@ $(CLUSTER_STAMP): $(STAMP) $(CLUSTER_REQUIREMENTS)
 	touch $@
 
 lab: $(STAMP)
-	$(VENV)/bin/jupyter lab --ServerApp.root_dir=labs $(ALLOW_ROOT)
+	$(VENV)/bin/python tools/my_labs.py copy
+	$(STUDENT_JUPYTER) $(VENV)/bin/jupyter lab --ServerApp.root_dir=my-labs $(ALLOW_ROOT)
+
+update:
+	git pull --ff-only
+	$(MAKE) --no-print-directory install
+	$(VENV)/bin/python tools/my_labs.py update
+
+release:
+	rm -rf $(RELEASE) $(RELEASE).tar.gz
+	mkdir -p $(RELEASE)
+	git archive HEAD $(RELEASED) | tar -x -C $(RELEASE)
+	tar -czf $(RELEASE).tar.gz -C $(dir $(RELEASE)) $(notdir $(RELEASE))
+	@echo "student release: $(RELEASE)/ and $(RELEASE).tar.gz (from commit $$(git rev-parse --short HEAD))"
 
 test: $(CLUSTER_STAMP)
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)

@@ -9,14 +9,25 @@ import os
 import sys
 from pathlib import Path
 
+import nbgrader
 from nbconvert.preprocessors import CSSHTMLHeaderPreprocessor
 from nbgrader.preprocessors import GetGrades
-
-from minidist.grading import HideHiddenTests
 
 c = get_config()  # noqa: F821  (injected by traitlets when it loads this file)
 
 ROOT = Path(__file__).resolve().parent
+# The course's grading tooling (grading/, beside this file) is instructors' only: it is not in
+# the student release, nor in the minidist library students install.
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from grading.export import GradesCsv  # noqa: E402
+from grading.feedback import (  # noqa: E402
+    FEEDBACK_TEMPLATE,
+    TEMPLATES,
+    HideHiddenTests,
+    MathToMathML,
+)
 
 # Instructor notebooks live in solutions/<lab>/<lab>.ipynb; `nbgrader generate_assignment`
 # writes the student versions to labs/<lab>/<lab>.ipynb, which students get from git. The
@@ -29,8 +40,10 @@ c.CourseDirectory.release_directory = "labs"
 # nbgrader's gradebook shells out to `alembic`: find it next to this Python, so that
 # `.venv/bin/nbgrader` works without activating the venv.
 VENV_BIN = str(Path(sys.executable).parent)
-if VENV_BIN not in os.environ["PATH"].split(os.pathsep):
-    os.environ["PATH"] = os.pathsep.join([VENV_BIN, os.environ["PATH"]])
+# (A JupyterLab started by JupyterHub's SlurmSpawner may have no PATH at all.)
+PATH = os.environ.get("PATH", os.defpath)
+if VENV_BIN not in PATH.split(os.pathsep):
+    os.environ["PATH"] = os.pathsep.join([VENV_BIN, PATH])
 
 # Grading runs students' code: a cell that hangs is interrupted after CELL_TIMEOUT_S and scores
 # 0, and the rest of the notebook still runs. minidist's own timeout is set below the cell's,
@@ -42,5 +55,14 @@ c.Execute.interrupt_on_timeout = True
 os.environ.setdefault("MINIDIST_TIMEOUT", str(CELL_TIMEOUT_S // 2))
 
 # Feedback goes to students: strip the hidden tests that autograding put back into the
-# test cells, and the tracebacks that quote them.
-c.GenerateFeedback.preprocessors = [GetGrades, HideHiddenTests, CSSHTMLHeaderPreprocessor]
+# test cells, and the tracebacks that quote them. Its math is MathML and its template loads
+# no script, so it reads the same offline.
+c.GenerateFeedback.preprocessors = [
+    GetGrades, HideHiddenTests, MathToMathML, CSSHTMLHeaderPreprocessor
+]
+NBGRADER_TEMPLATES = Path(nbgrader.__file__).parent / "server_extensions" / "formgrader" / "templates"
+c.HTMLExporter.template_name = FEEDBACK_TEMPLATE
+c.HTMLExporter.extra_template_basedirs = [str(TEMPLATES), str(NBGRADER_TEMPLATES)]
+
+# grades.csv says "not submitted" where nbgrader's own export would write 0.
+c.ExportApp.plugin_class = GradesCsv

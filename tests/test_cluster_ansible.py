@@ -2,6 +2,7 @@
 JupyterHub configuration from the inventory, idempotently. No root needed: everything is rendered
 into temporary directories over a local connection."""
 
+import json
 import os
 import re
 import subprocess
@@ -70,6 +71,8 @@ def _local_inventory(tmp_path: Path) -> Path:
             "vars": {
                 "slurm_conf_dir": out + "/{{ inventory_hostname }}/slurm",
                 "jupyterhub_conf_dir": out + "/{{ inventory_hostname }}/jupyterhub",
+                "course_env_jupyter_dir": out + "/{{ inventory_hostname }}/jupyter",
+                "course_env_exchange_dir": out + "/exchange",
                 "slurm_partitions": [
                     {"name": "gpu", "default": True, "max_time": "8:00:00", "nodes": "ALL"},
                     {"name": "big", "default": False, "max_time": "1:00:00", "nodes": "gpu02"},
@@ -166,6 +169,19 @@ def test_render_writes_configs_and_is_idempotent(tmp_path: Path) -> None:
     assert 'c.SlurmSpawner.req_gres = "gpu:2"' in hub
     assert '"gpu01": "10.9.0.11"' in hub and '"gpu02": "10.9.0.12"' in hub
     compile(hub, "jupyterhub_config.py", "exec")  # valid Python
+    assert f'"students": "{out}/head/jupyter/students"' in hub
+
+    # nbgrader's exchange, and each role's Jupyter configuration (course_env's config.yml).
+    assert oct((out / "exchange").stat().st_mode & 0o7777) == "0o1777"
+    jupyter = out / "head" / "jupyter"
+    students = json.loads((jupyter / "students" / "jupyter_server_config.json").read_text())
+    extensions = students["ServerApp"]["jpserver_extensions"]
+    assert extensions["nbgrader.server_extensions.formgrader"] is False
+    assert extensions["nbgrader.server_extensions.assignment_list"] is True
+    for role in ("students", "instructors"):
+        nbgrader_config = (jupyter / role / "nbgrader_config.py").read_text()
+        assert f'c.Exchange.root = "{out}/exchange"' in nbgrader_config
+        compile(nbgrader_config, "nbgrader_config.py", "exec")
 
     second = _recap(_check(_run(cmd, ROOT, tmp_path)))
     assert all(c["changed"] == 0 and c["failed"] == 0 for c in second.values()), second

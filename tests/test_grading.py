@@ -23,6 +23,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -38,9 +39,10 @@ from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernel
 from nbformat import NotebookNode
 from nbgrader.api import Gradebook
 
-from minidist.grading import HideHiddenTests
-
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # grading/, the instructors' tooling beside nbgrader_config.py
+from grading.feedback import HideHiddenTests, markdown_with_mathml  # noqa: E402
+
 LABS = sorted({notebook.parent.name for notebook in REPO.glob("solutions/*/*.ipynb")})
 
 # The instructor commands exactly as solutions/README.md gives them (checked below); they run
@@ -398,6 +400,7 @@ def course(lab: str, tmp_path_factory: pytest.TempPathFactory) -> Course:
     assert notebooks == [f"{lab}.ipynb"], f"solutions/{lab} should hold one notebook, {lab}.ipynb"
     root = tmp_path_factory.mktemp(f"{lab}-course")
     shutil.copy(REPO / "nbgrader_config.py", root)
+    shutil.copytree(REPO / "grading", root / "grading")
     shutil.copytree(REPO / "solutions" / lab, root / "solutions" / lab)
     (root / ".venv").symlink_to(REPO / ".venv")
     ran = run_in_course(root, GENERATE, lab)
@@ -503,6 +506,19 @@ def test_feedback_hides_hidden_tests_and_tracebacks_that_quote_them() -> None:
     assert hidden.outputs[0].traceback == ["A hidden test failed: AssertionError"]
 
 
+def test_feedback_math_is_mathml_and_code_is_left_alone() -> None:
+    converted = markdown_with_mathml(
+        "Each rank sends $2(N-1)/N \\cdot S$ bytes; `cost = $5` and\n```\n$x$\n```\n$$\\Psi$$"
+    )
+    assert converted.startswith('Each rank sends <math display="inline">')
+    assert "`cost = $5`" in converted and "```\n$x$\n```" in converted
+    assert converted.endswith('<math display="block"><mrow><mi>&#x003A8;</mi></mrow></math>')
+    for notebook in REPO.glob("solutions/*/*.ipynb"):  # every lab's math converts
+        for cell in read_notebook(notebook).cells:
+            if cell.cell_type == "markdown":
+                markdown_with_mathml(cell.source)
+
+
 def _lab_files(folder: Path) -> dict[str, Path]:
     ignored = {".ipynb_checkpoints", "__pycache__"}
     return {
@@ -584,6 +600,32 @@ def test_f_students_never_see_solutions_or_hidden_tests(
         unseen = {line for line in secrets if line not in submitted_text}
         feedback = html_text(course.root / "feedback" / student / lab / f"{lab}.html")
         assert not (found := leaks(feedback, unseen)), f"{student}'s feedback shows {found}"
+
+
+def test_h_feedback_reads_offline(lab: str, course: Course, graded: Graded) -> None:
+    """Feedback loads nothing from the network, and its math is MathML, not LaTeX."""
+    latex = [
+        cell.source for cell in course.released.cells
+        if cell.cell_type == "markdown" and re.search(r"\$[^$\s]", cell.source)
+    ]
+    for student in ("solution", "untouched"):
+        path = course.root / "feedback" / student / lab / f"{lab}.html"
+        page = path.read_text()
+        assert not (found := network_references(page)), f"{path.name} loads {found}"
+        if latex:
+            assert "<math" in page, f"{path.name} has no MathML, though {lab} has math"
+            assert "$" not in html_text(path).replace("$$", ""), "LaTeX left in the feedback"
+
+
+def network_references(html: str) -> list[str]:
+    """Every http(s) resource an HTML page loads (scripts, styles, images, frames, CSS urls);
+    plain links to other pages are not loaded, and are fine."""
+    loads = re.findall(
+        r"<(?:script|img|iframe|source|embed)\b[^>]*\bsrc=[\"']?(https?://[^\"' >]+)", html, re.I
+    )
+    loads += re.findall(r"<link\b[^>]*\bhref=[\"']?(https?://[^\"' >]+)", html, re.I)
+    loads += re.findall(r"(?:url\(|@import\s+)[\"']?(https?://[^\"' )]+)", html, re.I)
+    return loads
 
 
 def test_g_solution_runs_headless_within_budget(lab: str, executed: Execution) -> None:

@@ -23,7 +23,6 @@ One module per idea, each importing only modules listed before it:
     fsdp    ZeRO-3: parameters sharded per unit, gathered on demand, with prefetch
     tensor_parallel  Megatron's f/g, column/row-parallel layers, sequence parallel
     pipeline_exec  run a schedule on real ranks with send/recv, timestamps and deadlock reports
-    grading  nbgrader feedback without hidden tests
 
 Private plumbing: _checks (the input checks every module shares), _supervisor (the rank
 processes behind launch.run).

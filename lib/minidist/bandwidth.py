@@ -14,6 +14,7 @@ Like nccl-tests (doc/PERFORMANCE.md) each point reports
 from __future__ import annotations
 
 import math
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from minidist import comm
 from minidist.cost import busbw_factor
@@ -91,8 +92,10 @@ def measure(
     element_size = torch.empty(0, dtype=dtype).element_size()
     rows = []
     numels = [_numel(nbytes, collective, world_size, dtype) for nbytes in sizes]
-    # One `run` per size (about 0.1 s each to start) so that a progress bar can move.
-    for numel in tqdm(numels, desc=f"{collective} on {world_size} ranks", unit="size"):
+    # One `run` per size (about 0.1 s each to start) so that a progress bar can move. A text bar:
+    # a widget bar leaves "Error displaying widget: model not found" in a reopened notebook.
+    label = f"{collective} on {world_size} ranks"
+    for numel in tqdm(numels, desc=label, unit="size", file=sys.stdout):
         per_rank = run(
             _time_on_rank, world_size, collective, tuple(implementations), numel, dtype, iters,
             warmup, target_time, repeats, timeout=timeout,

@@ -6,8 +6,9 @@
 #                                          start the hub; log in at the URL it prints
 #   cluster_setup/local/hub/hub.sh stop    stop the hub and its proxy (before `cluster.sh down`)
 #
-# Students are local accounts in the group slstudents (hub/inventory.yml); their JupyterLab runs
-# as a Slurm job on gpu01 or gpu02. Logs: $SCALINGLAB_CLUSTER_DIR/log/jupyterhub.log, and each
+# Students are local accounts in the group slstudents, instructors in slinstructors
+# (hub/inventory.yml); each one's JupyterLab runs as a Slurm job on gpu01 or gpu02, and they
+# share nbgrader's exchange in $SCALINGLAB_CLUSTER_DIR/exchange (cluster_setup/README.md, section 6). Logs: $SCALINGLAB_CLUSTER_DIR/log/jupyterhub.log, and each
 # job's in the student's home directory.
 set -euo pipefail
 

@@ -1,4 +1,4 @@
-"""Keep hidden tests out of the feedback that students get back.
+"""Feedback for students (`nbgrader generate_feedback`): no hidden tests, math read offline.
 
 Autograding puts each test cell's full source back, hidden tests included, and
 `nbgrader generate_feedback` shows the autograded notebook as it is: the hidden tests, and
@@ -9,17 +9,28 @@ nbgrader_config.py) and, in every test cell:
 * for an error output that quotes a hidden line, keeps the traceback of a failed visible test
   without the hidden lines IPython printed around it, and replaces anything else with
   "A hidden test failed: <ErrorName>".
+
+nbgrader's feedback page loads MathJax from a CDN, so a student reading it offline sees raw
+LaTeX. `MathToMathML` turns the markdown cells' `$...$` and `$$...$$` into MathML, which
+browsers draw themselves, and the `scaling_lab_feedback` template (templates/) loads no script.
 """
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
+from latex2mathml.converter import convert
 from nbconvert.exporters.exporter import ResourcesDict
+from nbconvert.preprocessors import Preprocessor
 from nbformat.notebooknode import NotebookNode
 from nbgrader import utils
 from nbgrader.preprocessors import ClearHiddenTests
-from traitlets import List
+from traitlets import Bool, List
+
+# The feedback template's folder: GenerateFeedback's HTMLExporter looks here first.
+TEMPLATES = Path(__file__).resolve().parent / "templates"
+FEEDBACK_TEMPLATE = "scaling_lab_feedback"
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 # IPython marks the line each frame was executing with an arrow: "----> 7 assert x == 1".
@@ -78,3 +89,39 @@ def _redact(output: NotebookNode, hidden: list[str]) -> NotebookNode:
         evalue="",
         traceback=[f"A hidden test failed: {output.ename}"],
     )
+
+
+# Code is left as written: fenced blocks and `inline code` may hold dollar signs.
+_CODE = re.compile(r"(^```.*?^```|^~~~.*?^~~~|`[^`\n]*`)", re.M | re.S)
+# $$display$$, then $inline$ (pandoc's rule: no space just inside the dollars, no digit after).
+_MATH = re.compile(
+    r"\$\$(?P<display>.+?)\$\$|(?<![\\$])\$(?P<inline>[^\s$](?:[^$]*?[^\s\\$])?)\$(?!\d)", re.S
+)
+_XMLNS = re.compile(r' xmlns="[^"]*"')  # HTML5 knows <math> without a namespace
+
+
+class MathToMathML(Preprocessor):
+    """Replace the LaTeX in markdown cells with MathML, so feedback renders math offline."""
+
+    enabled = Bool(True, help="nbconvert's preprocessors are off unless enabled").tag(config=True)
+
+    def preprocess_cell(
+        self, cell: NotebookNode, resources: ResourcesDict, cell_index: int
+    ) -> tuple[NotebookNode, ResourcesDict]:
+        if cell.cell_type == "markdown":
+            cell.source = markdown_with_mathml(cell.source)
+        return cell, resources
+
+
+def markdown_with_mathml(markdown: str) -> str:
+    """`markdown` with every `$...$` and `$$...$$` outside code as inline MathML."""
+    parts = _CODE.split(markdown)
+    # split() with one group alternates text and code: the odd parts are code.
+    return "".join(part if index % 2 else _MATH.sub(_to_mathml, part)
+                   for index, part in enumerate(parts))
+
+
+def _to_mathml(match: re.Match[str]) -> str:
+    display = match["display"] is not None
+    latex = match["display"] if display else match["inline"]
+    return _XMLNS.sub("", convert(latex.strip(), display="block" if display else "inline"))

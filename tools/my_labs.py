@@ -1,0 +1,116 @@
+"""Students work in copies of the labs that course updates never overwrite.
+
+    python tools/my_labs.py copy      copy each lab not yet in my-labs/ (what `make lab` runs)
+    python tools/my_labs.py update    after `git pull`: copy new labs, and put the new version of
+                                      each changed lab beside the student's copy (`make update`)
+
+labs/ is the course's, updated by `git pull`; my-labs/ (gitignored) is the student's. Each copy
+remembers the course version it came from (my-labs/.course/<lab>/), so an update can tell which
+labs the course changed since, and never needs to touch the student's files.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import shutil
+import sys
+from datetime import date
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+COURSE = ROOT / "labs"
+MINE = ROOT / "my-labs"
+COPIED_FROM = MINE / ".course"  # each lab as the course had it when last copied or updated
+IGNORED = {".ipynb_checkpoints", "__pycache__"}
+
+
+def labs(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.is_dir() and p.name[:2].isdigit())
+
+
+def files(lab_folder: Path) -> dict[str, Path]:
+    return {
+        str(path.relative_to(lab_folder)): path
+        for path in sorted(lab_folder.rglob("*"))
+        if path.is_file() and not IGNORED & set(path.relative_to(lab_folder).parts)
+    }
+
+
+def same(a: Path, b: Path) -> bool:
+    mine, theirs = files(a), files(b)
+    return mine.keys() == theirs.keys() and all(
+        filecmp.cmp(mine[name], theirs[name], shallow=False) for name in mine
+    )
+
+
+def remember(lab: str) -> None:
+    shutil.rmtree(COPIED_FROM / lab, ignore_errors=True)
+    shutil.copytree(COURSE / lab, COPIED_FROM / lab, ignore=shutil.ignore_patterns(*IGNORED))
+
+
+def copy_new_labs() -> list[str]:
+    new = [lab for lab in labs(COURSE) if not (MINE / lab).exists()]
+    for lab in new:
+        shutil.copytree(COURSE / lab, MINE / lab, ignore=shutil.ignore_patterns(*IGNORED))
+        remember(lab)
+    return new
+
+
+def updated_name(path: Path) -> Path:
+    """Where a changed file goes beside the student's: 01_x.ipynb -> 01_x.updated-<date>.ipynb."""
+    stamp = f"updated-{date.today().isoformat()}"
+    candidate = path.with_name(f"{path.stem}.{stamp}{path.suffix}")
+    number = 2
+    while candidate.exists():
+        candidate = path.with_name(f"{path.stem}.{stamp}-{number}{path.suffix}")
+        number += 1
+    return candidate
+
+
+def place_changes(lab: str) -> list[Path]:
+    """Copy the course's changed or new files of `lab` into the student's folder; a file the
+    student has is never overwritten: the new version goes beside it."""
+    placed = []
+    before = files(COPIED_FROM / lab) if (COPIED_FROM / lab).exists() else {}
+    for name, path in files(COURSE / lab).items():
+        if name in before and filecmp.cmp(before[name], path, shallow=False):
+            continue
+        target = MINE / lab / name
+        if target.exists():
+            target = updated_name(target)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, target)
+        placed.append(target)
+    remember(lab)
+    return placed
+
+
+def copy() -> None:
+    MINE.mkdir(exist_ok=True)
+    for lab in copy_new_labs():
+        print(f"my-labs/{lab}: copied from labs/{lab}; work here, updates never overwrite it")
+
+
+def update() -> None:
+    MINE.mkdir(exist_ok=True)
+    changed = [
+        lab for lab in labs(COURSE)
+        if (MINE / lab).exists() and not (
+            (COPIED_FROM / lab).exists() and same(COURSE / lab, COPIED_FROM / lab)
+        )
+    ]
+    for lab in changed:
+        placed = [str(path.relative_to(ROOT)) for path in place_changes(lab)]
+        print(f"{lab} changed in the course: the new version is in {', '.join(placed)}; "
+              "your files are as you left them")
+    for lab in copy_new_labs():
+        print(f"{lab} is new: copied to my-labs/{lab}")
+    if not changed:
+        print("none of your labs changed in the course")
+
+
+if __name__ == "__main__":
+    commands = {"copy": copy, "update": update}
+    if len(sys.argv) != 2 or sys.argv[1] not in commands:
+        sys.exit(f"usage: {sys.argv[0]} copy|update")
+    commands[sys.argv[1]]()
