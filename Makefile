@@ -19,12 +19,12 @@ CLUSTER_REQUIREMENTS := cluster_setup/requirements-hub.txt cluster_setup/require
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 
 # Students' JupyterLab runs without nbgrader's instructor tools (Formgrader, Create Assignment)
-# and its exchange panels: jupyter-student-config/ turns them off.
-STUDENT_JUPYTER := JUPYTER_CONFIG_PATH=$(CURDIR)/jupyter-student-config
-# What students get: no solutions/, tests/ (hidden tests), grading/, nbgrader_config.py or
+# and its exchange panels: tools/jupyter-student-config/ turns them off.
+STUDENT_JUPYTER := JUPYTER_CONFIG_PATH=$(CURDIR)/tools/jupyter-student-config
+# What students get: no solutions/, tests/ (hidden tests), tools/grading/, nbgrader_config.py or
 # cluster_setup/.
 RELEASE := release/scaling-lab
-RELEASED := labs lib slides tools jupyter-student-config README.md requirements.txt pyproject.toml \
+RELEASED := labs lib slides tools ':(exclude)tools/grading' README.md requirements.txt pyproject.toml \
 	Makefile .gitignore
 
 .PHONY: lab test install cluster-tools update release

@@ -16,10 +16,10 @@ from nbgrader.preprocessors import GetGrades
 c = get_config()  # noqa: F821  (injected by traitlets when it loads this file)
 
 ROOT = Path(__file__).resolve().parent
-# The course's grading tooling (grading/, beside this file) is instructors' only: it is not in
-# the student release, nor in the minidist library students install.
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+# The course's grading tooling (tools/grading/) is instructors' only: it is not in the student
+# release, nor in the minidist library students install.
+if str(ROOT / "tools") not in sys.path:
+    sys.path.insert(0, str(ROOT / "tools"))
 
 from grading.export import GradesCsv  # noqa: E402
 from grading.feedback import (  # noqa: E402

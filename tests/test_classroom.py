@@ -144,7 +144,8 @@ def test_student_release_has_no_solutions_and_make_lab_opens_the_labs(guided: di
     release = clone / "release" / "scaling-lab"
     assert release.is_dir(), "the guide's `make release` should write release/scaling-lab/"
     names = {path.name for path in release.iterdir()}
-    assert not names & {"solutions", "tests", "grading", "nbgrader_config.py", "cluster_setup"}
+    assert not names & {"solutions", "tests", "nbgrader_config.py", "cluster_setup"}
+    assert not (release / "tools" / "grading").exists(), "the grading tooling is instructors' only"
     assert {"labs", "lib", "slides", "README.md", "requirements.txt", "Makefile"} <= names
     assert not list(release.rglob("gradebook.db"))
     text = all_text(release)

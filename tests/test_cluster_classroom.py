@@ -225,7 +225,7 @@ def make_instructor_course(home: Path) -> Path:
     shutil.rmtree(course, ignore_errors=True)
     course.mkdir()
     shutil.copy(REPO / "nbgrader_config.py", course)
-    shutil.copytree(REPO / "grading", course / "grading")
+    shutil.copytree(REPO / "tools" / "grading", course / "tools" / "grading")
     shutil.copytree(REPO / "solutions" / LAB, course / "solutions" / LAB)
     owner = home.stat()
     for path in [course, *course.rglob("*")]:

@@ -40,7 +40,7 @@ from nbformat import NotebookNode
 from nbgrader.api import Gradebook
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # grading/, the instructors' tooling beside nbgrader_config.py
+sys.path.insert(0, str(REPO / "tools"))  # tools/grading/, the instructors' tooling
 from grading.feedback import HideHiddenTests, markdown_with_mathml  # noqa: E402
 
 LABS = sorted({notebook.parent.name for notebook in REPO.glob("solutions/*/*.ipynb")})
@@ -400,7 +400,7 @@ def course(lab: str, tmp_path_factory: pytest.TempPathFactory) -> Course:
     assert notebooks == [f"{lab}.ipynb"], f"solutions/{lab} should hold one notebook, {lab}.ipynb"
     root = tmp_path_factory.mktemp(f"{lab}-course")
     shutil.copy(REPO / "nbgrader_config.py", root)
-    shutil.copytree(REPO / "grading", root / "grading")
+    shutil.copytree(REPO / "tools", root / "tools")
     shutil.copytree(REPO / "solutions" / lab, root / "solutions" / lab)
     (root / ".venv").symlink_to(REPO / ".venv")
     ran = run_in_course(root, GENERATE, lab)
