@@ -61,4 +61,5 @@ release:
 	@echo "student release: $(RELEASE)/ and $(RELEASE).tar.gz (from commit $$(git rev-parse --short HEAD))"
 
 test: $(CLUSTER_STAMP)
+	@test -d tests || { echo 'make test: the test suite is not part of the student release (it holds the hidden tests); make lab opens the labs'; exit 2; }
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)

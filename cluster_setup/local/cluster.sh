@@ -41,10 +41,11 @@ install_packages() {
     done
     [[ ${#missing[@]} -eq 0 ]] && return
     say "installing ${missing[*]}"
-    local apt=(apt-get install -y -qq --no-install-recommends "${missing[@]}")
+    # Wait for a dpkg lock another installer holds (the test suite installs Chromium too).
+    local apt=(apt-get -o DPkg::Lock::Timeout=300 install -y -qq --no-install-recommends "${missing[@]}")
     # A fresh machine (a CI container) may have no package lists yet.
     DEBIAN_FRONTEND=noninteractive "${apt[@]}" >/dev/null 2>&1 ||
-        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive "${apt[@]}" >/dev/null; }
+        { apt-get -o DPkg::Lock::Timeout=300 update -qq && DEBIAN_FRONTEND=noninteractive "${apt[@]}" >/dev/null; }
 }
 
 make_state_dir() {

@@ -36,7 +36,8 @@ install_packages() {
     command -v npm >/dev/null || missing+=(nodejs npm)
     [[ ${#missing[@]} -eq 0 ]] && return
     say "installing ${missing[*]}"
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" \
+    DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -qq \
+        --no-install-recommends "${missing[@]}" \
         >/dev/null
 }
 
