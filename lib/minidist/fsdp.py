@@ -22,7 +22,7 @@ comes last:
   the model itself) belong to the root unit, the whole model. It is gathered first, when the
   model's forward starts, and kept until its gradient has been reduce-scattered at the end of
   backward, since backward needs it straight away (FSDP2 does not reshard its root after
-  forward either).
+  forward either). So the root's parameters are sent twice per step, not three times.
 - **Tied weights.** A parameter used by several modules (a GPT-2 embedding shared with the
   output head) is sharded once, in the unit of the closest module that contains all its users:
   the model itself for TinyGPT's embedding and head. FSDP2 requires the same (one group per
