@@ -308,11 +308,54 @@ def test_root_unit_stays_gathered_beside_the_running_units(gpt2_trained):
                 f"{model}: {stored} elements stored, expected {fsdp['psi'] / world_size}")
 
 
+class _Branchy(nn.Module):
+    """`extra` is used only when asked and `never` not at all: unused parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.extra, self.never = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, use_extra: bool) -> torch.Tensor:
+        y = self.body(x)
+        return self.extra(y) if use_extra else y
+
+
+def _unused(rank: int, world_size: int) -> dict[str, float]:
+    """ZeRO against torch's DDP with find_unused_parameters: a gradient missing on some ranks
+    counts as zero there, and a parameter no rank used is left untouched (stage 1); stage 2
+    needs every rank to use the same parameters, and skips those none used."""
+    x = torch.randn(4 * world_size, 4, generator=torch.Generator().manual_seed(1))
+    x = x.chunk(world_size)[rank]
+    errors = {}
+    for stage, use_extra in ((1, rank % 2 == 1), (2, True)):
+        ours = _Branchy()
+        theirs = nn.parallel.DistributedDataParallel(_Branchy(), find_unused_parameters=True)
+        for model, optimizer in (
+            (ours, ZeroOptimizer(ours.parameters(), torch.optim.SGD, stage=stage, lr=LR,
+                                 momentum=0.9)),
+            (theirs, _sgd(theirs.parameters())),
+        ):
+            for _ in range(STEPS):
+                optimizer.zero_grad()
+                model(x, use_extra).square().mean().backward()
+                optimizer.step()
+        errors[f"stage {stage}"] = _max_error(ours.state_dict(), theirs.module.state_dict())
+    return errors
+
+
+def test_zero_with_unused_parameters_equals_ddp():
+    for rank, errors in enumerate(run(_unused, 2)):
+        for stage, error in errors.items():
+            assert error <= 1e-6, f"rank {rank}, {stage}: differs from torch DDP by {error:.2e}"
+
+
 def _bad(rank: int, world_size: int) -> list[str]:
     messages = []
     for attempt in (
         lambda: ZeroOptimizer(nn.Linear(2, 2).parameters(), torch.optim.SGD, stage=3, lr=1),
         lambda: FullyShardedDataParallel(nn.Linear(2 + rank, 2)),
+        lambda: FullyShardedDataParallel(_model(), units=lambda model: [nn.Linear(2, 2)]),
     ):
         try:
             attempt()
@@ -326,5 +369,7 @@ def test_bad_input_is_explained():
     messages = run(_bad, 2)[0]
     assert "stage=3" in messages[0] and "minidist.fsdp" in messages[0]
     assert "the ranks' models differ" in messages[1] and "same model" in messages[1]
+    assert "units() returned a Linear" in messages[2] and "not inside the wrapped TinyGPT" in (
+        messages[2]), messages[2]
     with pytest.raises(RuntimeError, match="no process group"):
         FullyShardedDataParallel(nn.Linear(2, 2))
