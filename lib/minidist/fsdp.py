@@ -47,6 +47,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from minidist import sharding
 from minidist._checks import check_same_model, first_rank, require_process_group
@@ -261,7 +262,8 @@ class FullyShardedDataParallel(nn.Module):
     def _make_units(self, unit_paths: list[str]) -> list[_Unit]:
         """Place each parameter in the innermost unit containing all its users, flatten each
         unit's trainable and frozen parameters, and turn the originals into plain attributes
-        (set to views of the gathered buffer while it exists)."""
+        (set to views of the gathered buffer while it exists). A chosen unit left with no
+        parameters (its only one was tied and moved up) gets no hooks."""
         names: dict[nn.Parameter, list[str]] = {}
         for name, param in self.module.named_parameters(remove_duplicate=False):
             names.setdefault(param, []).append(name)
@@ -299,7 +301,8 @@ class FullyShardedDataParallel(nn.Module):
                 self.gathered.add(self.units[index + 1].name)
                 self.peak_gathered = max(self.peak_gathered, len(self.gathered))
             if self.compute_dtype != torch.float32:  # inputs follow the parameters' dtype
-                args = tuple(a.to(self.compute_dtype) if torch.is_floating_point(a) else a
+                args = tuple(a.to(self.compute_dtype)
+                             if isinstance(a, torch.Tensor) and torch.is_floating_point(a) else a
                              for a in args)
             needing_grad = [i for i, a in enumerate(args)
                             if isinstance(a, torch.Tensor) and a.requires_grad]
@@ -317,9 +320,9 @@ class FullyShardedDataParallel(nn.Module):
 
         def hook(module, args, output):
             first_needing_grad = next(
-                (t for t in (output if isinstance(output, tuple) else (output,))
+                (t for t in tree_leaves(output)  # inside tuples, lists or dicts too
                  if isinstance(t, torch.Tensor) and t.requires_grad), None)
-            if first_needing_grad is None or not torch.is_grad_enabled():
+            if first_needing_grad is None:
                 unit.free(drop=True)  # no backward will come through this unit
             elif index == 0:  # the root: kept for backward, which starts right away
                 first_needing_grad.register_hook(self._on_backward_start)
@@ -331,7 +334,8 @@ class FullyShardedDataParallel(nn.Module):
         return hook
 
     def _on_backward_start(self, grad: torch.Tensor) -> None:
-        # Runs once this whole backward has finished: the engine calls it before returning.
+        # `_on_backward_end` runs once this whole backward has finished (the engine calls it
+        # before backward returns).
         torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
 
     def _on_backward_end(self) -> None:
