@@ -2,8 +2,8 @@
 
 The model is cut into **units** (by default each child module that owns parameters, looking
 inside ModuleList/Sequential containers, e.g. each transformer block). Each unit's parameters
-are flattened into one fp32 vector; rank r keeps only its slice (`sharding.shard_bounds`),
-which is the nn.Parameter the optimizer sees. Around each unit:
+are flattened into one fp32 vector (two if some are frozen); rank r keeps only its slice
+(`sharding.shard_bounds`), which is the nn.Parameter the optimizer sees. Around each unit:
 
     forward  all-gather the unit's parameters (in `compute_dtype`), run it, free them;
              meanwhile the next unit's all-gather is already in flight (prefetch);
@@ -25,14 +25,15 @@ comes last:
   forward either). So the root's parameters are sent twice per step, not three times.
 - **Tied weights.** A parameter used by several modules (a GPT-2 embedding shared with the
   output head) is sharded once, in the unit of the closest module that contains all its users:
-  the model itself for TinyGPT's embedding and head. FSDP2 requires the same (one group per
-  parameter; it raises otherwise), and this is the placement its users choose by hand.
+  the root unit for an embedding and a head that are children of the model. FSDP2 requires one
+  group per parameter too (it raises otherwise), and this is the placement its users choose by
+  hand (wrapping neither the embedding nor the head).
   `gather_full_params()` returns it under every name `state_dict()` uses.
 - **Frozen parameters** (requires_grad=False) are sharded and gathered like the others, in a
   flat vector of their own, but have no gradient to reduce-scatter. Backward still reads them
   (a frozen layer passes gradients through), so they are freed once backward has produced the
   unit's input gradient (as FSDP2 does), or when backward ends.
-- **Buffers** are not sharded: every rank keeps rank 0's copy, made at wrap time.
+- **Buffers** are not sharded: every rank keeps a whole copy (rank 0's, copied at wrap time).
 
 Freeing works as in PyTorch's FSDP: the unit's layers see views of one gathered buffer, and
 autograd keeps those views for backward; we release the buffer's storage after forward
