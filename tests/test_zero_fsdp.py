@@ -241,6 +241,20 @@ GPT2_BUILDS = {"tied": _gpt2_style, "tied+frozen": _gpt2_frozen}
 GPT2_KINDS = ["fsdp", "fsdp ring", "zero1", "zero2"]
 
 
+def _gathered_in_first_blocks_backward(rank: int, world_size: int) -> list[str]:
+    """The units in memory when the first block's backward starts, in the frozen model."""
+    model, (ids, targets) = _gpt2_frozen(), _data(world_size)
+    wrapped = FullyShardedDataParallel(model)
+    seen = []
+
+    def snapshot(module, args, output):  # its gradient hook runs after FSDP's, which gathers
+        output.register_hook(lambda grad: seen.append(sorted(wrapped.gathered)))
+
+    model.blocks[0].register_forward_hook(snapshot)
+    wrapped.loss(ids, targets).backward()
+    return seen[0]
+
+
 @pytest.fixture(scope="module", params=_one_worker_each("gpt2-style", [1, 2, 4]))
 def gpt2_trained(request) -> tuple[int, list[dict]]:
     world_size = request.param
@@ -250,6 +264,8 @@ def gpt2_trained(request) -> tuple[int, list[dict]]:
                    for model, build in GPT2_BUILDS.items() for kind in GPT2_KINDS}
         state = results[("tied", "fsdp")]["state"]  # identity does not survive the return
         results["tied weight is one tensor"] = state["head.weight"] is state["tok_emb.weight"]
+        results["gathered in first block's backward"] = _gathered_in_first_blocks_backward(
+            rank, world_size)
         if world_size == 2:  # the same ranks, to save starting them again
             for model, build in GPT2_BUILDS.items():
                 results[(model, "fully_shard")] = {"state": _fsdp2(rank, world_size, build)}
@@ -286,6 +302,15 @@ def test_gathered_tied_parameter_has_every_name(gpt2_trained):
         expected = list(_gpt2_style().state_dict())
         assert list(state) == expected, f"keys {list(state)}, expected {expected}"
         assert rank_results["tied weight is one tensor"], "the tied weight came back as two"
+
+
+def test_frozen_parameters_are_freed_after_their_units_backward(gpt2_trained):
+    """The final norm (all frozen) and block 1 are done when block 0's backward starts: only
+    the root and block 0 are in memory."""
+    _, results = gpt2_trained
+    for rank_results in results:
+        gathered = rank_results["gathered in first block's backward"]
+        assert gathered == ["", "blocks.0"], f"in memory: {gathered}"
 
 
 def test_fsdp_sends_3_psi_less_the_root_counting_the_tied_parameter_once(gpt2_trained):
