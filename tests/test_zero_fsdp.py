@@ -392,6 +392,7 @@ def _bad(rank: int, world_size: int) -> list[str]:
         lambda: ZeroOptimizer(nn.Linear(2, 2).parameters(), torch.optim.SGD, stage=3, lr=1),
         lambda: FullyShardedDataParallel(nn.Linear(2 + rank, 2)),
         lambda: FullyShardedDataParallel(_model(), units=lambda model: [nn.Linear(2, 2)]),
+        lambda: FullyShardedDataParallel(_model(), units=lambda model: [model.blocks]),
     ):
         try:
             attempt()
@@ -407,5 +408,7 @@ def test_bad_input_is_explained():
     assert "the ranks' models differ" in messages[1] and "same model" in messages[1]
     assert "units() returned a Linear" in messages[2] and "not inside the wrapped TinyGPT" in (
         messages[2]), messages[2]
+    assert "'blocks', a ModuleList" in messages[3] and "return its children" in messages[3], (
+        messages[3])
     with pytest.raises(RuntimeError, match="no process group"):
         FullyShardedDataParallel(nn.Linear(2, 2))

@@ -237,7 +237,7 @@ class FullyShardedDataParallel(nn.Module):
         for tensor in [*module.parameters(), *module.buffers()]:
             dist.broadcast(tensor.data, first_rank(group), group)
         self.module = module
-        self.state_keys = list(module.state_dict())  # gather_full_params returns these
+        self._state_keys = list(module.state_dict())  # gather_full_params returns these
         self.gathered: set[str] = set()  # names of the units whose parameters are in memory
         self.peak_gathered = 0
         self.units = self._make_units(self._unit_paths(units(module)))
@@ -258,6 +258,10 @@ class FullyShardedDataParallel(nn.Module):
                 raise ValueError(f"units() returned a {type(unit).__name__} that is not inside "
                                  f"the wrapped {type(self.module).__name__}: return its "
                                  f"submodules only")
+            if isinstance(unit, (nn.ModuleList, nn.ModuleDict)):
+                raise ValueError(f"units() returned {paths[unit]!r}, a "
+                                 f"{type(unit).__name__}: it is never called, so its hooks "
+                                 f"would never gather; return its children instead")
         return list(dict.fromkeys(["", *(paths[unit] for unit in chosen)]))
 
     def _make_units(self, unit_paths: list[str]) -> list[_Unit]:
@@ -380,7 +384,7 @@ class FullyShardedDataParallel(nn.Module):
                     value = full[offset: offset + slot.shape.numel()].view(slot.shape).clone()
                     state.update(dict.fromkeys(slot.names, value))
                     offset += slot.shape.numel()
-        return {key: state[key] for key in self.state_keys}
+        return {key: state[key] for key in self._state_keys}
 
     def sharded_bytes(self) -> int:
         """Bytes of parameter storage this rank holds now: shards plus any gathered units."""
