@@ -2,8 +2,8 @@
 
 The model is cut into **units** (by default each child module that owns parameters, looking
 inside ModuleList/Sequential containers, e.g. each transformer block). Each unit's parameters
-are flattened into one fp32 vector; rank r keeps only its slice (`sharding.shard_bounds`),
-which is the nn.Parameter the optimizer sees. Around each unit:
+are flattened into one fp32 vector (two if some are frozen); rank r keeps only its slice
+(`sharding.shard_bounds`), which is the nn.Parameter the optimizer sees. Around each unit:
 
     forward  all-gather the unit's parameters (in `compute_dtype`), run it, free them;
              meanwhile the next unit's all-gather is already in flight (prefetch);
@@ -14,6 +14,27 @@ which is the nn.Parameter the optimizer sees. Around each unit:
 Three passes over Ψ parameters per step (two all-gathers, one reduce-scatter): 3Ψ traffic,
 1.5× DDP, for model state 16Ψ/N (ZeRO §5 and §7).
 
+Which unit holds a parameter follows PyTorch's FSDP2 (`fully_shard`), where each call manages
+the parameters under its module that no nested call manages, and the call on the whole model
+comes last:
+
+- **Root unit.** Parameters in no chosen unit (a position embedding or a final scale owned by
+  the model itself) belong to the root unit, the whole model. It is gathered first, when the
+  model's forward starts, and kept until its gradient has been reduce-scattered at the end of
+  backward, since backward needs it straight away (FSDP2 does not reshard its root after
+  forward either). So the root's parameters are sent twice per step, not three times.
+- **Tied weights.** A parameter used by several modules (a GPT-2 embedding shared with the
+  output head) is sharded once, in the unit of the closest module that contains all its users:
+  the root unit for an embedding and a head that are children of the model. FSDP2 requires one
+  group per parameter too (it raises otherwise), and this is the placement its users choose by
+  hand (wrapping neither the embedding nor the head).
+  `gather_full_params()` returns it under every name `state_dict()` uses.
+- **Frozen parameters** (requires_grad=False) are sharded and gathered like the others, in a
+  flat vector of their own, but have no gradient to reduce-scatter. Backward still reads them
+  (a frozen layer passes gradients through), so they are freed once backward has produced the
+  unit's input gradient (as FSDP2 does), or when backward ends.
+- **Buffers** are not sharded: every rank keeps a whole copy (rank 0's, copied at wrap time).
+
 Freeing works as in PyTorch's FSDP: the unit's layers see views of one gathered buffer, and
 autograd keeps those views for backward; we release the buffer's storage after forward
 (`untyped_storage().resize_(0)`) and refill the same storage before backward.
@@ -21,11 +42,13 @@ autograd keeps those views for backward; we release the buffer's storage after f
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from minidist import sharding
 from minidist._checks import check_same_model, first_rank, require_process_group
@@ -45,78 +68,146 @@ def default_units(module: nn.Module) -> list[nn.Module]:
     return units
 
 
-class _Unit:
-    """One unit's sharded parameters and the buffer its gathered parameters live in."""
+@dataclass
+class _Slot:
+    """One parameter's place in a flat vector, and every (module, attribute) that uses it."""
 
-    def __init__(self, module: nn.Module, name: str, owner: FullyShardedDataParallel):
-        self.module, self.name, self.owner = module, name, owner
-        self.slots = [(sub, key, param.shape) for sub, key, param in _direct_params(module)]
-        self.numel = sum(shape.numel() for _, _, shape in self.slots)
-        flat = torch.cat([param.detach().reshape(-1).float() for param in _params(module)])
-        start, end = sharding.shard_bounds(self.numel, owner.group)
-        self.shard = nn.Parameter(flat[start:end].clone())
-        for sub, key, _ in self.slots:  # the unit's own parameters stop being parameters
-            del sub._parameters[key]
+    names: list[str]  # its keys in the model's state_dict (several if tied)
+    users: list[tuple[nn.Module, str]]
+    shape: torch.Size
+
+
+class _Flat:
+    """Parameters of one unit, all trainable or all frozen, flattened into one vector of which
+    this rank keeps `shard` (the nn.Parameter the optimizer sees)."""
+
+    def __init__(self, slots: list[_Slot], params: list[nn.Parameter],
+                 group: dist.ProcessGroup | None, trainable: bool):
+        self.slots = slots
+        self.numel = sum(slot.shape.numel() for slot in slots)
+        flat = torch.cat([param.detach().reshape(-1).float() for param in params])
+        start, end = sharding.shard_bounds(self.numel, group)
+        self.shard = nn.Parameter(flat[start:end].clone(), requires_grad=trainable)
         self.full: torch.Tensor | None = None  # the gathered parameters, while they exist
         self.pending: sharding.PendingGather | None = None
 
+    def holds_memory(self) -> bool:
+        return self.full is not None and self.full.untyped_storage().nbytes() > 0
+
+
+class _Unit:
+    """One unit: its trainable and frozen flat vectors (either may be absent; the root unit
+    may have neither) and the hooks' operations on them."""
+
+    def __init__(self, name: str, flats: list[_Flat], owner: FullyShardedDataParallel):
+        self.name, self.flats, self.owner = name, flats, owner
+
     def start_gather(self) -> None:
-        if self.pending is None:
-            shard = self.shard.detach().to(self.owner.compute_dtype)
-            self.pending = sharding.start_all_gather(shard, self.numel, self.owner.group,
-                                                     self.owner.ring)
+        for flat in self.flats:
+            if flat.pending is None:
+                shard = flat.shard.detach().to(self.owner.compute_dtype)
+                flat.pending = sharding.start_all_gather(shard, flat.numel, self.owner.group,
+                                                         self.owner.ring)
 
-    def gather(self) -> torch.Tensor:
-        """Bring this unit's parameters in (waiting for a prefetch if one is in flight)."""
+    def gather_for_forward(self) -> None:
+        """Bring the parameters in (waiting for a prefetch if one is in flight), in a new
+        buffer that autograd ties to the shard, and point the modules at views of it."""
         self.start_gather()
-        full = self.pending.wait()
-        self.pending = None
-        if self.full is None:  # forward: a new buffer, tied to the shard by autograd
-            self.full = _GatheredParams.apply(self.shard, full, self)
+        for flat in self.flats:
+            gathered = self._wait(flat)
+            flat.full = (_GatheredParams.apply(flat.shard, gathered, self, flat)
+                         if flat.shard.requires_grad else gathered)
             offset = 0
-            for sub, key, shape in self.slots:
-                setattr(sub, key, self.full[offset: offset + shape.numel()].view(shape))
-                offset += shape.numel()
-        else:  # backward: refill the storage autograd's saved views still point to
-            storage = self.full.untyped_storage()
-            storage.resize_(full.untyped_storage().nbytes())
-            self.full.data.copy_(full)
-        self.owner.gathered.add(self.name)
-        return self.full
+            for slot in flat.slots:
+                view = flat.full[offset: offset + slot.shape.numel()].view(slot.shape)
+                for module, attribute in slot.users:
+                    setattr(module, attribute, view)
+                offset += slot.shape.numel()
+        self._mark_gathered()
 
-    def free(self) -> None:
-        if self.full is not None:
-            self.full.untyped_storage().resize_(0)
-        self.owner.gathered.discard(self.name)
+    def gather_for_backward(self) -> None:
+        """Refill the storage that autograd's saved views still point to."""
+        self.start_gather()
+        for flat in self.flats:
+            gathered = self._wait(flat)
+            if flat.full is not None:
+                flat.full.untyped_storage().resize_(gathered.untyped_storage().nbytes())
+                flat.full.data.copy_(gathered)
+        self._mark_gathered()
+
+    @staticmethod
+    def _wait(flat: _Flat) -> torch.Tensor:
+        gathered = flat.pending.wait()
+        flat.pending = None
+        return gathered
+
+    def _mark_gathered(self) -> None:
+        if self.flats:
+            self.owner.gathered.add(self.name)
+            self.owner.peak_gathered = max(self.owner.peak_gathered, len(self.owner.gathered))
+
+    def free(self, flats: list[_Flat] | None = None, drop: bool = False) -> None:
+        """Release the storage of `flats` (default all); `drop` also forgets the buffers, when
+        no backward will refill them."""
+        for flat in self.flats if flats is None else flats:
+            if flat.full is not None:
+                flat.full.untyped_storage().resize_(0)
+            if drop:
+                flat.full = None
+        if not any(flat.holds_memory() for flat in self.flats):
+            self.owner.gathered.discard(self.name)
+
+    def frozen_flats(self) -> list[_Flat]:
+        return [flat for flat in self.flats if not flat.shard.requires_grad]
 
 
 class _GatheredParams(torch.autograd.Function):
-    """shard → gathered parameters; backward reduce-scatters their gradient into the shard."""
+    """shard → gathered parameters; backward reduce-scatters their gradient into the shard.
+
+    Autograd calls backward once every use of the parameters has added its gradient, i.e.
+    when the unit's backward is done (for a tied weight: both users' backwards)."""
 
     @staticmethod
-    def forward(ctx, shard, full, unit):
-        ctx.unit = unit
+    def forward(ctx, shard, full, unit, flat):
+        ctx.unit, ctx.flat = unit, flat
         return full
 
     @staticmethod
     def backward(ctx, grad_full):
-        unit = ctx.unit
+        unit, flat = ctx.unit, ctx.flat
         owner = unit.owner
         grad = sharding.reduce_scatter(grad_full.contiguous(), owner.group, owner.ring)
-        unit.free()
-        unit.full = None
-        return grad.float().div_(owner.world_size), None, None
+        unit.free([flat], drop=True)
+        return grad.float().div_(owner.world_size), None, None, None
 
 
-def _direct_params(module: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Parameter]]:
-    for sub in module.modules():
-        for key, param in list(sub._parameters.items()):
-            if param is not None:
-                yield sub, key, param
+class _FreeAfterBackward(torch.autograd.Function):
+    """Identity on a unit's inputs; its backward runs once the unit's backward has produced
+    the input gradients, the last moment the unit's frozen parameters are read."""
+
+    @staticmethod
+    def forward(ctx, unit, *inputs):
+        ctx.unit = unit
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.unit.free(ctx.unit.frozen_flats(), drop=True)
+        return None, *grads
 
 
-def _params(module: nn.Module) -> Iterator[nn.Parameter]:
-    return (param for _, _, param in _direct_params(module))
+def _closest_common_ancestor(paths: list[str]) -> str:
+    """The longest dotted prefix shared by module paths ("" is the root)."""
+    common = []
+    for parts in zip(*(path.split(".") if path else [] for path in paths), strict=False):
+        if len(set(parts)) > 1:
+            break
+        common.append(parts[0])
+    return ".".join(common)
+
+
+def _contains(unit_path: str, path: str) -> bool:
+    return unit_path == "" or path == unit_path or path.startswith(unit_path + ".")
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -127,8 +218,10 @@ class FullyShardedDataParallel(nn.Module):
         model.loss(ids, targets).backward(); optimizer.step()
 
     Gradients arrive averaged over the group when backward returns. `units` picks the modules
-    to shard together (default `default_units`); `ring=True` uses minidist's send/recv rings
-    (countable by `comm.count_traffic()`, no prefetch) instead of PyTorch's collectives.
+    to shard together (default `default_units`); parameters outside them form the root unit,
+    and tied parameters go to the unit of the closest module containing all their users.
+    `ring=True` uses minidist's send/recv rings (countable by `comm.count_traffic()`, no
+    prefetch) instead of PyTorch's collectives.
     """
 
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None,
@@ -143,39 +236,87 @@ class FullyShardedDataParallel(nn.Module):
         check_same_model(module, group)
         for tensor in [*module.parameters(), *module.buffers()]:
             dist.broadcast(tensor.data, first_rank(group), group)
-        chosen = units(module)
-        if module_params := [k for k, p in module._parameters.items() if p is not None]:
-            raise ValueError(f"{type(module).__name__} owns parameters {module_params} outside "
-                             f"any unit: move them into a child module")
-        seen: set[int] = set()
-        for unit in chosen:
-            ids = {id(p) for p in unit.parameters()}
-            if ids & seen:
-                raise ValueError(f"{type(unit).__name__} shares a parameter with another unit "
-                                 f"(tied weights): put both users in one unit")
-            seen |= ids
-        names = {m: n for n, m in module.named_modules()}
         self.module = module
+        self._state_keys = list(module.state_dict())  # gather_full_params returns these
         self.gathered: set[str] = set()  # names of the units whose parameters are in memory
         self.peak_gathered = 0
-        self.units = [_Unit(unit, names[unit], self) for unit in chosen]
+        self.units = self._make_units(self._unit_paths(units(module)))
         for unit in self.units:
-            self.register_parameter(unit.name.replace(".", "_") + "_shard", unit.shard)
+            for flat in unit.flats:
+                kind = "shard" if flat.shard.requires_grad else "frozen_shard"
+                self.register_parameter(f"{(unit.name or 'root').replace('.', '_')}_{kind}",
+                                        flat.shard)
         for index, unit in enumerate(self.units):
-            unit.module.register_forward_pre_hook(self._before_forward(index))
-            unit.module.register_forward_hook(self._after_forward(index))
+            module.get_submodule(unit.name).register_forward_pre_hook(self._before_forward(index))
+            module.get_submodule(unit.name).register_forward_hook(self._after_forward(index))
+
+    def _unit_paths(self, chosen: list[nn.Module]) -> list[str]:
+        """The chosen units' paths in the model, the root ("") first."""
+        paths = {module: path for path, module in self.module.named_modules()}
+        for unit in chosen:
+            if unit not in paths:
+                raise ValueError(f"units() returned a {type(unit).__name__} that is not inside "
+                                 f"the wrapped {type(self.module).__name__}: return its "
+                                 f"submodules only")
+            if isinstance(unit, (nn.ModuleList, nn.ModuleDict)):
+                raise ValueError(f"units() returned {paths[unit]!r}, a "
+                                 f"{type(unit).__name__}: it is never called, so its hooks "
+                                 f"would never gather; return its children instead")
+        return list(dict.fromkeys(["", *(paths[unit] for unit in chosen)]))
+
+    def _make_units(self, unit_paths: list[str]) -> list[_Unit]:
+        """Place each parameter in the innermost unit containing all its users, flatten each
+        unit's trainable and frozen parameters, and turn the originals into plain attributes
+        (set to views of the gathered buffer while it exists). A chosen unit left with no
+        parameters (its only one was tied and moved up) gets no hooks."""
+        names: dict[nn.Parameter, list[str]] = {}
+        for name, param in self.module.named_parameters(remove_duplicate=False):
+            names.setdefault(param, []).append(name)
+        placed: dict[str, list[tuple[_Slot, nn.Parameter]]] = {path: [] for path in unit_paths}
+        for param, param_names in names.items():
+            owners = [name.rpartition(".")[0] for name in param_names]
+            ancestor = _closest_common_ancestor(owners)
+            unit_path = max((p for p in unit_paths if _contains(p, ancestor)), key=len)
+            users = [(self.module.get_submodule(owner), name.rpartition(".")[2])
+                     for owner, name in zip(owners, param_names, strict=True)]
+            placed[unit_path].append((_Slot(param_names, users, param.shape), param))
+        units = []
+        for path, slots in placed.items():
+            flats = []
+            for trainable in (True, False):
+                mine = [(slot, p) for slot, p in slots if p.requires_grad == trainable]
+                if mine:
+                    flats.append(_Flat([s for s, _ in mine], [p for _, p in mine], self.group,
+                                       trainable))
+            if flats or path == "":  # the root keeps its hooks: they start and end each step
+                units.append(_Unit(path, flats, self))
+        for slots in placed.values():
+            for slot, _ in slots:
+                for module, attribute in slot.users:
+                    module._parameters.pop(attribute, None)
+        return units
 
     def _before_forward(self, index: int):
+        unit = self.units[index]
+
         def hook(module, args):
-            self.units[index].gather()
+            unit.gather_for_forward()
             if self.prefetch and index + 1 < len(self.units):
                 self.units[index + 1].start_gather()
                 self.gathered.add(self.units[index + 1].name)
-            self.peak_gathered = max(self.peak_gathered, len(self.gathered))
+                self.peak_gathered = max(self.peak_gathered, len(self.gathered))
             if self.compute_dtype != torch.float32:  # inputs follow the parameters' dtype
-                return tuple(a.to(self.compute_dtype) if torch.is_floating_point(a) else a
+                args = tuple(a.to(self.compute_dtype)
+                             if isinstance(a, torch.Tensor) and torch.is_floating_point(a) else a
                              for a in args)
-            return None
+            needing_grad = [i for i, a in enumerate(args)
+                            if isinstance(a, torch.Tensor) and a.requires_grad]
+            if needing_grad and unit.frozen_flats() and torch.is_grad_enabled():
+                wrapped = _FreeAfterBackward.apply(unit, *(args[i] for i in needing_grad))
+                args = list(args)
+                for i, tensor in zip(needing_grad, wrapped, strict=True):
+                    args[i] = tensor
+            return tuple(args)
 
         return hook
 
@@ -183,18 +324,30 @@ class FullyShardedDataParallel(nn.Module):
         unit = self.units[index]
 
         def hook(module, args, output):
-            unit.free()
-            if torch.is_grad_enabled():
-                outputs = output if isinstance(output, tuple) else (output,)
-                for tensor in outputs:
-                    if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                        tensor.register_hook(lambda grad: (unit.gather(), grad)[1])
-                        break
-            else:  # no backward will come: drop the buffer itself
-                unit.full = None
+            first_needing_grad = next(
+                (t for t in tree_leaves(output)  # inside tuples, lists or dicts too
+                 if isinstance(t, torch.Tensor) and t.requires_grad), None)
+            if first_needing_grad is None:
+                unit.free(drop=True)  # no backward will come through this unit
+            elif index == 0:  # the root: kept for backward, which starts right away
+                first_needing_grad.register_hook(self._on_backward_start)
+            else:
+                unit.free()
+                first_needing_grad.register_hook(lambda grad: unit.gather_for_backward())
             return output
 
         return hook
+
+    def _on_backward_start(self, grad: torch.Tensor) -> None:
+        # `_on_backward_end` runs once this whole backward has finished (the engine calls it
+        # before backward returns).
+        torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+
+    def _on_backward_end(self) -> None:
+        """Free what backward left gathered: frozen parameters of units whose inputs needed
+        no gradient, and the parameters of units that got none (unused)."""
+        for unit in self.units:
+            unit.free(drop=True)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -211,30 +364,31 @@ class FullyShardedDataParallel(nn.Module):
         """Gradients are reduce-scattered during backward; this drops any prefetched
         parameters that were not used, so that between steps only the shards remain."""
         for unit in self.units:
-            if unit.pending is not None:
-                unit.pending.wait()
-                unit.pending = None
-            unit.free()
-            unit.full = None
+            for flat in unit.flats:
+                if flat.pending is not None:
+                    flat.pending.wait()
+                    flat.pending = None
+            unit.free(drop=True)
 
     @torch.no_grad()
     def gather_full_params(self) -> dict[str, torch.Tensor]:
-        """The unsharded model's state dict (same keys as `module.state_dict()`), fp32."""
-        state = {}
+        """The unsharded model's state dict (the keys and order of `module.state_dict()`),
+        fp32; a tied parameter appears under each of its names, as one tensor."""
+        state = {name: buffer.clone() for name, buffer in self.module.state_dict().items()}
         for unit in self.units:
-            full = sharding.all_gather(unit.shard.detach(), unit.numel, self.group, self.ring)
-            offset = 0
-            local = {id(sub): name for name, sub in unit.module.named_modules()}
-            for sub, key, shape in unit.slots:
-                path = ".".join(p for p in (unit.name, local[id(sub)], key) if p)
-                state[path] = full[offset: offset + shape.numel()].view(shape).clone()
-                offset += shape.numel()
-        for name, buffer in self.module.named_buffers():
-            state[name] = buffer.clone()
-        return state
+            for flat in unit.flats:
+                full = sharding.all_gather(flat.shard.detach(), flat.numel, self.group,
+                                           self.ring)
+                offset = 0
+                for slot in flat.slots:
+                    value = full[offset: offset + slot.shape.numel()].view(slot.shape).clone()
+                    state.update(dict.fromkeys(slot.names, value))
+                    offset += slot.shape.numel()
+        return {key: state[key] for key in self._state_keys}
 
     def sharded_bytes(self) -> int:
         """Bytes of parameter storage this rank holds now: shards plus any gathered units."""
-        held = sum(u.shard.numel() * u.shard.element_size() for u in self.units)
-        return held + sum(u.full.untyped_storage().nbytes() for u in self.units
-                          if u.full is not None)
+        flats = [flat for unit in self.units for flat in unit.flats]
+        held = sum(flat.shard.numel() * flat.shard.element_size() for flat in flats)
+        return held + sum(flat.full.untyped_storage().nbytes() for flat in flats
+                          if flat.full is not None)

@@ -15,6 +15,13 @@ Reduce-scatter + all-gather is an all-reduce in two halves: the same 2Ψ traffic
 Stage 1 keeps whole gradients until the step. Stage 2 reduce-scatters each gradient as soon
 as backward has produced it and frees it, so each rank only ever stores its gradient slice
 (with gradient accumulation that means one reduce-scatter per backward, not per step).
+
+Tied parameters are one parameter (sharded once), frozen ones (requires_grad=False) are left
+alone, and a parameter without a gradient is skipped as torch.optim skips it. Stage 1 first
+sums, over the ranks, which parameters have a gradient (one small all-reduce): a parameter
+no rank used is skipped, one some ranks used counts as zero on the others, as in DDP's
+find_unused_parameters. Stage 2 reduce-scatters during each rank's own backward, so every
+rank must use the same parameters; one that no rank used is skipped.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from minidist import sharding
+from minidist import comm, sharding
 from minidist._checks import require_process_group
 
 
@@ -45,7 +52,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if stage not in (1, 2):
             raise ValueError(f"stage={stage}: ZeroOptimizer implements stages 1 and 2 "
                              f"(stage 3 shards parameters too: use minidist.fsdp)")
-        self.params = [p for p in params if p.requires_grad]
+        # dict.fromkeys: a parameter listed twice (tied) is still sharded and reduced once
+        self.params = list(dict.fromkeys(p for p in params if p.requires_grad))
         if not self.params:
             raise ValueError("ZeroOptimizer got no parameters that require gradients")
         self.stage, self.group, self.ring = stage, group, ring
@@ -80,20 +88,26 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):  # noqa: D102 (torch.optim.Optimizer's)
         if closure is not None:
             raise ValueError("ZeroOptimizer.step does not take a closure")
-        for param, shard in zip(self.params, self.shards, strict=True):
-            if self.stage == 1:
-                if param.grad is None:
-                    raise RuntimeError("a parameter has no gradient: ZeRO needs every rank to "
-                                       "reduce every gradient; was it unused in forward?")
-                shard.grad = self._reduce_scatter(param.grad)
-            elif shard.grad is None:
-                raise RuntimeError("a parameter has no gradient shard: was it unused in "
-                                   "forward, or did backward not run before step()?")
+        if self.stage == 1:
+            self._reduce_scatter_gradients()
         self.optimizer.step()
         for param, shard in zip(self.params, self.shards, strict=True):
+            if shard.grad is None:  # no rank had a gradient: the optimizer left it alone
+                continue
             full = sharding.all_gather(shard.to(param.dtype), param.numel(), self.group,
                                        self.ring)
             param.copy_(full.view_as(param))
+
+    def _reduce_scatter_gradients(self) -> None:
+        """Stage 1: reduce-scatter every gradient some rank has (zeros where a rank has none)."""
+        ranks_with_grad = torch.tensor([p.grad is not None for p in self.params],
+                                       dtype=torch.int32)
+        comm.record("all_reduce", ranks_with_grad, self.group)
+        dist.all_reduce(ranks_with_grad, group=self.group)
+        for param, shard, count in zip(self.params, self.shards, ranks_with_grad.tolist(),
+                                       strict=True):
+            grad = torch.zeros_like(param) if param.grad is None else param.grad
+            shard.grad = self._reduce_scatter(grad) if count else None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for tensor in (*self.params, *self.shards):
