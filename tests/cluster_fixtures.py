@@ -100,6 +100,26 @@ class LocalCluster:
         return self.wait(job_id, timeout, submitted)
 
 
+def run_ok(*args: str | Path, timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
+    """Run a command, failing the test with its output if it fails."""
+    command = [str(a) for a in args]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, **kwargs)
+    assert result.returncode == 0, f"{command} failed:\n{result.stdout}{result.stderr}"
+    return result
+
+
+def wait_for(predicate, timeout: float, what: str, every: float = 0.3):
+    """Poll `predicate` until it returns something true, and return that."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(every)
+
+
 def cluster_env() -> dict[str, str]:
     """This process's environment, with what env.sh exports and no Slurm job's variables."""
     dump = subprocess.run(

@@ -20,7 +20,6 @@ import secrets
 import shutil
 import signal
 import subprocess
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +27,7 @@ from pathlib import Path
 import nbformat
 import pytest
 import requests
-from cluster_fixtures import LocalCluster
+from cluster_fixtures import LocalCluster, run_ok, wait_for
 from test_grading import answered, read_notebook
 
 pytestmark = [
@@ -51,28 +50,12 @@ COURSE_DIR = "scaling-lab"  # course_env_instructor_course: the instructor's ~/s
 LAB = "02_memory_math"  # no ranks: quick to grade inside a one-core job
 
 
-def run(*args: str | Path, **kwargs) -> subprocess.CompletedProcess:
-    command = [str(a) for a in args]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, **kwargs)
-    assert result.returncode == 0, f"{command} failed:\n{result.stdout}{result.stderr}"
-    return result
-
 
 def as_user(user: str, *command: str) -> subprocess.CompletedProcess:
     """Run a command as `user`, without raising on failure (the isolation checks expect some)."""
     return subprocess.run(["runuser", "-u", user, "--", *command], capture_output=True,
                           text=True, timeout=60)
 
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.5)
 
 
 def user_pids(user: str) -> list[int]:
@@ -87,19 +70,19 @@ def accounts() -> Iterator[dict[str, str]]:
     made_groups = []
     for group in (STUDENTS_GROUP, INSTRUCTORS_GROUP):
         if subprocess.run(["getent", "group", group], capture_output=True).returncode != 0:
-            run("groupadd", group)
+            run_ok("groupadd", group)
             made_groups.append(group)
     made_users = []
     passwords = {}
     for user, group in [*((s, STUDENTS_GROUP) for s in STUDENTS), (INSTRUCTOR, INSTRUCTORS_GROUP)]:
         if subprocess.run(["id", user], capture_output=True).returncode != 0:
-            run("useradd", "--create-home", "--shell", "/bin/bash", "--groups", group, user)
+            run_ok("useradd", "--create-home", "--shell", "/bin/bash", "--groups", group, user)
             made_users.append(user)
         else:
-            run("usermod", "--append", "--groups", group, user)
+            run_ok("usermod", "--append", "--groups", group, user)
         Path("/home", user).chmod(0o700)  # what cluster_setup/README.md asks of home directories
         passwords[user] = secrets.token_urlsafe(16)
-        run("chpasswd", input=f"{user}:{passwords[user]}")
+        run_ok("chpasswd", input=f"{user}:{passwords[user]}")
     yield passwords
     for user in passwords:
         for pid in user_pids(user):
@@ -109,9 +92,9 @@ def accounts() -> Iterator[dict[str, str]]:
                 pass
         wait_for(lambda user=user: not user_pids(user), 10, f"{user}'s processes to exit")
     for user in made_users:
-        run("userdel", "--remove", user)
+        run_ok("userdel", "--remove", user)
     for group in made_groups:
-        run("groupdel", group)
+        run_ok("groupdel", group)
 
 
 @dataclass
@@ -129,7 +112,7 @@ class Hub:
 def hub(local_cluster: LocalCluster, accounts: dict[str, str]) -> Iterator[Hub]:
     state_dir = local_cluster.state_dir
     try:
-        run(HUB_SH, "start", env=local_cluster.env)
+        run_ok(HUB_SH, "start", env=local_cluster.env)
         config = (state_dir / "etc" / "hub" / "jupyterhub_config.py").read_text()
         ip = re.search(r'^c\.JupyterHub\.ip = "([^"]*)"$', config, re.M)[1]
         port = re.search(r"^c\.JupyterHub\.port = (\d+)$", config, re.M)[1]
@@ -137,7 +120,7 @@ def hub(local_cluster: LocalCluster, accounts: dict[str, str]) -> Iterator[Hub]:
     finally:
         for user in accounts:
             local_cluster.run("scancel", "--user", user, check=False)
-        run(HUB_SH, "stop", env=local_cluster.env)
+        run_ok(HUB_SH, "stop", env=local_cluster.env)
         shutil.rmtree(state_dir / "exchange" / COURSE_ID, ignore_errors=True)
 
 

@@ -14,14 +14,13 @@ import signal
 import socket
 import sqlite3
 import subprocess
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import requests
-from cluster_fixtures import LocalCluster
+from cluster_fixtures import LocalCluster, run_ok, wait_for
 
 pytestmark = [
     pytest.mark.xdist_group("cluster"),
@@ -58,22 +57,6 @@ class Hub:
         return ip, port, json.loads(state)
 
 
-def run(*args: str | Path, **kwargs) -> subprocess.CompletedProcess:
-    command = [str(a) for a in args]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120, **kwargs)
-    assert result.returncode == 0, f"{command} failed:\n{result.stdout}{result.stderr}"
-    return result
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.3)
 
 
 def listening(host: str, port: int) -> bool:
@@ -95,22 +78,23 @@ def student_password() -> Iterator[str]:
         subprocess.run(["getent", "group", STUDENTS_GROUP], capture_output=True).returncode != 0
     )
     if made_group:
-        run("groupadd", STUDENTS_GROUP)
+        run_ok("groupadd", STUDENTS_GROUP)
     made = subprocess.run(["id", STUDENT], capture_output=True).returncode != 0
     if made:
-        run("useradd", "--create-home", "--shell", "/bin/bash", "--groups", STUDENTS_GROUP, STUDENT)
+        run_ok("useradd", "--create-home", "--shell", "/bin/bash", "--groups", STUDENTS_GROUP,
+               STUDENT)
     else:
-        run("usermod", "--append", "--groups", STUDENTS_GROUP, STUDENT)
+        run_ok("usermod", "--append", "--groups", STUDENTS_GROUP, STUDENT)
     password = secrets.token_urlsafe(16)
-    run("chpasswd", input=f"{STUDENT}:{password}")
+    run_ok("chpasswd", input=f"{STUDENT}:{password}")
     yield password
     for pid in student_pids():
         os.kill(pid, signal.SIGKILL)
     wait_for(lambda: not student_pids(), 10, f"{STUDENT}'s processes to exit")
     if made:
-        run("userdel", "--remove", STUDENT)
+        run_ok("userdel", "--remove", STUDENT)
     if made_group:
-        run("groupdel", STUDENTS_GROUP)
+        run_ok("groupdel", STUDENTS_GROUP)
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +103,7 @@ def hub(local_cluster: LocalCluster, student_password: str) -> Iterator[Hub]:
     jobs are cancelled, hub.sh stop, and no port of the hub or its proxy is left open."""
     state_dir = local_cluster.state_dir
     try:
-        run(HUB_SH, "start", env=local_cluster.env)
+        run_ok(HUB_SH, "start", env=local_cluster.env)
         config = (state_dir / "etc" / "hub" / "jupyterhub_config.py").read_text()
 
         def setting(name: str) -> str:
@@ -143,7 +127,7 @@ def hub(local_cluster: LocalCluster, student_password: str) -> Iterator[Hub]:
         yield hub
     finally:
         local_cluster.run("scancel", "--user", STUDENT, check=False)
-        run(HUB_SH, "stop", env=local_cluster.env)
+        run_ok(HUB_SH, "stop", env=local_cluster.env)
     assert not [port for port in hub.ports if listening(*port)], "hub or proxy still listening"
 
 
