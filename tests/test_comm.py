@@ -18,7 +18,6 @@ from minidist.cost import (
     ALL_REDUCE_ALGORITHMS,
     AlphaBeta,
     all_reduce_bytes_sent,
-    best_all_reduce,
     ring_bytes_sent,
 )
 from minidist.launch import RankError, run
@@ -132,7 +131,7 @@ def _check_auto(rank: int, world_size: int) -> list[str]:
     # bytes. The bytes sent show which algorithm ran (sizes that every chunking divides).
     for given, numel in ((AlphaBeta(alpha=1e-3, beta=1e-12), 3840),
                          (AlphaBeta(alpha=1e-9, beta=1e-6), 3840), (link, 240), (link, 240 * 4096)):
-        chosen = best_all_reduce(numel * 4, world_size, given.alpha, given.beta)
+        chosen = given.best_all_reduce(numel * 4, world_size)
         with comm.count_traffic() as counter:
             comm.all_reduce(torch.zeros(numel), algorithm="auto", link=None if given is link
                             else given)

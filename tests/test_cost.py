@@ -7,6 +7,7 @@ import math
 import pytest
 
 from minidist.cost import (
+    ALL_REDUCE_ALGORITHMS,
     COLLECTIVES,
     AlphaBeta,
     all_reduce_bytes_sent,
@@ -17,6 +18,7 @@ from minidist.cost import (
     collective_time,
     crossover_size,
     fit_alpha_beta,
+    reduction_coefficient,
     ring_bytes_sent,
 )
 
@@ -192,3 +194,24 @@ def test_all_reduce_algorithm_errors_are_clear() -> None:
         all_reduce_bytes_sent("ring", 100, 4, 4)
     with pytest.raises(ValueError, match="world_size=0"):
         all_reduce_time("ring", 100, 0, 1e-5, 1e-9)
+
+
+def test_additions_make_the_ring_win_large_tensors_on_two_ranks() -> None:
+    # Thakur's gamma term: recursive doubling adds S, the ring S/2, so with gamma > 0 the two
+    # cross at S = (2 - 1) alpha / ((1 - 0.5) gamma) on 2 ranks.
+    alpha, beta, gamma = 50e-6, 1e-9, 0.2e-9
+    assert [reduction_coefficient(name, 4) for name in ALL_REDUCE_ALGORITHMS] == [
+        0.75, 2, 2, 0.75
+    ]
+    assert reduction_coefficient("recursive_doubling", 3) == 2  # 1 step + the fold's addition
+    assert crossover_size("recursive_doubling", "ring", 2, alpha, beta, gamma) == pytest.approx(
+        2 * alpha / gamma
+    )
+    assert best_all_reduce(1024, 2, alpha, beta, gamma) == "recursive_doubling"
+    assert best_all_reduce(64 * MB, 2, alpha, beta, gamma) == "ring"
+    link = AlphaBeta(alpha, beta, gamma)
+    assert link.best_all_reduce(64 * MB, 2) == "ring"
+    assert all_reduce_time("ring", MB, 2, alpha, beta, gamma) == pytest.approx(
+        2 * alpha + MB * beta + 0.5 * MB * gamma
+    )
+    assert str(link) == "alpha = 50.0 us, bandwidth = 1.00 GB/s, additions at 5.00 GB/s"

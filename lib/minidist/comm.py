@@ -33,8 +33,9 @@ it counts the point-to-point bytes and messages this rank sends, and keeps one
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -295,7 +296,7 @@ def _binomial_reduce(flat: torch.Tensor, ring: _Ring) -> None:
 # Recursive doubling and Rabenseifner's algorithm pair rank c with rank c XOR 2^k, so they need
 # a power of two of ranks p. With N = p + r ranks, the first 2r ranks pair up (0 with 1, 2 with
 # 3, ...): the even one hands its tensor to the odd one and sits out, and gets the result back
-# at the end (Thakur, Rabenseifner & Gropp 2005, section 4.5). The p ranks left are numbered
+# at the end (Thakur, Rabenseifner & Gropp 2005). The p ranks left are numbered
 # 0..p-1 ("core" ranks): odd rank i < 2r is core rank i // 2, rank i >= 2r is core rank i - r.
 
 
@@ -404,6 +405,13 @@ def _ring_algorithm(flat: torch.Tensor, ring: _Ring, average: bool) -> None:
     _ring_all_gather_steps(flat, ring)
 
 
+@functools.lru_cache(maxsize=4096)
+def _best_all_reduce(link: AlphaBeta, nbytes: int, world_size: int) -> str:
+    """link.best_all_reduce, remembered: training all-reduces the same sizes every step, and
+    small tensors take only tens of microseconds to all-reduce."""
+    return link.best_all_reduce(nbytes, world_size)
+
+
 _ALGORITHMS = {
     "ring": _ring_algorithm,
     "recursive_doubling": _recursive_doubling,
@@ -421,18 +429,18 @@ def all_reduce(
 ) -> torch.Tensor:
     """Sum or average `tensor` over all ranks in place with `algorithm`; returns it.
 
-    algorithm   steps (N = 2^k)   bytes sent by the busiest rank
-    ring        2(N-1)            2(N-1)/N * S
-    recursive_doubling  log2 N    log2 N * S
-    tree        2 log2 N          log2 N * S (rank 0; the reduce sends S more from the others)
-    rabenseifner 2 log2 N         2(N-1)/N * S
-    auto        the one `minidist.cost.best_all_reduce` predicts fastest on `link`
+    algorithm            steps, N = 2^k   bytes sent by the busiest rank
+    "ring"               2(N-1)           2(N-1)/N * S
+    "recursive_doubling" log2 N           log2 N * S
+    "tree"               2 log2 N         log2 N * S (rank 0, in the broadcast)
+    "rabenseifner"       2 log2 N         2(N-1)/N * S
+    "auto"               whichever `minidist.cost.best_all_reduce` predicts fastest on `link`
 
-    `link` is the fitted alpha-beta link that "auto" decides with; by default the one
-    `fit_link(group)` measures on the first "auto" call and keeps for the group. Every rank
-    must pass the same `algorithm`, `link` and tensor size. Full costs, N not a power of two
-    included, are in `minidist.cost.all_reduce_coefficients` (Thakur, Rabenseifner & Gropp
-    2005). Additions happen in the tensor's own dtype, in an order that differs between
+    `link` is the fitted link (alpha, beta and the additions' gamma) that "auto" decides
+    with; by default the one `fit_link(group)` measures on the first "auto" call and keeps
+    for the group. Every rank must pass the same `algorithm`, `link` and tensor size. Full
+    costs, N not a power of two included, are in `minidist.cost` (Thakur, Rabenseifner &
+    Gropp 2005). Additions happen in the tensor's own dtype, in an order that differs between
     algorithms, so floating-point results may differ in the last bits.
     """
     if algorithm != "auto" and algorithm not in _ALGORITHMS:
@@ -444,8 +452,8 @@ def all_reduce(
     op_name = _reduce_op(op, tensor)
     ring = _ring(group, "all_reduce")
     if algorithm == "auto":
-        link = link or fit_link(group)
-        algorithm = link.best_all_reduce(flat.numel() * flat.element_size(), ring.size)
+        algorithm = _best_all_reduce(link or fit_link(group),
+                                     flat.numel() * flat.element_size(), ring.size)
     record("all_reduce", flat, group)
     if ring.size > 1:
         _ALGORITHMS[algorithm](flat, ring, op_name == "avg")
@@ -458,12 +466,14 @@ _links: dict[dist.ProcessGroup, AlphaBeta] = {}
 
 
 def fit_link(group: dist.ProcessGroup | None = None, repeats: int = 3) -> AlphaBeta:
-    """The alpha-beta link of `group`, fitted from timings of `ring_all_reduce`; kept per group.
+    """The link of `group` as "auto" sees it, measured on the first call and kept per group.
 
-    Times the ring at 4 KiB .. 4 MiB (`repeats` times each, keeping the fastest, taken on
-    the slowest rank so that every rank fits the same numbers) and fits
-    t = 2(N-1) alpha + 2(N-1)/N S beta, the way Lab 01 does. Measured once per group and
-    process, on the first call (about 0.1 s); every member must call it, as "auto" does.
+    gamma: the fastest of `repeats` timings of adding two 4 MiB tensors, per byte. alpha and
+    beta: `ring_all_reduce` timed at 4 KiB .. 4 MiB (the fastest of `repeats` each), less the
+    ring's additions ((N-1)/N * S * gamma), fitted to t = 2(N-1) alpha + 2(N-1)/N S beta as
+    Lab 01 does. Timings are taken on the slowest rank, so every rank fits the same link and
+    "auto" makes the same choice everywhere. About 0.1 s; every member of the group must call
+    it (as "auto" does), at the same time.
     """
     ring = _ring(group, "fit_link")
     key = group or dist.group.WORLD
@@ -472,21 +482,33 @@ def fit_link(group: dist.ProcessGroup | None = None, repeats: int = 3) -> AlphaB
     if ring.size == 1:
         _links[key] = AlphaBeta(alpha=0.0, beta=0.0)  # nothing is ever sent
         return _links[key]
-    times = torch.empty(len(_FIT_SIZES), dtype=torch.float64)
-    for i, nbytes in enumerate(_FIT_SIZES):
-        tensor = torch.zeros(nbytes // 4)  # zeros stay zeros: nothing overflows
-        ring_all_reduce(tensor, group=group)  # warm-up: connections, buffers
+
+    def fastest(call: Callable[[], object], barrier: bool) -> float:
+        call()  # warm-up: connections, buffers, pages
         best = float("inf")
         for _ in range(repeats):
-            dist.barrier(group=group)
+            if barrier:
+                dist.barrier(group=group)  # start together, or we time the wait for late ranks
             start = time.perf_counter()
-            ring_all_reduce(tensor, group=group)
+            call()
             best = min(best, time.perf_counter() - start)
-        times[i] = best
-    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)  # every rank: the same fit
-    link = fit_alpha_beta("all_reduce", ring.size, _FIT_SIZES, times.tolist())
-    _links[key] = link
-    return link
+        return best
+
+    largest = _FIT_SIZES[-1] // 4
+    total, addend = torch.zeros(largest), torch.zeros(largest)  # zeros never overflow
+    timings = [fastest(lambda: total.add_(addend), barrier=False)]
+    for nbytes in _FIT_SIZES:
+        tensor = torch.zeros(nbytes // 4)
+        timings.append(fastest(lambda t=tensor: ring_all_reduce(t, group=group), barrier=True))
+    agreed = torch.tensor(timings, dtype=torch.float64)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)  # every rank: the same numbers
+    gamma = agreed[0].item() / _FIT_SIZES[-1]
+    additions = (ring.size - 1) / ring.size * gamma
+    communication = [t - additions * s for t, s in zip(agreed[1:].tolist(), _FIT_SIZES,
+                                                        strict=True)]
+    fitted = fit_alpha_beta("all_reduce", ring.size, _FIT_SIZES, communication)
+    _links[key] = AlphaBeta(fitted.alpha, fitted.beta, gamma)
+    return _links[key]
 
 
 # --- Counting what is sent ----------------------------------------------------------------------

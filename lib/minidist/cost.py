@@ -15,11 +15,18 @@ b(N) * S * beta, with S the size of the full tensor and coefficients set by the 
 All-reduce has several algorithms (`ALL_REDUCE_ALGORITHMS`); with p = 2^floor(log2 N) and
 f = 1 when N is not a power of two (0 when it is):
 
-    algorithm            a(N)              b(N)              fastest for
-    ring                 2(N-1)            2(N-1)/N          large S, N not a power of two
-    recursive_doubling   log2 p + 2f       log2 p + 2f       small S
-    tree                 2 ceil(log2 N)    2 ceil(log2 N)    never here; NCCL's trees pipeline
-    rabenseifner         2 log2 p + 2f     2(p-1)/p + 2f     large S, N = 2^k
+    algorithm            a(N)              b(N)              c(N)             fastest for
+    ring                 2(N-1)            2(N-1)/N          (N-1)/N          large S, N != 2^k
+    recursive_doubling   log2 p + 2f       log2 p + 2f       log2 p + f       small S
+    tree                 2 ceil(log2 N)    2 ceil(log2 N)    ceil(log2 N)     never, here
+    rabenseifner         2 log2 p + 2f     2(p-1)/p + 2f     (p-1)/p + f      large S, N = 2^k
+
+c(N) is Thakur's third term: the bytes the busiest rank adds up per byte of tensor, at gamma
+seconds per byte, so all-reduce takes a * alpha + b * S * beta + c * S * gamma. On a fast
+network gamma is negligible beside beta; between processes on one CPU it is not, and it is
+what makes recursive doubling, which adds the whole tensor log2 N times, lose to the ring
+for large tensors even on 2 ranks, where both send S. (NCCL's trees beat rings on many
+nodes because they pipeline small chunks; this unpipelined tree never wins.)
 
 Recursive doubling: in step k every rank swaps its whole tensor with rank XOR 2^k and adds.
 Tree: a binomial-tree reduce to rank 0, then a binomial-tree broadcast. Rabenseifner:
@@ -28,8 +35,8 @@ the other half), then an all-gather by recursive doubling; it moves the ring's b
 2 log2 N steps instead of 2(N-1). When N is not a power of two, the first 2(N-p) ranks pair up
 and the even one of each pair hands its whole tensor to the odd one (one step of S) and sits
 out, getting the result back at the end (one more): the 2f terms. `best_all_reduce` picks
-the algorithm with the smallest predicted time; the reduction's own cost (Thakur's gamma
-term) is left out, as everywhere in this module.
+the algorithm with the smallest predicted time. Only all-reduce models the reduction's cost
+(gamma); the other collectives' formulas above leave it out.
 
 Sources: Thakur, Rabenseifner & Gropp, "Optimization of Collective Communication Operations
 in MPICH", IJHPCA 19(1), 2005 (the model and the tree/ring costs); Patarasuk & Yuan,
@@ -130,7 +137,7 @@ def all_reduce_coefficients(algorithm: str, world_size: int) -> tuple[float, flo
     """(a, b) such that all-reduce with `algorithm` takes a * alpha + b * S * beta.
 
     The busiest rank's sequential steps (a) and bytes per byte of tensor (b), as in the
-    module's table (Thakur, Rabenseifner & Gropp 2005, sections 4.4 and 4.5).
+    module's table (Thakur, Rabenseifner & Gropp 2005).
     """
     _check_algorithm(algorithm, world_size)
     n = world_size
@@ -148,37 +155,62 @@ def all_reduce_coefficients(algorithm: str, world_size: int) -> tuple[float, flo
     return 2 * log2_p + fold, 2 * (p - 1) / p + fold  # rabenseifner
 
 
+def reduction_coefficient(algorithm: str, world_size: int) -> float:
+    """c such that the busiest rank adds up c * S bytes in all-reduce (the table's c(N))."""
+    _check_algorithm(algorithm, world_size)
+    n = world_size
+    if n == 1:
+        return 0
+    p, log2_p = _power_of_two_below(n)
+    fold = 0 if p == n else 1  # the partner adds the tensor handed in
+    if algorithm == "ring":
+        return (n - 1) / n
+    if algorithm == "recursive_doubling":
+        return log2_p + fold
+    if algorithm == "tree":
+        return (n - 1).bit_length()  # rank 0 adds one tensor per child
+    return (p - 1) / p + fold  # rabenseifner
+
+
 def all_reduce_time(
-    algorithm: str, nbytes: float, world_size: int, alpha: float, beta: float
+    algorithm: str, nbytes: float, world_size: int, alpha: float, beta: float,
+    gamma: float = 0.0,
 ) -> float:
-    """Seconds the alpha-beta model predicts for all-reduce of `nbytes` with `algorithm`."""
+    """Seconds the model predicts for all-reduce of `nbytes` with `algorithm`:
+    a * alpha + b * S * beta + c * S * gamma (gamma, seconds per byte added, defaults to 0)."""
     a, b = all_reduce_coefficients(algorithm, world_size)
-    return a * alpha + b * nbytes * beta
+    c = reduction_coefficient(algorithm, world_size)
+    return a * alpha + b * nbytes * beta + c * nbytes * gamma
 
 
-def best_all_reduce(nbytes: float, world_size: int, alpha: float, beta: float) -> str:
+def best_all_reduce(
+    nbytes: float, world_size: int, alpha: float, beta: float, gamma: float = 0.0
+) -> str:
     """The algorithm with the smallest predicted time; on a tie, the first in
     ALL_REDUCE_ALGORITHMS."""
     return min(
         ALL_REDUCE_ALGORITHMS,
-        key=lambda algorithm: all_reduce_time(algorithm, nbytes, world_size, alpha, beta),
+        key=lambda name: all_reduce_time(name, nbytes, world_size, alpha, beta, gamma),
     )
 
 
 def crossover_size(
-    first: str, second: str, world_size: int, alpha: float, beta: float
+    first: str, second: str, world_size: int, alpha: float, beta: float, gamma: float = 0.0
 ) -> float:
     """The tensor size in bytes at which `first` and `second` take equal predicted time.
 
-    Solves a1 * alpha + b1 * S * beta = a2 * alpha + b2 * S * beta for S. Below it the
-    algorithm with fewer steps wins, above it the one sending fewer bytes. inf when the
-    lines never cross at a positive size (one algorithm wins at every size).
+    Solves a1 alpha + (b1 beta + c1 gamma) S = a2 alpha + (b2 beta + c2 gamma) S for S
+    (with gamma = 0: S = (a2 - a1) alpha / ((b1 - b2) beta)). Below it the algorithm with
+    fewer steps wins, above it the one moving fewer bytes. inf when the lines never cross at
+    a positive size (one algorithm wins at every size).
     """
     a1, b1 = all_reduce_coefficients(first, world_size)
     a2, b2 = all_reduce_coefficients(second, world_size)
-    if b1 == b2 or beta <= 0:
+    per_byte_1 = b1 * beta + reduction_coefficient(first, world_size) * gamma
+    per_byte_2 = b2 * beta + reduction_coefficient(second, world_size) * gamma
+    if per_byte_1 == per_byte_2:
         return float("inf")
-    size = (a2 - a1) * alpha / ((b1 - b2) * beta)
+    size = (a2 - a1) * alpha / (per_byte_1 - per_byte_2)
     return size if size > 0 else float("inf")
 
 
@@ -213,10 +245,12 @@ def all_reduce_bytes_sent(algorithm: str, nbytes: float, world_size: int, rank: 
 
 @dataclass(frozen=True)
 class AlphaBeta:
-    """A fitted link: latency `alpha` (seconds) and inverse bandwidth `beta` (seconds/byte)."""
+    """A fitted link: latency `alpha` (seconds) and inverse bandwidth `beta` (seconds/byte);
+    `gamma` (seconds per byte added up) only enters all-reduce's algorithm choice."""
 
     alpha: float
     beta: float
+    gamma: float = 0.0
 
     @property
     def bandwidth(self) -> float:
@@ -229,10 +263,11 @@ class AlphaBeta:
 
     def best_all_reduce(self, nbytes: float, world_size: int) -> str:
         """The all-reduce algorithm this link makes fastest for an `nbytes` tensor."""
-        return best_all_reduce(nbytes, world_size, self.alpha, self.beta)
+        return best_all_reduce(nbytes, world_size, self.alpha, self.beta, self.gamma)
 
     def __str__(self) -> str:
-        return f"alpha = {self.alpha * 1e6:.1f} us, bandwidth = {self.bandwidth / 1e9:.2f} GB/s"
+        text = f"alpha = {self.alpha * 1e6:.1f} us, bandwidth = {self.bandwidth / 1e9:.2f} GB/s"
+        return text + (f", additions at {1 / self.gamma / 1e9:.2f} GB/s" if self.gamma else "")
 
 
 def fit_alpha_beta(
