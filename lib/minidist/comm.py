@@ -84,25 +84,27 @@ class _Ring:
         return self.members[group_rank]
 
 
-# Global ranks of each group's members; looked up once, as all_reduce on small tensors takes
-# only tens of microseconds.
-_group_members: dict[dist.ProcessGroup, tuple[int, ...]] = {}
+# Each group's ring, built once: all_reduce of a small tensor takes only tens of microseconds,
+# and asking torch for ranks and members on every call would add as much again.
+_rings: dict[dist.ProcessGroup, _Ring] = {}
 
 
 def _ring(group: dist.ProcessGroup | None, what: str) -> _Ring:
     require_process_group(what)
+    key = group or dist.group.WORLD
+    ring = _rings.get(key)
+    if ring is not None:
+        return ring
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     if rank < 0:
         raise ValueError(
             f"rank {dist.get_rank()} is not a member of group {group} (its ranks are "
             f"{dist.get_process_group_ranks(group)}); call {what} only on the group's members"
         )
-    key = group or dist.group.WORLD
-    members = _group_members.get(key)
-    if members is None:
-        members = _group_members[key] = tuple(dist.get_process_group_ranks(key))
-    return _Ring(rank, size, members[(rank - 1) % size], members[(rank + 1) % size], group,
-                 members)
+    members = tuple(dist.get_process_group_ranks(key))
+    ring = _rings[key] = _Ring(rank, size, members[(rank - 1) % size],
+                               members[(rank + 1) % size], group, members)
+    return ring
 
 
 def _exchange(send: torch.Tensor, recv: torch.Tensor, ring: _Ring,
