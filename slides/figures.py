@@ -23,7 +23,14 @@ from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.patches import FancyArrowPatch, Rectangle  # noqa: E402
 
 from minidist import gantt, memory, pipeline, traffic  # noqa: E402
-from minidist.cost import busbw_factor, collective_time, ring_bytes_sent  # noqa: E402
+from minidist.cost import (  # noqa: E402
+    ALL_REDUCE_ALGORITHMS,
+    all_reduce_time,
+    busbw_factor,
+    collective_time,
+    crossover_size,
+    ring_bytes_sent,
+)
 from minidist.ddp import Event, assign_buckets, plot_timeline  # noqa: E402
 from minidist.diagrams import draw_collectives, draw_linear_splits  # noqa: E402
 from minidist.planner import MODELS, Cluster  # noqa: E402
@@ -258,6 +265,29 @@ def alpha_beta_time() -> Figure:
     ax.set_title(f"α-β model, ring all-reduce: α = {ALPHA * 1e6:.0f} µs, "
                  f"1/β = {BANDWIDTH / 1e9:.0f} GB/s")
     ax.legend(fontsize=10, loc="upper left", bbox_to_anchor=(0.05, 1.0))
+    fig.tight_layout()
+    return fig
+
+
+def all_reduce_algorithms() -> Figure:
+    """Predicted all-reduce time per algorithm on 8 ranks, and where the fastest changes."""
+    n, beta = 8, 1 / BANDWIDTH
+    fig, ax = plt.subplots(figsize=(10, 4))
+    sizes = _sizes()
+    for algorithm in ALL_REDUCE_ALGORITHMS:
+        ax.plot(sizes, [all_reduce_time(algorithm, s, n, ALPHA, beta) * 1e3 for s in sizes],
+                lw=2.5, label=algorithm.replace("_", " "))
+    crossover = crossover_size("recursive_doubling", "rabenseifner", n, ALPHA, beta)
+    ax.axvline(crossover, color="0.4", ls=":", lw=1.5)
+    ax.text(crossover * 1.3, 8, f"crossover\n3α/(1.25β)\n≈ {crossover / 1e3:.0f} KB",
+            fontsize=11)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("message size S (bytes)")
+    ax.set_ylabel("time (ms)")
+    ax.set_title(f"α-β model, all-reduce on N = {n}: α = {ALPHA * 1e6:.0f} µs, "
+                 f"1/β = {BANDWIDTH / 1e9:.0f} GB/s")
+    ax.legend(fontsize=10, loc="upper left")
     fig.tight_layout()
     return fig
 
@@ -828,6 +858,7 @@ FIGURES: dict[str, Callable[[], Figure]] = {
     "ring-reduce-scatter-steps": ring_reduce_scatter_steps,
     "ring-bytes-against-n": ring_bytes_against_n,
     "alpha-beta-time": alpha_beta_time,
+    "all-reduce-algorithms": all_reduce_algorithms,
     "algbw-busbw": algbw_busbw,
     "sixteen-bytes": sixteen_bytes,
     "zero-stages-7.5b": zero_stages_7_5b,

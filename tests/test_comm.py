@@ -1,4 +1,4 @@
-"""minidist.comm against torch.distributed's own collectives, on 1 to 4 gloo ranks.
+"""minidist.comm against torch.distributed's own collectives, on 1 to 5 gloo ranks.
 
 Starting ranks costs about a second, so each world size runs every check in one
 `minidist.launch.run`; each rank returns {check name: [failure descriptions]}, and the tests
@@ -14,10 +14,16 @@ import torch
 import torch.distributed as dist
 
 from minidist import comm, sharding
-from minidist.cost import ring_bytes_sent
-from minidist.launch import run
+from minidist.cost import (
+    ALL_REDUCE_ALGORITHMS,
+    AlphaBeta,
+    all_reduce_bytes_sent,
+    ring_bytes_sent,
+)
+from minidist.launch import RankError, run
+from minidist.traffic import Collective
 
-WORLD_SIZES = (1, 2, 3, 4)
+WORLD_SIZES = (1, 2, 3, 4, 5)
 SIZES = (1, 7, 1000, 2**20 + 3)
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -52,6 +58,87 @@ def _check_all_reduce(rank: int, world_size: int) -> list[str]:
     dist.all_reduce(expected)
     if not torch.equal(comm.ring_all_reduce(matrix), expected):
         failures.append("2-D tensor")
+    return failures
+
+
+def _check_all_reduce_algorithms(rank: int, world_size: int) -> list[str]:
+    failures = []
+    for algorithm in (*ALL_REDUCE_ALGORITHMS, "auto"):
+        for numel in SIZES:
+            for dtype in DTYPES:
+                for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+                    ours = _integers(numel, 1000 * rank + numel, dtype)
+                    expected = ours.clone()
+                    dist.all_reduce(expected, op=op)
+                    returned = comm.all_reduce(ours, op=op, algorithm=algorithm)
+                    # Sums of small integers are exact in any order; an average is that sum
+                    # divided once, so it matches too, up to how gloo rounds the division.
+                    close = torch.equal(ours, expected) if op == dist.ReduceOp.SUM else (
+                        torch.allclose(ours.float(), expected.float(), rtol=1e-2, atol=0))
+                    if returned is not ours or not close:
+                        failures.append(f"{algorithm}, {op}, numel={numel}, {dtype}")
+    matrix = _integers(12 * 5, rank, torch.float32).view(12, 5)
+    expected = matrix.clone()
+    dist.all_reduce(expected)
+    if not torch.equal(comm.all_reduce(matrix, algorithm="rabenseifner"), expected):
+        failures.append("2-D tensor")
+    return failures
+
+
+def _all_reduce_messages(algorithm: str, rank: int, world_size: int) -> int:
+    """Sends per rank: one per step it takes part in (cost.all_reduce_coefficients' steps)."""
+    p = 1 << (world_size.bit_length() - 1)
+    log2_p, extra = p.bit_length() - 1, world_size - p
+    if algorithm == "ring":
+        return 2 * (world_size - 1)
+    if algorithm == "tree":
+        return round(all_reduce_bytes_sent("tree", 1, world_size, rank))
+    if rank < 2 * extra and rank % 2 == 0:
+        return 1  # hands its tensor in, then only receives
+    steps = log2_p if algorithm == "recursive_doubling" else 2 * log2_p
+    return steps + (1 if rank < 2 * extra else 0)
+
+
+def _check_all_reduce_bytes(rank: int, world_size: int) -> list[str]:
+    failures = []
+    for algorithm in ALL_REDUCE_ALGORITHMS:
+        for numel in (240, *SIZES):  # 240: every N in 1..5 and every p in 1, 2, 4 divide it
+            with comm.count_traffic() as counter:
+                comm.all_reduce(torch.zeros(numel), algorithm=algorithm)
+            expected = all_reduce_bytes_sent(algorithm, numel * 4, world_size, rank)
+            messages = _all_reduce_messages(algorithm, rank, world_size)
+            slack = 0 if numel % 240 == 0 else messages * 4  # one element per uneven chunk
+            if (abs(counter.bytes_sent - expected) > slack or counter.messages != messages
+                    or counter.collectives != [Collective("all_reduce", numel * 4, world_size)]):
+                failures.append(
+                    f"{algorithm} numel={numel}: sent {counter.bytes_sent} B in "
+                    f"{counter.messages} messages, expected {expected:g} B (+-{slack}) in "
+                    f"{messages}; records {counter.collectives}"
+                )
+    return failures
+
+
+def _check_auto(rank: int, world_size: int) -> list[str]:
+    failures = []
+    link = comm.fit_link()
+    if comm.fit_link() is not link:
+        failures.append("fit_link measured again instead of keeping the group's link")
+    links = [None] * world_size
+    dist.all_gather_object(links, link)
+    if any(other != link for other in links):
+        failures.append(f"ranks fitted different links: {links}")
+    # A link given explicitly decides: latency-bound picks fewest steps, bandwidth-bound fewest
+    # bytes. The bytes sent show which algorithm ran (sizes that every chunking divides).
+    for given, numel in ((AlphaBeta(alpha=1e-3, beta=1e-12), 3840),
+                         (AlphaBeta(alpha=1e-9, beta=1e-6), 3840), (link, 240), (link, 240 * 4096)):
+        chosen = given.best_all_reduce(numel * 4, world_size)
+        with comm.count_traffic() as counter:
+            comm.all_reduce(torch.zeros(numel), algorithm="auto", link=None if given is link
+                            else given)
+        expected = all_reduce_bytes_sent(chosen, numel * 4, world_size, rank)
+        if counter.bytes_sent != expected:
+            failures.append(f"auto with {given}, numel={numel}: sent {counter.bytes_sent} B, "
+                            f"but {chosen} sends {expected:g} B")
     return failures
 
 
@@ -196,6 +283,11 @@ def _check_errors(rank: int, world_size: int) -> list[str]:
         ("avg on ints", lambda: comm.ring_all_reduce(torch.zeros(4, dtype=torch.int64), "avg"),
          "floating-point"),
         ("bad src", lambda: comm.tree_broadcast(torch.zeros(4), src=world_size), "src"),
+        # Raised before any send: only this rank calls, so a blocked call would hang the run.
+        ("unknown algorithm", lambda: comm.all_reduce(torch.zeros(4), algorithm="butterfly"),
+         "'recursive_doubling'"),
+        ("avg on ints, tree", lambda: comm.all_reduce(torch.zeros(4, dtype=torch.int64), "avg",
+                                                      algorithm="tree"), "floating-point"),
     ]
     for name, call, phrase in cases:
         try:
@@ -213,8 +305,18 @@ def _check_subgroup(rank: int, world_size: int) -> list[str]:
     members = [1, world_size - 1]  # not starting at 0 and not adjacent: group ranks != global
     group = dist.new_group(members)  # every rank must call new_group, members or not
     if rank not in members:
-        return []
+        try:
+            comm.all_reduce(torch.zeros(4), group=group, algorithm="recursive_doubling")
+        except ValueError as error:
+            return [] if "not a member" in str(error) else [f"unclear message: {error}"]
+        return ["all_reduce on a group this rank is not in: no error"]
     failures = []
+    for algorithm in (*ALL_REDUCE_ALGORITHMS, "auto"):
+        ours = _integers(1001, rank, torch.float32)
+        theirs = ours.clone()
+        dist.all_reduce(theirs, group=group)
+        if not torch.equal(comm.all_reduce(ours, group=group, algorithm=algorithm), theirs):
+            failures.append(f"{algorithm} all_reduce on a subgroup")
     ours = _integers(1001, rank, torch.float32)
     theirs = ours.clone()
     dist.all_reduce(theirs, group=group)
@@ -252,6 +354,9 @@ CHECKS = {
     check.__name__.removeprefix("_check_"): check
     for check in (
         _check_all_reduce,
+        _check_all_reduce_algorithms,
+        _check_all_reduce_bytes,
+        _check_auto,
         _check_reduce_scatter_and_all_gather,
         _check_broadcast,
         _check_ring_bytes,
@@ -276,6 +381,21 @@ def _results(world_size: int) -> list[dict[str, list[str]]]:
 def test_against_torch(check: str, world_size: int) -> None:
     failures = {rank: r[check] for rank, r in enumerate(_results(world_size)) if r[check]}
     assert not failures, f"{check} failed on N={world_size}: {failures}"
+
+
+def _all_reduce_sizes_differ(rank: int, world_size: int, algorithm: str) -> list[float]:
+    tensor = torch.ones(1000 + rank)
+    comm.all_reduce(tensor, algorithm=algorithm)
+    return tensor[:2].tolist()
+
+
+@pytest.mark.parametrize("algorithm", ALL_REDUCE_ALGORITHMS)
+def test_sizes_that_differ_across_ranks_fail_loudly(algorithm: str) -> None:
+    # gloo aborts a rank that receives a larger message than it posted a buffer for ("Received
+    # data size doesn't match expected size"); every algorithm sends whole tensors or chunks
+    # both ways along each edge, so some rank always sees one.
+    with pytest.raises(RankError):
+        run(_all_reduce_sizes_differ, 3, algorithm, timeout=20)
 
 
 def test_chunk_bounds() -> None:

@@ -7,11 +7,18 @@ import math
 import pytest
 
 from minidist.cost import (
+    ALL_REDUCE_ALGORITHMS,
     COLLECTIVES,
     AlphaBeta,
+    all_reduce_bytes_sent,
+    all_reduce_coefficients,
+    all_reduce_time,
+    best_all_reduce,
     busbw_factor,
     collective_time,
+    crossover_size,
     fit_alpha_beta,
+    reduction_coefficient,
     ring_bytes_sent,
 )
 
@@ -102,3 +109,109 @@ def test_unknown_names_and_bad_arguments_are_clear() -> None:
         fit_alpha_beta("all_reduce", 2, [1.0], [1.0])
     with pytest.raises(ValueError, match="world_size=1"):
         fit_alpha_beta("all_reduce", 1, [1.0, 2.0], [1.0, 2.0])
+
+
+# --- All-reduce algorithms (Thakur, Rabenseifner & Gropp 2005) ----------------------------------
+
+
+@pytest.mark.parametrize(
+    ("n", "expected"),
+    [
+        # n: {algorithm: (steps, bytes per byte of tensor)}; p = 2^floor(log2 n), and 2 more steps
+        # of a whole tensor each when n is not a power of two.
+        (1, {"ring": (0, 0), "recursive_doubling": (0, 0), "tree": (0, 0), "rabenseifner": (0, 0)}),
+        (2, {"ring": (2, 1), "recursive_doubling": (1, 1), "tree": (2, 2), "rabenseifner": (2, 1)}),
+        (3, {"ring": (4, 4 / 3), "recursive_doubling": (3, 3), "tree": (4, 4),
+             "rabenseifner": (4, 3)}),
+        (4, {"ring": (6, 1.5), "recursive_doubling": (2, 2), "tree": (4, 4),
+             "rabenseifner": (4, 1.5)}),
+        (5, {"ring": (8, 1.6), "recursive_doubling": (4, 4), "tree": (6, 6),
+             "rabenseifner": (6, 3.5)}),
+        (8, {"ring": (14, 1.75), "recursive_doubling": (3, 3), "tree": (6, 6),
+             "rabenseifner": (6, 1.75)}),
+    ],
+)
+def test_all_reduce_coefficients(n: int, expected: dict[str, tuple[float, float]]) -> None:
+    for algorithm, (steps, per_byte) in expected.items():
+        got = all_reduce_coefficients(algorithm, n)
+        assert got == pytest.approx((steps, per_byte)), f"{algorithm}, N={n}: {got}"
+        alpha, beta = 1e-5, 1e-9
+        assert all_reduce_time(algorithm, MB, n, alpha, beta) == pytest.approx(
+            steps * alpha + per_byte * MB * beta
+        )
+    assert all_reduce_coefficients("ring", n) == pytest.approx(
+        (collective_time("all_reduce", 0, n, 1, 0), collective_time("all_reduce", 1, n, 0, 1))
+    )
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+def test_all_reduce_bytes_per_rank(n: int) -> None:
+    s = 2520.0  # divisible by every n and p here
+    p = 1 << (n.bit_length() - 1)
+    log2_p, extra = p.bit_length() - 1, n - p
+    for rank in range(n):
+        folded_out = rank < 2 * extra and rank % 2 == 0
+        returns_result = s if rank < 2 * extra else 0
+        assert all_reduce_bytes_sent("ring", s, n, rank) == pytest.approx(2 * (n - 1) / n * s)
+        assert all_reduce_bytes_sent("recursive_doubling", s, n, rank) == pytest.approx(
+            s if folded_out else log2_p * s + returns_result
+        )
+        assert all_reduce_bytes_sent("rabenseifner", s, n, rank) == pytest.approx(
+            s if folded_out else 2 * (p - 1) / p * s + returns_result
+        )
+    # The tree: every rank but the root sends its sum up once, the broadcast sends S per edge.
+    tree = [all_reduce_bytes_sent("tree", s, n, rank) for rank in range(n)]
+    assert sum(tree) == pytest.approx(2 * (n - 1) * s)
+    assert tree[0] == pytest.approx((n - 1).bit_length() * s)
+
+
+def test_best_algorithm_and_crossover() -> None:
+    alpha, beta = 50e-6, 1e-9  # 50 us, 1 GB/s
+    # Power of two: recursive doubling for small tensors, Rabenseifner (the ring's bytes in
+    # fewer steps) for large ones; they cross where 2a + 2Sb = 4a + 1.5Sb, S = 4a/b.
+    assert best_all_reduce(1024, 4, alpha, beta) == "recursive_doubling"
+    assert best_all_reduce(64 * MB, 4, alpha, beta) == "rabenseifner"
+    assert crossover_size("recursive_doubling", "rabenseifner", 4, alpha, beta) == pytest.approx(
+        4 * alpha / beta
+    )
+    assert crossover_size("recursive_doubling", "ring", 4, alpha, beta) == pytest.approx(
+        8 * alpha / beta
+    )
+    # N = 3: the fold costs Rabenseifner two whole-tensor steps, so the ring wins large sizes.
+    assert best_all_reduce(64 * MB, 3, alpha, beta) == "ring"
+    # N = 2: recursive doubling sends the ring's bytes in one step instead of two.
+    assert {best_all_reduce(s, 2, alpha, beta) for s in (1, MB, 1024 * MB)} == {
+        "recursive_doubling"
+    }
+    assert crossover_size("recursive_doubling", "ring", 2, alpha, beta) == math.inf
+    assert AlphaBeta(alpha, beta).best_all_reduce(1024, 4) == "recursive_doubling"
+
+
+def test_all_reduce_algorithm_errors_are_clear() -> None:
+    with pytest.raises(ValueError, match="unknown all-reduce algorithm 'butterfly'"):
+        all_reduce_coefficients("butterfly", 4)
+    with pytest.raises(ValueError, match="rank=4"):
+        all_reduce_bytes_sent("ring", 100, 4, 4)
+    with pytest.raises(ValueError, match="world_size=0"):
+        all_reduce_time("ring", 100, 0, 1e-5, 1e-9)
+
+
+def test_additions_make_the_ring_win_large_tensors_on_two_ranks() -> None:
+    # Thakur's gamma term: recursive doubling adds S, the ring S/2, so with gamma > 0 the two
+    # cross at S = (2 - 1) alpha / ((1 - 0.5) gamma) on 2 ranks.
+    alpha, beta, gamma = 50e-6, 1e-9, 0.2e-9
+    assert [reduction_coefficient(name, 4) for name in ALL_REDUCE_ALGORITHMS] == [
+        0.75, 2, 2, 0.75
+    ]
+    assert reduction_coefficient("recursive_doubling", 3) == 2  # 1 step + the fold's addition
+    assert crossover_size("recursive_doubling", "ring", 2, alpha, beta, gamma) == pytest.approx(
+        2 * alpha / gamma
+    )
+    assert best_all_reduce(1024, 2, alpha, beta, gamma) == "recursive_doubling"
+    assert best_all_reduce(64 * MB, 2, alpha, beta, gamma) == "ring"
+    link = AlphaBeta(alpha, beta, gamma)
+    assert link.best_all_reduce(64 * MB, 2) == "ring"
+    assert all_reduce_time("ring", MB, 2, alpha, beta, gamma) == pytest.approx(
+        2 * alpha + MB * beta + 0.5 * MB * gamma
+    )
+    assert str(link) == "alpha = 50.0 us, bandwidth = 1.00 GB/s, additions at 5.00 GB/s"

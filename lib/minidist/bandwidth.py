@@ -25,13 +25,15 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from minidist import comm
-from minidist.cost import busbw_factor
+from minidist.cost import ALL_REDUCE_ALGORITHMS, busbw_factor
 from minidist.launch import device, run
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
 IMPLEMENTATIONS = ("minidist", "torch")
+# all_reduce can also be timed with each of minidist.comm.all_reduce's algorithms by name.
+ALL_REDUCE_IMPLEMENTATIONS = (*IMPLEMENTATIONS, "auto", *ALL_REDUCE_ALGORITHMS)
 BENCH_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 _MAX_ITERS = 10_000
 
@@ -64,7 +66,9 @@ def measure(
     """Time `collective` at each size in `sizes` (bytes) on `world_size` ranks.
 
     implementations: "minidist" (this library's ring/tree, minidist.comm) and/or "torch"
-    (torch.distributed's own collective on the same backend), timed in the same ranks.
+    (torch.distributed's own collective on the same backend), timed in the same ranks; for
+    all_reduce also "auto" or any of cost.ALL_REDUCE_ALGORITHMS ("recursive_doubling", ...),
+    run by minidist.comm.all_reduce(tensor, algorithm=name).
 
     Each point is `warmup` untimed calls, a barrier, then `iters` timed calls; when `iters` is
     None it is chosen per point so the timed block lasts about `target_time` seconds. A timing
@@ -78,10 +82,11 @@ def measure(
         raise ValueError(
             f"unknown collective {collective!r}; valid ones are {', '.join(BENCH_COLLECTIVES)}"
         )
-    unknown = [name for name in implementations if name not in IMPLEMENTATIONS]
+    valid = ALL_REDUCE_IMPLEMENTATIONS if collective == "all_reduce" else IMPLEMENTATIONS
+    unknown = [name for name in implementations if name not in valid]
     if unknown or not implementations:
         raise ValueError(
-            f"implementations must be a non-empty subset of {IMPLEMENTATIONS}, got "
+            f"implementations for {collective} must be a non-empty subset of {valid}, got "
             f"{tuple(implementations)!r}"
         )
     if iters is not None and iters < 1:
@@ -125,7 +130,11 @@ def _step(
     shard = torch.zeros(numel // world_size, dtype=dtype, device=device())
     ours = implementation == "minidist"
     if collective == "all_reduce":
-        return (lambda: comm.ring_all_reduce(full)) if ours else (lambda: dist.all_reduce(full))
+        if implementation == "torch":
+            return lambda: dist.all_reduce(full)
+        if ours:
+            return lambda: comm.ring_all_reduce(full)
+        return lambda: comm.all_reduce(full, algorithm=implementation)
     if collective == "reduce_scatter":
         if ours:
             return lambda: comm.ring_reduce_scatter(full)

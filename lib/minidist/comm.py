@@ -16,6 +16,13 @@ use rings for large messages. `minidist.cost` turns these formulas into numbers.
 Every function works in place on a contiguous tensor, on the default process group or on
 `group` (ranks are then counted inside the group, as torch does).
 
+The ring pays 2(N-1) latencies whatever the size, so small tensors go faster with fewer,
+larger steps. `all_reduce(tensor, algorithm=...)` offers, besides "ring", "recursive_doubling"
+(log2 N steps of the whole tensor), "tree" (a binomial-tree reduce, then a broadcast) and
+"rabenseifner" (reduce-scatter by recursive halving, all-gather by recursive doubling: the
+ring's bytes in 2 log2 N steps), all from the same point-to-point sends; "auto" picks by the
+alpha-beta model fitted on this machine (`fit_link`). `minidist.cost` has their costs.
+
 `count_traffic()` is how every parallelism in minidist reports what it sends: inside its block
 it counts the point-to-point bytes and messages this rank sends, and keeps one
 `minidist.traffic.Collective` record per collective that any minidist module runs (these rings,
@@ -26,13 +33,16 @@ it counts the point-to-point bytes and messages this rank sends, and keeps one
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from minidist._checks import require_process_group
+from minidist.cost import ALL_REDUCE_ALGORITHMS, AlphaBeta, fit_alpha_beta
 from minidist.traffic import Collective, Traffic
 
 _TORCH_OP_NAMES = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg"}
@@ -67,29 +77,47 @@ class _Ring:
     left: int  # global ranks of the neighbours: send/recv address peers by global rank
     right: int
     group: dist.ProcessGroup | None
+    members: tuple[int, ...]  # global rank of each group rank
+
+    def peer(self, group_rank: int) -> int:
+        """The global rank of group rank `group_rank`, the address send/recv want."""
+        return self.members[group_rank]
+
+
+# Each group's ring, built once: all_reduce of a small tensor takes only tens of microseconds,
+# and asking torch for ranks and members on every call would add as much again.
+_rings: dict[dist.ProcessGroup, _Ring] = {}
 
 
 def _ring(group: dist.ProcessGroup | None, what: str) -> _Ring:
     require_process_group(what)
+    key = group or dist.group.WORLD
+    ring = _rings.get(key)
+    if ring is not None:
+        return ring
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     if rank < 0:
-        raise ValueError(f"rank {dist.get_rank()} is not a member of group {group}")
+        raise ValueError(
+            f"rank {dist.get_rank()} is not a member of group {group} (its ranks are "
+            f"{dist.get_process_group_ranks(group)}); call {what} only on the group's members"
+        )
+    members = tuple(dist.get_process_group_ranks(key))
+    ring = _rings[key] = _Ring(rank, size, members[(rank - 1) % size],
+                               members[(rank + 1) % size], group, members)
+    return ring
 
-    def global_rank(group_rank: int) -> int:
-        return group_rank if group is None else dist.get_global_rank(group, group_rank)
 
-    return _Ring(rank, size, global_rank((rank - 1) % size), global_rank((rank + 1) % size), group)
-
-
-def _exchange(send: torch.Tensor, recv: torch.Tensor, ring: _Ring) -> None:
-    """Send `send` to the right neighbour while receiving `recv` from the left one.
+def _exchange(send: torch.Tensor, recv: torch.Tensor, ring: _Ring,
+              to: int | None = None, source: int | None = None) -> None:
+    """Send `send` to global rank `to` while receiving `recv` from `source` (by default the
+    right and the left neighbour).
 
     Both are posted before either is waited on; two blocking calls would deadlock, every
     rank sending while nobody receives.
     """
     requests = [
-        dist.isend(send, ring.right, group=ring.group),
-        dist.irecv(recv, ring.left, group=ring.group),
+        dist.isend(send, ring.right if to is None else to, group=ring.group),
+        dist.irecv(recv, ring.left if source is None else source, group=ring.group),
     ]
     for request in requests:
         request.wait()
@@ -214,12 +242,7 @@ def ring_all_reduce(
     op_name = _reduce_op(op, tensor)
     ring = _ring(group, "ring_all_reduce")
     record("all_reduce", flat, group)
-    _ring_reduce_scatter_steps(flat, ring)
-    if op_name == "avg":
-        # Divide only the chunk this rank owns, before it is sent around: N times less work.
-        start, end = chunk_bounds(flat.numel(), ring.size)[ring.rank]
-        flat[start:end].div_(ring.size)
-    _ring_all_gather_steps(flat, ring)
+    _ring_algorithm(flat, ring, op_name == "avg")
     return tensor
 
 
@@ -237,25 +260,257 @@ def tree_broadcast(
     """
     flat = _flat(tensor, "tree_broadcast")
     ring = _ring(group, "tree_broadcast")
-    members = dist.get_process_group_ranks(group or dist.group.WORLD)
-    if src not in members:
-        raise ValueError(f"src={src} is not a rank of the group; its global ranks are {members}")
-    root = src if group is None else dist.get_group_rank(group, src)
+    if src not in ring.members:
+        raise ValueError(
+            f"src={src} is not a rank of the group; its global ranks are {list(ring.members)}"
+        )
+    _binomial_broadcast(flat, ring, root=ring.members.index(src))
+    record("broadcast", flat, group)
+    return tensor
+
+
+def _binomial_broadcast(flat: torch.Tensor, ring: _Ring, root: int) -> None:
     relative = (ring.rank - root) % ring.size  # our position in a tree rooted at 0
-
-    def peer(relative_rank: int) -> int:
-        group_rank = (relative_rank + root) % ring.size
-        return group_rank if group is None else dist.get_global_rank(group, group_rank)
-
     distance = 1
     while distance < ring.size:
         if relative < distance and relative + distance < ring.size:
-            dist.send(flat, peer(relative + distance), group=group)
+            dist.send(flat, ring.peer((relative + distance + root) % ring.size), group=ring.group)
         elif distance <= relative < 2 * distance:
-            dist.recv(flat, peer(relative - distance), group=group)
+            dist.recv(flat, ring.peer((relative - distance + root) % ring.size), group=ring.group)
         distance *= 2
-    record("broadcast", flat, group)
+
+
+def _binomial_reduce(flat: torch.Tensor, ring: _Ring) -> None:
+    """Sum every rank's `flat` into rank 0's: the broadcast's tree walked backwards."""
+    buffer = _recv_buffer(flat.numel(), flat)
+    distance = 1 << max(0, (ring.size - 1).bit_length() - 1)  # the broadcast's last round first
+    while distance >= 1:
+        if distance <= ring.rank < 2 * distance:
+            dist.send(flat, ring.peer(ring.rank - distance), group=ring.group)
+        elif ring.rank < distance and ring.rank + distance < ring.size:
+            dist.recv(buffer, ring.peer(ring.rank + distance), group=ring.group)
+            flat.add_(buffer)
+        distance //= 2
+
+
+# --- Latency-optimal all-reduce algorithms ------------------------------------------------------
+#
+# Recursive doubling and Rabenseifner's algorithm pair rank c with rank c XOR 2^k, so they need
+# a power of two of ranks p. With N = p + r ranks, the first 2r ranks pair up (0 with 1, 2 with
+# 3, ...): the even one hands its tensor to the odd one and sits out, and gets the result back
+# at the end (Thakur, Rabenseifner & Gropp 2005). The p ranks left are numbered
+# 0..p-1 ("core" ranks): odd rank i < 2r is core rank i // 2, rank i >= 2r is core rank i - r.
+
+
+def _core_rank(ring: _Ring) -> tuple[int | None, int]:
+    """(this rank's core rank, or None if it sits out; p)."""
+    p = 1 << (ring.size.bit_length() - 1)
+    extra = ring.size - p
+    if ring.rank >= 2 * extra:
+        return ring.rank - extra, p
+    return (ring.rank // 2 if ring.rank % 2 else None), p
+
+
+def _group_rank_of_core(core: int, ring: _Ring, p: int) -> int:
+    extra = ring.size - p
+    return 2 * core + 1 if core < extra else core + extra
+
+
+def _fold_in(flat: torch.Tensor, ring: _Ring, buffer: torch.Tensor) -> int | None:
+    """The first step for N not a power of two; returns this rank's core rank (None: sit out)."""
+    core, p = _core_rank(ring)
+    if ring.rank < 2 * (ring.size - p):
+        partner = ring.peer(ring.rank ^ 1)
+        if core is None:
+            dist.send(flat, partner, group=ring.group)
+        else:
+            dist.recv(buffer, partner, group=ring.group)
+            flat.add_(buffer)
+    return core
+
+
+def _fold_out(flat: torch.Tensor, ring: _Ring, core: int | None) -> None:
+    """The last step for N not a power of two: hand the result to the ranks that sat out."""
+    p = 1 << (ring.size.bit_length() - 1)
+    if ring.rank < 2 * (ring.size - p):
+        partner = ring.peer(ring.rank ^ 1)
+        if core is None:
+            dist.recv(flat, partner, group=ring.group)
+        else:
+            dist.send(flat, partner, group=ring.group)
+
+
+def _recursive_doubling(flat: torch.Tensor, ring: _Ring, average: bool) -> None:
+    buffer = _recv_buffer(flat.numel(), flat)
+    core = _fold_in(flat, ring, buffer)
+    if core is not None:
+        p = 1 << (ring.size.bit_length() - 1)
+        distance = 1
+        while distance < p:
+            partner = ring.peer(_group_rank_of_core(core ^ distance, ring, p))
+            _exchange(flat, buffer, ring, to=partner, source=partner)
+            # a + b == b + a exactly in floating point, so both partners hold the same bits.
+            flat.add_(buffer)
+            distance *= 2
+        if average:
+            flat.div_(ring.size)
+    _fold_out(flat, ring, core)
+
+
+def _rabenseifner(flat: torch.Tensor, ring: _Ring, average: bool) -> None:
+    core = _fold_in(flat, ring, _recv_buffer(flat.numel(), flat))
+    if core is not None:
+        p = 1 << (ring.size.bit_length() - 1)
+        # Where each of the p chunks starts: chunks lo..hi-1 are flat[starts[lo]:starts[hi]].
+        starts = [start for start, _ in chunk_bounds(flat.numel(), p)] + [flat.numel()]
+        buffer = _recv_buffer(starts[p // 2], flat)  # the first half, the largest
+        lo, hi = 0, p
+        distance = p // 2
+        while distance >= 1:  # reduce-scatter by recursive halving
+            partner = ring.peer(_group_rank_of_core(core ^ distance, ring, p))
+            middle = lo + distance
+            if core & distance:
+                (send_lo, send_hi), (lo, hi) = (lo, middle), (middle, hi)
+            else:
+                (send_lo, send_hi), (lo, hi) = (middle, hi), (lo, middle)
+            kept = flat[starts[lo]:starts[hi]]
+            received = buffer[: kept.numel()]
+            _exchange(flat[starts[send_lo]:starts[send_hi]], received, ring, partner, partner)
+            kept.add_(received)
+            distance //= 2
+        if average:
+            flat[starts[lo]:starts[hi]].div_(ring.size)  # chunk `core`: N times less work
+        distance = 1
+        while distance < p:  # all-gather by recursive doubling, straight into place
+            partner = ring.peer(_group_rank_of_core(core ^ distance, ring, p))
+            theirs = (lo - distance, lo) if core & distance else (hi, hi + distance)
+            _exchange(flat[starts[lo]:starts[hi]], flat[starts[theirs[0]]:starts[theirs[1]]],
+                      ring, partner, partner)
+            lo, hi = min(lo, theirs[0]), max(hi, theirs[1])
+            distance *= 2
+    _fold_out(flat, ring, core)
+
+
+def _tree(flat: torch.Tensor, ring: _Ring, average: bool) -> None:
+    _binomial_reduce(flat, ring)
+    if average and ring.rank == 0:
+        flat.div_(ring.size)
+    _binomial_broadcast(flat, ring, root=0)
+
+
+def _ring_algorithm(flat: torch.Tensor, ring: _Ring, average: bool) -> None:
+    _ring_reduce_scatter_steps(flat, ring)
+    if average:
+        # Divide only the chunk this rank owns, before it is sent around: N times less work.
+        start, end = chunk_bounds(flat.numel(), ring.size)[ring.rank]
+        flat[start:end].div_(ring.size)
+    _ring_all_gather_steps(flat, ring)
+
+
+@functools.lru_cache(maxsize=4096)
+def _best_all_reduce(link: AlphaBeta, nbytes: int, world_size: int) -> str:
+    """link.best_all_reduce, remembered: training all-reduces the same sizes every step, and
+    small tensors take only tens of microseconds to all-reduce."""
+    return link.best_all_reduce(nbytes, world_size)
+
+
+_ALGORITHMS = {
+    "ring": _ring_algorithm,
+    "recursive_doubling": _recursive_doubling,
+    "tree": _tree,
+    "rabenseifner": _rabenseifner,
+}
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    op: str | dist.ReduceOp.RedOpType = "sum",
+    group: dist.ProcessGroup | None = None,
+    algorithm: str = "auto",
+    link: AlphaBeta | None = None,
+) -> torch.Tensor:
+    """Sum or average `tensor` over all ranks in place with `algorithm`; returns it.
+
+    algorithm            steps, N = 2^k   bytes sent by the busiest rank
+    "ring"               2(N-1)           2(N-1)/N * S
+    "recursive_doubling" log2 N           log2 N * S
+    "tree"               2 log2 N         log2 N * S (rank 0, in the broadcast)
+    "rabenseifner"       2 log2 N         2(N-1)/N * S
+    "auto"               whichever `minidist.cost.best_all_reduce` predicts fastest on `link`
+
+    `link` is the fitted link (alpha, beta and the additions' gamma) that "auto" decides
+    with; by default the one `fit_link(group)` measures on the first "auto" call and keeps
+    for the group. Every rank must pass the same `algorithm`, `link` and tensor size. Full
+    costs, N not a power of two included, are in `minidist.cost` (Thakur, Rabenseifner &
+    Gropp 2005). Additions happen in the tensor's own dtype, in an order that differs between
+    algorithms, so floating-point results may differ in the last bits.
+    """
+    if algorithm != "auto" and algorithm not in _ALGORITHMS:
+        raise ValueError(
+            f"unknown all-reduce algorithm {algorithm!r}; valid ones are 'auto', "
+            f"{', '.join(map(repr, ALL_REDUCE_ALGORITHMS))}"
+        )
+    flat = _flat(tensor, "all_reduce")
+    op_name = _reduce_op(op, tensor)
+    ring = _ring(group, "all_reduce")
+    if algorithm == "auto":
+        algorithm = _best_all_reduce(link or fit_link(group),
+                                     flat.numel() * flat.element_size(), ring.size)
+    record("all_reduce", flat, group)
+    if ring.size > 1:
+        _ALGORITHMS[algorithm](flat, ring, op_name == "avg")
     return tensor
+
+
+# Sizes "auto" fits its link on: small ones pin alpha, large ones beta (4 KiB .. 4 MiB).
+_FIT_SIZES = (2**12, 2**16, 2**20, 2**22)
+_links: dict[dist.ProcessGroup, AlphaBeta] = {}
+
+
+def fit_link(group: dist.ProcessGroup | None = None, repeats: int = 3) -> AlphaBeta:
+    """The link of `group` as "auto" sees it, measured on the first call and kept per group.
+
+    gamma: the fastest of `repeats` timings of adding two 4 MiB tensors, per byte. alpha and
+    beta: `ring_all_reduce` timed at 4 KiB .. 4 MiB (the fastest of `repeats` each), less the
+    ring's additions ((N-1)/N * S * gamma), fitted to t = 2(N-1) alpha + 2(N-1)/N S beta as
+    Lab 01 does. Timings are taken on the slowest rank, so every rank fits the same link and
+    "auto" makes the same choice everywhere. About 0.1 s; every member of the group must call
+    it (as "auto" does), at the same time.
+    """
+    ring = _ring(group, "fit_link")
+    key = group or dist.group.WORLD
+    if key in _links:
+        return _links[key]
+    if ring.size == 1:
+        _links[key] = AlphaBeta(alpha=0.0, beta=0.0)  # nothing is ever sent
+        return _links[key]
+
+    def fastest(call: Callable[[], object], barrier: bool) -> float:
+        call()  # warm-up: connections, buffers, pages
+        best = float("inf")
+        for _ in range(repeats):
+            if barrier:
+                dist.barrier(group=group)  # start together, or we time the wait for late ranks
+            start = time.perf_counter()
+            call()
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    largest = _FIT_SIZES[-1] // 4
+    total, addend = torch.zeros(largest), torch.zeros(largest)  # zeros never overflow
+    timings = [fastest(lambda: total.add_(addend), barrier=False)]
+    for nbytes in _FIT_SIZES:
+        tensor = torch.zeros(nbytes // 4)
+        timings.append(fastest(lambda t=tensor: ring_all_reduce(t, group=group), barrier=True))
+    agreed = torch.tensor(timings, dtype=torch.float64)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)  # every rank: the same numbers
+    gamma = agreed[0].item() / _FIT_SIZES[-1]
+    additions = (ring.size - 1) / ring.size * gamma
+    communication = [t - additions * s for t, s in zip(agreed[1:].tolist(), _FIT_SIZES,
+                                                        strict=True)]
+    fitted = fit_alpha_beta("all_reduce", ring.size, _FIT_SIZES, communication)
+    _links[key] = AlphaBeta(fitted.alpha, fitted.beta, gamma)
+    return _links[key]
 
 
 # --- Counting what is sent ----------------------------------------------------------------------

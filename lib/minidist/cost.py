@@ -12,6 +12,32 @@ b(N) * S * beta, with S the size of the full tensor and coefficients set by the 
     broadcast       binomial tree    ceil(log2 N)     ceil(log2 N)
     send            point-to-point   1                1
 
+All-reduce has several algorithms (`ALL_REDUCE_ALGORITHMS`); with p = 2^floor(log2 N) and
+f = 1 when N is not a power of two (0 when it is):
+
+    algorithm            a(N)              b(N)              c(N)             fastest for
+    ring                 2(N-1)            2(N-1)/N          (N-1)/N          large S, N != 2^k
+    recursive_doubling   log2 p + 2f       log2 p + 2f       log2 p + f       small S
+    tree                 2 ceil(log2 N)    2 ceil(log2 N)    ceil(log2 N)     never, here
+    rabenseifner         2 log2 p + 2f     2(p-1)/p + 2f     (p-1)/p + f      large S, N = 2^k
+
+c(N) is Thakur's third term: the bytes the busiest rank adds up per byte of tensor, at gamma
+seconds per byte, so all-reduce takes a * alpha + b * S * beta + c * S * gamma. On a fast
+network gamma is negligible beside beta; between processes on one CPU it is not, and it is
+what makes recursive doubling, which adds the whole tensor log2 N times, lose to the ring
+for large tensors even on 2 ranks, where both send S. (NCCL's trees beat rings on many
+nodes because they pipeline small chunks; this unpipelined tree never wins.)
+
+Recursive doubling: in step k every rank swaps its whole tensor with rank XOR 2^k and adds.
+Tree: a binomial-tree reduce to rank 0, then a binomial-tree broadcast. Rabenseifner:
+a reduce-scatter by recursive halving (swap half the remaining part with rank XOR 2^k, keep
+the other half), then an all-gather by recursive doubling; it moves the ring's bytes in
+2 log2 N steps instead of 2(N-1). When N is not a power of two, the first 2(N-p) ranks pair up
+and the even one of each pair hands its whole tensor to the odd one (one step of S) and sits
+out, getting the result back at the end (one more): the 2f terms. `best_all_reduce` picks
+the algorithm with the smallest predicted time. Only all-reduce models the reduction's cost
+(gamma); the other collectives' formulas above leave it out.
+
 Sources: Thakur, Rabenseifner & Gropp, "Optimization of Collective Communication Operations
 in MPICH", IJHPCA 19(1), 2005 (the model and the tree/ring costs); Patarasuk & Yuan,
 "Bandwidth optimal all-reduce algorithms for clusters of workstations", JPDC 69(2), 2009 (ring
@@ -29,6 +55,7 @@ from minidist._checks import positive_int
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "send")
 RING_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
+ALL_REDUCE_ALGORITHMS = ("ring", "recursive_doubling", "tree", "rabenseifner")
 
 
 def _check(collective: str, world_size: int, valid: tuple[str, ...] = COLLECTIVES) -> None:
@@ -91,12 +118,139 @@ def collective_time(
     return a * alpha + b * nbytes * beta
 
 
+def _check_algorithm(algorithm: str, world_size: int) -> None:
+    if algorithm not in ALL_REDUCE_ALGORITHMS:
+        raise ValueError(
+            f"unknown all-reduce algorithm {algorithm!r}; valid ones are "
+            f"{', '.join(ALL_REDUCE_ALGORITHMS)}"
+        )
+    positive_int(world_size=world_size)
+
+
+def _power_of_two_below(n: int) -> tuple[int, int]:
+    """(p, log2 p) for the largest power of two p <= n."""
+    log2_p = n.bit_length() - 1
+    return 1 << log2_p, log2_p
+
+
+def all_reduce_coefficients(algorithm: str, world_size: int) -> tuple[float, float]:
+    """(a, b) such that all-reduce with `algorithm` takes a * alpha + b * S * beta.
+
+    The busiest rank's sequential steps (a) and bytes per byte of tensor (b), as in the
+    module's table (Thakur, Rabenseifner & Gropp 2005).
+    """
+    _check_algorithm(algorithm, world_size)
+    n = world_size
+    if n == 1:
+        return 0, 0
+    p, log2_p = _power_of_two_below(n)
+    fold = 0 if p == n else 2  # hand the tensor in before, get the result back after
+    if algorithm == "ring":
+        return 2 * (n - 1), 2 * (n - 1) / n
+    if algorithm == "recursive_doubling":
+        return log2_p + fold, log2_p + fold
+    if algorithm == "tree":
+        rounds = (n - 1).bit_length()  # ceil(log2 n)
+        return 2 * rounds, 2 * rounds
+    return 2 * log2_p + fold, 2 * (p - 1) / p + fold  # rabenseifner
+
+
+def reduction_coefficient(algorithm: str, world_size: int) -> float:
+    """c such that the busiest rank adds up c * S bytes in all-reduce (the table's c(N))."""
+    _check_algorithm(algorithm, world_size)
+    n = world_size
+    if n == 1:
+        return 0
+    p, log2_p = _power_of_two_below(n)
+    fold = 0 if p == n else 1  # the partner adds the tensor handed in
+    if algorithm == "ring":
+        return (n - 1) / n
+    if algorithm == "recursive_doubling":
+        return log2_p + fold
+    if algorithm == "tree":
+        return (n - 1).bit_length()  # rank 0 adds one tensor per child
+    return (p - 1) / p + fold  # rabenseifner
+
+
+def all_reduce_time(
+    algorithm: str, nbytes: float, world_size: int, alpha: float, beta: float,
+    gamma: float = 0.0,
+) -> float:
+    """Seconds the model predicts for all-reduce of `nbytes` with `algorithm`:
+    a * alpha + b * S * beta + c * S * gamma (gamma, seconds per byte added, defaults to 0)."""
+    a, b = all_reduce_coefficients(algorithm, world_size)
+    c = reduction_coefficient(algorithm, world_size)
+    return a * alpha + b * nbytes * beta + c * nbytes * gamma
+
+
+def best_all_reduce(
+    nbytes: float, world_size: int, alpha: float, beta: float, gamma: float = 0.0
+) -> str:
+    """The algorithm with the smallest predicted time; on a tie, the first in
+    ALL_REDUCE_ALGORITHMS."""
+    return min(
+        ALL_REDUCE_ALGORITHMS,
+        key=lambda name: all_reduce_time(name, nbytes, world_size, alpha, beta, gamma),
+    )
+
+
+def crossover_size(
+    first: str, second: str, world_size: int, alpha: float, beta: float, gamma: float = 0.0
+) -> float:
+    """The tensor size in bytes at which `first` and `second` take equal predicted time.
+
+    Solves a1 alpha + (b1 beta + c1 gamma) S = a2 alpha + (b2 beta + c2 gamma) S for S
+    (with gamma = 0: S = (a2 - a1) alpha / ((b1 - b2) beta)). Below it the algorithm with
+    fewer steps wins, above it the one moving fewer bytes. inf when the lines never cross at
+    a positive size (one algorithm wins at every size).
+    """
+    a1, b1 = all_reduce_coefficients(first, world_size)
+    a2, b2 = all_reduce_coefficients(second, world_size)
+    per_byte_1 = b1 * beta + reduction_coefficient(first, world_size) * gamma
+    per_byte_2 = b2 * beta + reduction_coefficient(second, world_size) * gamma
+    if per_byte_1 == per_byte_2:
+        return float("inf")
+    size = (a2 - a1) * alpha / (per_byte_1 - per_byte_2)
+    return size if size > 0 else float("inf")
+
+
+def all_reduce_bytes_sent(algorithm: str, nbytes: float, world_size: int, rank: int) -> float:
+    """Bytes group rank `rank` sends in all-reduce of an `nbytes` tensor with `algorithm`.
+
+    Exact when the chunks divide evenly (N divides the tensor for the ring, p for
+    rabenseifner); otherwise off by at most one element per step. Unlike the ring, the other
+    algorithms do not load every rank equally:
+      recursive_doubling  log2 p * S; with N != p, a folded-out (even, < 2(N-p)) rank sends
+                          S once, and its odd partner S more to return the result
+      rabenseifner        2(p-1)/p * S, with the same fold as recursive doubling
+      tree                S up to its parent (all but rank 0), then S to each child in the
+                          broadcast: rank 0 sends ceil(log2 N) * S, leaves S
+    """
+    _check_algorithm(algorithm, world_size)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank!r}: must be in 0..{world_size - 1}")
+    n = world_size
+    if algorithm == "ring":
+        return 2 * (n - 1) / n * nbytes
+    if algorithm == "tree":
+        children = sum(1 for k in range(n.bit_length()) if rank < 2**k and rank + 2**k < n)
+        return (int(rank != 0) + children) * nbytes
+    p, log2_p = _power_of_two_below(n)
+    folded = rank < 2 * (n - p)
+    if folded and rank % 2 == 0:
+        return nbytes
+    core = log2_p * nbytes if algorithm == "recursive_doubling" else 2 * (p - 1) / p * nbytes
+    return core + (nbytes if folded else 0)
+
+
 @dataclass(frozen=True)
 class AlphaBeta:
-    """A fitted link: latency `alpha` (seconds) and inverse bandwidth `beta` (seconds/byte)."""
+    """A fitted link: latency `alpha` (seconds) and inverse bandwidth `beta` (seconds/byte);
+    `gamma` (seconds per byte added up) only enters all-reduce's algorithm choice."""
 
     alpha: float
     beta: float
+    gamma: float = 0.0
 
     @property
     def bandwidth(self) -> float:
@@ -107,8 +261,13 @@ class AlphaBeta:
         """Seconds `collective` on an `nbytes` tensor should take on this link."""
         return collective_time(collective, nbytes, world_size, self.alpha, self.beta)
 
+    def best_all_reduce(self, nbytes: float, world_size: int) -> str:
+        """The all-reduce algorithm this link makes fastest for an `nbytes` tensor."""
+        return best_all_reduce(nbytes, world_size, self.alpha, self.beta, self.gamma)
+
     def __str__(self) -> str:
-        return f"alpha = {self.alpha * 1e6:.1f} us, bandwidth = {self.bandwidth / 1e9:.2f} GB/s"
+        text = f"alpha = {self.alpha * 1e6:.1f} us, bandwidth = {self.bandwidth / 1e9:.2f} GB/s"
+        return text + (f", additions at {1 / self.gamma / 1e9:.2f} GB/s" if self.gamma else "")
 
 
 def fit_alpha_beta(
