@@ -1,7 +1,8 @@
 """minidist: the small distributed-training library that Scaling Lab's labs rebuild.
 
 One module per idea, each importing only modules listed before it:
-    cost    the alpha-beta model of communication time and bus-bandwidth factors
+    cost    the alpha-beta model of communication time, bus-bandwidth factors, and the
+            cost of each all-reduce algorithm (Thakur, Rabenseifner & Gropp 2005)
     memory  bytes per rank: model state under ZeRO, activations (Korthikanti)
     traffic what each parallelism sends: Collective records and their totals
     flops   FLOPs per token, MFU and HFU, scaling efficiency
@@ -11,8 +12,9 @@ One module per idea, each importing only modules listed before it:
     planner  pick a (TP, PP, DP, ZeRO, microbatches, recompute) layout for a cluster
     widgets  lab 02's live memory calculator and bubble explorer
     launch  start N ranks from a notebook cell, a script, torchrun or Slurm
-    comm    collectives built only from point-to-point send/recv; count_traffic, the one
-            counter of what any parallelism sends
+    comm    collectives built only from point-to-point send/recv: ring, recursive doubling,
+            tree and Rabenseifner all-reduces, `auto` choosing by the fitted alpha-beta
+            model; count_traffic, the one counter of what any parallelism sends
     bandwidth  an nccl-tests-style bandwidth benchmark and its plot
     diagrams  pictures of the collectives and of tensor-parallel splits
     models  the plain MLP, transformer block and tiny GPT every parallel version is checked on
@@ -20,7 +22,8 @@ One module per idea, each importing only modules listed before it:
     sharding  element-level shards of flat tensors; reduce-scatter and all-gather for them
     ddp     data parallel training: bucketed gradient all-reduces that overlap backward
     zero    ZeRO-1/2: an optimizer wrapper that updates 1/N of every parameter per rank
-    fsdp    ZeRO-3: parameters sharded per unit, gathered on demand, with prefetch
+    fsdp    ZeRO-3: parameters sharded per unit, gathered on demand, with prefetch; a root
+            unit for parameters in no unit and for tied weights, as FSDP2
     tensor_parallel  Megatron's f/g, column/row-parallel layers, sequence parallel
     pipeline_exec  run a schedule on real ranks with send/recv, timestamps and deadlock reports
 
