@@ -451,7 +451,9 @@ def hung(lab: str, course: Course, graded: Graded, executed: Execution) -> Hung:
     replaced = {loop_quiz: INFINITE_LOOP, deadlock_quiz: DEADLOCK}
     course.submit(lab, "hang", answered(course.released, course.solution, replaced))
     course.run(COLLECT, lab)
-    cell_timeout = max(20, math.ceil(4 * executed.slowest_cell_s))
+    # Never above the real per-cell limit: one cell slowed by a busy machine must not turn
+    # this run into minutes of waiting on the two hangs.
+    cell_timeout = min(LAB_BUDGET_S, max(20, math.ceil(4 * executed.slowest_cell_s)))
     minidist_timeout = cell_timeout // 2
     # Autograde skips the submissions already graded: this grades "hang" only.
     ran = course.run(
