@@ -302,9 +302,14 @@ def _binomial_reduce(flat: torch.Tensor, ring: _Ring) -> None:
 # 0..p-1 ("core" ranks): odd rank i < 2r is core rank i // 2, rank i >= 2r is core rank i - r.
 
 
+def _core_size(world_size: int) -> int:
+    """p, the largest power of two not above the world size: the ranks the exchanges run on."""
+    return 1 << (world_size.bit_length() - 1)
+
+
 def _core_rank(ring: _Ring) -> tuple[int | None, int]:
     """(this rank's core rank, or None if it sits out; p)."""
-    p = 1 << (ring.size.bit_length() - 1)
+    p = _core_size(ring.size)
     extra = ring.size - p
     if ring.rank >= 2 * extra:
         return ring.rank - extra, p
@@ -331,7 +336,7 @@ def _fold_in(flat: torch.Tensor, ring: _Ring, buffer: torch.Tensor) -> int | Non
 
 def _fold_out(flat: torch.Tensor, ring: _Ring, core: int | None) -> None:
     """The last step for N not a power of two: hand the result to the ranks that sat out."""
-    p = 1 << (ring.size.bit_length() - 1)
+    p = _core_size(ring.size)
     if ring.rank < 2 * (ring.size - p):
         partner = ring.peer(ring.rank ^ 1)
         if core is None:
@@ -344,7 +349,7 @@ def _recursive_doubling(flat: torch.Tensor, ring: _Ring, average: bool) -> None:
     buffer = _recv_buffer(flat.numel(), flat)
     core = _fold_in(flat, ring, buffer)
     if core is not None:
-        p = 1 << (ring.size.bit_length() - 1)
+        p = _core_size(ring.size)
         distance = 1
         while distance < p:
             partner = ring.peer(_group_rank_of_core(core ^ distance, ring, p))
@@ -360,7 +365,7 @@ def _recursive_doubling(flat: torch.Tensor, ring: _Ring, average: bool) -> None:
 def _rabenseifner(flat: torch.Tensor, ring: _Ring, average: bool) -> None:
     core = _fold_in(flat, ring, _recv_buffer(flat.numel(), flat))
     if core is not None:
-        p = 1 << (ring.size.bit_length() - 1)
+        p = _core_size(ring.size)
         # Where each of the p chunks starts: chunks lo..hi-1 are flat[starts[lo]:starts[hi]].
         starts = [start for start, _ in chunk_bounds(flat.numel(), p)] + [flat.numel()]
         buffer = _recv_buffer(starts[p // 2], flat)  # the first half, the largest
