@@ -3,8 +3,9 @@
 Each lab is graded in a temporary copy of the course, never the repo's own gradebook or
 labs/, with the instructor commands of solutions/README.md. Submissions are what a student
 would hand in: the released notebook with every answer cell filled in from the solution
-("solution"), left untouched ("untouched"), with one quiz answer wrong ("wrong"), or with one
-quiz cell looping forever and another deadlocking two ranks ("hang").
+("solution"), left untouched ("untouched"), or with one quiz answer wrong, one quiz cell
+looping forever and another deadlocking two ranks ("mistaken"). The solution's autograde run
+is also the lab's timed run: each lab is executed three times in all.
 
 Quiz cells follow the labs' convention: an autograded-answer cell whose solution region only
 assigns `answer_<name> = ...`, each answer checked by exactly one test cell.
@@ -28,14 +29,13 @@ import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
+from datetime import datetime
 from html.parser import HTMLParser
 from pathlib import Path
 
 import nbformat
 import psutil
 import pytest
-from nbclient import NotebookClient
-from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 from nbformat import NotebookNode
 from nbgrader.api import Gradebook
 
@@ -341,40 +341,6 @@ def lab(request: pytest.FixtureRequest) -> str:
 
 
 @dataclass
-class Execution:
-    error: str | None
-    seconds: float
-    slowest_cell_s: float
-
-
-@pytest.fixture(scope="module")
-@once_per_lab
-def executed(lab: str, tmp_path_factory: pytest.TempPathFactory) -> Execution:
-    """The solution notebook run headless, in a copy of its folder (it may write files)."""
-    folder = tmp_path_factory.mktemp(f"{lab}-run") / lab
-    shutil.copytree(REPO / "solutions" / lab, folder)
-    started: dict[int, float] = {}
-    cell_seconds = [0.0]
-    client = NotebookClient(
-        read_notebook(folder / f"{lab}.ipynb"),
-        timeout=LAB_BUDGET_S,
-        kernel_name="python3",
-        resources={"metadata": {"path": str(folder)}},
-        on_cell_execute=lambda cell, cell_index: started.update({cell_index: time.monotonic()}),
-        on_cell_executed=lambda cell, cell_index, execute_reply: cell_seconds.append(
-            time.monotonic() - started[cell_index]
-        ),
-    )
-    start = time.monotonic()
-    error = None
-    try:
-        client.execute()
-    except (CellExecutionError, CellTimeoutError, DeadKernelError) as failure:
-        error = str(failure)
-    return Execution(error, time.monotonic() - start, max(cell_seconds))
-
-
-@dataclass
 class Course:
     root: Path
     solution: NotebookNode
@@ -412,59 +378,91 @@ def course(lab: str, tmp_path_factory: pytest.TempPathFactory) -> Course:
 
 
 @dataclass
+class Execution:
+    seconds: float  # from the first cell's start to the last cell's end
+    slowest_cell_s: float
+
+
+def execution_times(notebook: NotebookNode) -> Execution:
+    """How long an executed notebook ran, from the timestamps nbclient records in each cell."""
+    timings = [cell.metadata.get("execution", {}) for cell in notebook.cells]
+    spans = [
+        (datetime.fromisoformat(timing["iopub.execute_input"]),
+         datetime.fromisoformat(timing["shell.execute_reply"]))
+        for timing in timings
+        if "iopub.execute_input" in timing
+    ]
+    assert spans, "the autograded notebook records no cell timings"
+    return Execution(
+        (spans[-1][1] - spans[0][0]).total_seconds(),
+        max((end - start).total_seconds() for start, end in spans),
+    )
+
+
+@dataclass
 class Graded:
     autograde_log: str
-    wrong_cells: set[str]  # the test cells that check the wrong answer
+    executed: Execution  # the solution's own run, as autograde executed it
 
 
 @pytest.fixture(scope="module")
 @once_per_lab
 def graded(lab: str, course: Course) -> Graded:
-    """Collect, autograde, give feedback and export, as the instructor does."""
-    wrong_quiz, names = next(iter(course.quizzes.items()))
-    wrong = {wrong_quiz: [f"{name} = {WRONG_ANSWER}" for name in names]}
+    """Collect, autograde, give feedback and export, as the instructor does.
+
+    The solution is graded on its own, with the real limits: its run is also the lab's timed
+    run (test g). The untouched submission follows; the mistaken one is graded by `mistaken`."""
     course.submit(lab, "solution", answered(course.released, course.solution))
     course.submit(lab, "untouched", course.released)
-    course.submit(lab, "wrong", answered(course.released, course.solution, wrong))
     course.run(COLLECT, lab)
-    autograde = course.run(AUTOGRADE, lab)
-    course.run(FEEDBACK, lab)
-    course.run(EXPORT, lab)
-    return Graded(autograde.output, {checking_cell(course.solution, name) for name in names})
+    solution = course.run(f"{AUTOGRADE} --student solution", lab)
+    untouched = course.run(f"{AUTOGRADE} --student untouched", lab)
+    autograded = read_notebook(course.root / "autograded" / "solution" / lab / f"{lab}.ipynb")
+    return Graded(solution.output + untouched.output, execution_times(autograded))
 
 
 @dataclass
-class Hung:
+class Mistaken:
     ran: Ran
     bound_s: float
-    stuck_cells: set[str]
+    wrong_cells: set[str]  # the test cells that check the wrong answer
+    stuck_cells: set[str]  # the test cells that check the answers that hang
 
 
 @pytest.fixture(scope="module")
 @once_per_lab
-def hung(lab: str, course: Course, graded: Graded, executed: Execution) -> Hung:
-    """Autograde a submission that loops forever in one quiz and deadlocks in another.
+def mistaken(lab: str, course: Course, graded: Graded) -> Mistaken:
+    """Autograde a submission with one wrong quiz answer, one quiz looping forever and one
+    deadlocking two ranks; then give feedback and export, as the instructor does.
 
     The limits are lowered to keep the suite fast, but in proportion to the lab's slowest
     cell, and minidist's still below the cell's, as nbgrader_config.py sets them."""
-    loop_quiz, deadlock_quiz = list(course.quizzes)[1:3]
-    replaced = {loop_quiz: INFINITE_LOOP, deadlock_quiz: DEADLOCK}
-    course.submit(lab, "hang", answered(course.released, course.solution, replaced))
+    (wrong_quiz, wrong_names), (loop_quiz, _), (deadlock_quiz, _) = list(course.quizzes.items())[:3]
+    replaced = {
+        wrong_quiz: [f"{name} = {WRONG_ANSWER}" for name in wrong_names],
+        loop_quiz: INFINITE_LOOP,
+        deadlock_quiz: DEADLOCK,
+    }
+    course.submit(lab, "mistaken", answered(course.released, course.solution, replaced))
     course.run(COLLECT, lab)
     # Never above the real per-cell limit: one cell slowed by a busy machine must not turn
     # this run into minutes of waiting on the two hangs.
-    cell_timeout = min(LAB_BUDGET_S, max(20, math.ceil(4 * executed.slowest_cell_s)))
+    cell_timeout = min(LAB_BUDGET_S, max(20, math.ceil(4 * graded.executed.slowest_cell_s)))
     minidist_timeout = cell_timeout // 2
-    # Autograde skips the submissions already graded: this grades "hang" only.
+    # Autograde skips the submissions already graded: this grades "mistaken" only.
     ran = course.run(
         f"{AUTOGRADE} --Execute.timeout={cell_timeout}", lab, MINIDIST_TIMEOUT=str(minidist_timeout)
     )
+    course.run(FEEDBACK, lab)
+    course.run(EXPORT, lab)
     stuck = {
-        checking_cell(course.solution, name) for quiz in replaced for name in course.quizzes[quiz]
+        checking_cell(course.solution, name)
+        for quiz in (loop_quiz, deadlock_quiz) for name in course.quizzes[quiz]
     }
     # The lab's own run time, one cell timeout, one minidist timeout, and startup/shutdown.
-    bound = executed.seconds + cell_timeout + minidist_timeout + 30
-    return Hung(ran, bound, stuck)
+    bound = graded.executed.seconds + cell_timeout + minidist_timeout + 30
+    wrong = {checking_cell(course.solution, name) for name in wrong_names}
+    return Mistaken(ran, bound, wrong, stuck)
 
 
 # --- Tests ---------------------------------------------------------------------------------
@@ -544,7 +542,7 @@ def test_a_labs_are_generated_from_solutions(lab: str, course: Course) -> None:
             assert committed[name].read_bytes() == path.read_bytes(), hint
 
 
-def test_b_solution_gets_full_marks(lab: str, course: Course, graded: Graded) -> None:
+def test_b_solution_gets_full_marks(lab: str, course: Course, mistaken: Mistaken) -> None:
     solution = scores(course.root, lab, "solution")
     max_score = sum(points for _, points in solution.values())
     assert max_score > 0
@@ -563,39 +561,37 @@ def test_c_untouched_lab_gets_zero(lab: str, course: Course, graded: Graded) -> 
     assert (course.root / "autograded" / "untouched" / lab / f"{lab}.ipynb").exists()
 
 
-def test_d_wrong_answer_loses_its_points(lab: str, course: Course, graded: Graded) -> None:
+def test_d_wrong_answer_loses_only_its_points(lab: str, course: Course, mistaken: Mistaken) -> None:
     solution = scores(course.root, lab, "solution")
-    wrong = scores(course.root, lab, "wrong")
-    assert all(wrong[cell][0] == 0 for cell in graded.wrong_cells)
-    lost = sum(solution[cell][1] for cell in graded.wrong_cells)
-    assert sum(s for s, _ in wrong.values()) == sum(p for _, p in solution.values()) - lost
-    for cell in graded.wrong_cells:
-        del solution[cell], wrong[cell]
-    assert wrong == solution
+    submitted = scores(course.root, lab, "mistaken")
+    assert {cell: submitted[cell][0] for cell in mistaken.wrong_cells} == dict.fromkeys(
+        mistaken.wrong_cells, 0
+    )
+    for cell in mistaken.wrong_cells | mistaken.stuck_cells:
+        del solution[cell], submitted[cell]
+    assert submitted == solution
 
 
-def test_e_hangs_are_bounded_and_cleaned_up(lab: str, course: Course, hung: Hung) -> None:
-    solution = scores(course.root, lab, "solution")
-    hang = scores(course.root, lab, "hang")
-    print(f"{lab}: graded the hanging submission in {hung.ran.seconds:.0f} s")
-    assert hung.ran.seconds <= hung.bound_s, f"expected at most {hung.bound_s:.0f} s"
-    assert "Interrupting kernel" in hung.ran.output  # the loop was stopped, the kernel kept
-    assert {cell: hang[cell][0] for cell in hung.stuck_cells} == dict.fromkeys(hung.stuck_cells, 0)
-    for cell in hung.stuck_cells:
-        del solution[cell], hang[cell]
-    assert hang == solution
+def test_e_hangs_are_bounded_and_cleaned_up(lab: str, course: Course, mistaken: Mistaken) -> None:
+    submitted = scores(course.root, lab, "mistaken")
+    print(f"{lab}: graded the hanging submission in {mistaken.ran.seconds:.0f} s")
+    assert mistaken.ran.seconds <= mistaken.bound_s, f"expected at most {mistaken.bound_s:.0f} s"
+    assert "Interrupting kernel" in mistaken.ran.output  # the loop was stopped, the kernel kept
+    assert {cell: submitted[cell][0] for cell in mistaken.stuck_cells} == dict.fromkeys(
+        mistaken.stuck_cells, 0
+    )
     left_behind = [process for ran in course.runs for process in ran.left_behind]
     assert not left_behind, f"grading left processes running: {left_behind}"
 
 
 def test_f_students_never_see_solutions_or_hidden_tests(
-    lab: str, course: Course, graded: Graded
+    lab: str, course: Course, mistaken: Mistaken
 ) -> None:
     secrets = secret_lines(course.solution)
     assert secrets, "no solution or hidden-test lines to look for"
     released = read_notebook(REPO / "labs" / lab / f"{lab}.ipynb")
     assert not (found := leaks(notebook_text(released), secrets)), f"labs/{lab} shows {found}"
-    for student in ("untouched", "wrong"):
+    for student in ("untouched", "mistaken"):
         # What the student wrote is theirs to see; nothing else of the solution is.
         submitted = read_notebook(course.root / "submitted" / student / lab / f"{lab}.ipynb")
         submitted_text = notebook_text(submitted)
@@ -604,7 +600,7 @@ def test_f_students_never_see_solutions_or_hidden_tests(
         assert not (found := leaks(feedback, unseen)), f"{student}'s feedback shows {found}"
 
 
-def test_h_feedback_reads_offline(lab: str, course: Course, graded: Graded) -> None:
+def test_h_feedback_reads_offline(lab: str, course: Course, mistaken: Mistaken) -> None:
     """Feedback loads nothing from the network, and its math is MathML, not LaTeX."""
     latex = [
         cell.source for cell in course.released.cells
@@ -630,7 +626,9 @@ def network_references(html: str) -> list[str]:
     return loads
 
 
-def test_g_solution_runs_headless_within_budget(lab: str, executed: Execution) -> None:
+def test_g_solution_runs_headless_within_budget(lab: str, graded: Graded) -> None:
+    executed = graded.executed
     print(f"{lab}: ran in {executed.seconds:.1f} s (slowest cell {executed.slowest_cell_s:.1f} s)")
-    assert executed.error is None, executed.error
-    assert executed.seconds <= LAB_BUDGET_S
+    assert executed.seconds <= LAB_BUDGET_S, (
+        f"{lab} should run top to bottom in {LAB_BUDGET_S} s; it took {executed.seconds:.1f} s"
+    )
