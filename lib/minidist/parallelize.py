@@ -55,7 +55,7 @@ PIPELINE_WAIT_S = 120.0
 8 ranks on a 2-core laptop take turns."""
 
 
-class PipelineStage(nn.Module):
+class TinyGPTStage(nn.Module):
     """The part of TinyGPT one pipeline rank holds: maybe the embeddings, some blocks, maybe
     the final norm and LM head. Input: token ids (first stage) or the previous stage's
     activation; output: logits (last stage) or the activation for the next stage."""
@@ -117,7 +117,7 @@ class Parallel3D:
         self.stage_index = mesh.coord("pp")
         self.schedule = pipeline.schedule(schedule, ranks=self.pp, microbatches=microbatches)
         first, end = comm.chunk_bounds(len(model.blocks), self.pp)[self.stage_index]
-        self.stage = PipelineStage(
+        self.stage = TinyGPTStage(
             model, first, end, is_first=self.stage_index == 0,
             is_last=self.stage_index == self.pp - 1,
             tp_group=mesh.group("tp") if self.tp > 1 else None,
