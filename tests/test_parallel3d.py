@@ -1,12 +1,15 @@
-"""minidist.parallelize: TP x PP x DP/ZeRO on 8 ranks trains exactly like one process, sends
-what minidist.traffic.mesh_traffic predicts per mesh dimension, and rejects bad layouts with a
-clear error before any rank communicates. One launch of 8 ranks checks every layout."""
+"""minidist.mesh and minidist.parallelize on 8 ranks: the mesh's groups are init_device_mesh's,
+TP x PP x DP/ZeRO trains exactly like one process and sends what
+minidist.traffic.mesh_traffic predicts per mesh dimension, and bad layouts are clear errors
+before any rank communicates. One launch of 8 ranks checks every layout."""
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from minidist.launch import run
-from minidist.mesh import Mesh
+from minidist.mesh import DIMS, Mesh, group_ranks
 from minidist.models import TinyGPT
 from minidist.parallelize import parallelize
 
@@ -48,6 +51,17 @@ def _train_every_layout(rank: int, world_size: int) -> dict:
     results, meshes = {}, {}
     for dp, pp, tp, m, zero, sp, schedule in LAYOUTS:
         mesh = meshes[dp, pp, tp] = Mesh(dp=dp, pp=pp, tp=tp)
+        theirs = init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=DIMS)
+        groups = {
+            "ours": {d: mesh.ranks(d) for d in DIMS},
+            "torch": {d: dist.get_process_group_ranks(theirs.get_group(d)) for d in DIMS},
+            "to_torch": {d: dist.get_process_group_ranks(mesh.to_torch().get_group(d))
+                         for d in DIMS},
+            "names": mesh.to_torch().mesh_dim_names,
+            "coords": {d: mesh.coord(d) for d in DIMS},
+            "torch_coords": dict(zip(DIMS, theirs.get_coordinate(), strict=True)),
+            "sizes": {d: mesh.size(d) for d in DIMS},
+        }
         parallel = parallelize(_model(), mesh, _adamw, microbatches=m, schedule=schedule,
                                zero_stage=zero, sequence_parallel=sp)
         losses, traffic = [], None
@@ -58,7 +72,7 @@ def _train_every_layout(rank: int, world_size: int) -> dict:
                 traffic = {dim: (parallel.traffic[dim].bytes_sent, expected[dim].bytes_sent)
                            for dim in ("tp", "pp", "dp")}
         results[dp, pp, tp] = {"losses": losses, "state": parallel.full_state_dict(),
-                               "traffic": traffic}
+                               "traffic": traffic, "groups": groups}
     model = _model()
     results["errors"] = {
         "heads": _error(lambda: parallelize(_model(hidden=12, heads=6), meshes[1, 2, 4],
@@ -88,6 +102,32 @@ def _single_process() -> tuple[list[float], dict[str, torch.Tensor]]:
 @pytest.fixture(scope="module")
 def per_rank() -> list[dict]:
     return run(_train_every_layout, 8, timeout=600)
+
+
+def test_group_ranks_tp_fastest_then_dp_then_pp():
+    sizes = {"pp": 2, "dp": 2, "tp": 2}
+    expected = {"tp": [[0, 1], [2, 3], [4, 5], [6, 7]], "dp": [[0, 2], [1, 3], [4, 6], [5, 7]],
+                "pp": [[0, 4], [1, 5], [2, 6], [3, 7]]}
+    for dim, groups in expected.items():
+        got = group_ranks(sizes, dim)
+        assert got == groups, f"{dim} groups: expected {groups}, got {got}"
+    with pytest.raises(ValueError, match="dim='ep'"):
+        group_ranks(sizes, "ep")
+
+
+def test_mesh_groups_equal_init_device_mesh_for_every_layout(per_rank):
+    for dp, pp, tp, *_ in LAYOUTS:
+        for rank, result in enumerate(per_rank):
+            found = result[dp, pp, tp]["groups"]
+            label = f"rank {rank}, dp={dp} pp={pp} tp={tp}"
+            assert found["ours"] == found["torch"] == found["to_torch"], (
+                f"{label}: expected init_device_mesh's groups {found['torch']}, got "
+                f"{found['ours']} (to_torch: {found['to_torch']})")
+            assert found["names"] == DIMS, f"expected dim names {DIMS}, got {found['names']}"
+            assert found["coords"] == found["torch_coords"], (
+                f"{label}: expected coordinates {found['torch_coords']}, got {found['coords']}")
+            assert found["sizes"] == {"pp": pp, "dp": dp, "tp": tp}, (
+                f"{label}: expected those sizes, got {found['sizes']}")
 
 
 def test_every_layout_trains_like_one_process(per_rank):
