@@ -80,8 +80,8 @@ def test_expert_parallel_equals_the_loop_over_experts_on_ep_2_and_4():
                 error = (got["out"] - out).abs().max().item()
                 assert error < TOL, f"{label}: expected the loop's output, max error {error:.2e}"
                 error = (got["x_grad"] - x.grad).abs().max().item()
-                assert error < TOL, f"{label}: expected the loop's input gradient, max error " \
-                                    f"{error:.2e}"
+                assert error < TOL, (
+                    f"{label}: expected the loop's input gradient, max error {error:.2e}")
                 assert got["dropped"] == dropped, (
                     f"{label}: expected {dropped} dropped assignments, got {got['dropped']}")
                 if factor is not None:
