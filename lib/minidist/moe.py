@@ -126,6 +126,21 @@ def run_experts(experts: nn.ModuleList, tokens: torch.Tensor, counts: torch.Tens
     return torch.cat([experts[i % local](chunk) for i, chunk in enumerate(chunks)])
 
 
+def dispatch_and_combine(outgoing: torch.Tensor, counts: torch.Tensor, experts: nn.ModuleList,
+                         group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The expert-parallel heart of a forward: `outgoing` holds this rank's token rows sorted
+    by expert, `counts` [E] how many go to each expert. Counts -> split sizes -> all-to-all
+    -> this rank's experts -> all-to-all back; returns each row's expert output, in
+    `outgoing`'s order. Without a group, every expert is local and nothing is sent."""
+    if group is None:
+        return run_experts(experts, outgoing, counts.view(1, -1))
+    received_counts = exchange_counts(counts, group)
+    send = split_sizes(counts, dist.get_world_size(group))
+    receive = received_counts.sum(1).tolist()
+    incoming = all_to_all(outgoing, send, receive, group)
+    return all_to_all(run_experts(experts, incoming, received_counts), receive, send, group)
+
+
 class MoELayer(nn.Module):
     """A mixture-of-experts feed-forward layer: a top-k router over `experts` FeedForward
     networks (hidden -> ffn_hidden -> hidden), on input [..., hidden].
@@ -180,15 +195,8 @@ class MoELayer(nn.Module):
         # the kept assignments sorted by expert, so each rank's tokens are one contiguous run
         order = kept[torch.sort(expert_of[kept], stable=True).indices]
         counts = tokens_per_expert(expert_of[order], self.num_experts)
-        outgoing = tokens[order // self.top_k]
-        if self.group is None:
-            results = run_experts(self.experts, outgoing, counts.view(1, -1))
-        else:
-            received_counts = exchange_counts(counts, self.group)
-            send, receive = split_sizes(counts, self.ranks), received_counts.sum(1).tolist()
-            incoming = all_to_all(outgoing, send, receive, self.group)
-            outputs = run_experts(self.experts, incoming, received_counts)
-            results = all_to_all(outputs, receive, send, self.group)
+        results = dispatch_and_combine(tokens[order // self.top_k], counts, self.experts,
+                                       self.group)
         weighted = results * weights.flatten()[order].unsqueeze(1)
         combined = torch.zeros_like(tokens).index_add(0, order // self.top_k, weighted)
         return combined.view_as(x)
