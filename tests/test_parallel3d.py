@@ -12,6 +12,10 @@ from minidist.launch import run
 from minidist.mesh import DIMS, Mesh, group_ranks
 from minidist.models import TinyGPT
 from minidist.parallelize import parallelize
+from minidist.traffic import mesh_traffic
+
+# One worker runs every test here, so the 8-rank launch (the module fixture) runs once.
+pytestmark = pytest.mark.xdist_group("parallel3d")
 
 VOCAB, HIDDEN, HEADS, LAYERS, SEQ, BATCH = 32, 16, 4, 4, 8, 8
 STEPS, LR = 3, 1e-2
@@ -156,6 +160,24 @@ def test_bytes_per_mesh_dimension_equal_the_formulas(per_rank):
                 assert (counted > 0) == (size > 1), (
                     f"dp={dp} pp={pp} tp={tp}, rank {rank}: {dim} of size {size} sent "
                     f"{counted:.0f} bytes")
+
+
+def test_mesh_traffic_adds_up_lab_02s_formulas():
+    """First of 2 stages, tp=2, dp=2, ZeRO-1, 2 blocks, 2 microbatches of 1·8·16 fp32."""
+    got = mesh_traffic(stage=0, pp=2, dp=2, tp=2, blocks=2, num_params=1000, param_tensors=10,
+                       seq_len=8, micro_batch=1, hidden=16, microbatches=2)
+    activation = 1 * 8 * 16 * 4
+    expected = {
+        "tp": 2 * 2 * 4 * activation,  # 4 all-reduces per block and microbatch, 2(t-1)/t = 1
+        "pp": 2 * activation,  # the first stage sends activations only
+        "dp": 1000 * 4 + 10 * 4,  # reduce-scatter + all-gather, (N-1)/N = 1/2 each; flags
+    }
+    for dim, want in expected.items():
+        assert got[dim].bytes_sent == want, (
+            f"{dim}: expected {want} bytes sent, got {got[dim].bytes_sent}")
+    with pytest.raises(ValueError, match="stage=2"):
+        mesh_traffic(stage=2, pp=2, dp=1, tp=1, blocks=1, num_params=1, param_tensors=1,
+                     seq_len=1, micro_batch=1, hidden=1, microbatches=1)
 
 
 def test_bad_layouts_are_clear_errors(per_rank):
