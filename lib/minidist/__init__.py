@@ -26,6 +26,10 @@ One module per idea, each importing only modules listed before it:
             unit for parameters in no unit and for tied weights, as FSDP2
     tensor_parallel  Megatron's f/g, column/row-parallel layers, sequence parallel
     pipeline_exec  run a schedule on real ranks with send/recv, timestamps and deadlock reports
+    mesh    dp·pp·tp ranks in Megatron's order (TP fastest), one process group per dimension;
+            the same layout as PyTorch's DeviceMesh
+    moe     mixture of experts: top-k router, expert parallelism by all-to-all, capacity and
+            dropped tokens
 
 Private plumbing: _checks (the input checks every module shares), _supervisor (the rank
 processes behind launch.run).
