@@ -30,6 +30,8 @@ One module per idea, each importing only modules listed before it:
             the same layout as PyTorch's DeviceMesh
     moe     mixture of experts: top-k router, expert parallelism by all-to-all, capacity and
             dropped tokens
+    parallelize  TinyGPT on a dp·pp·tp mesh: the course's TP, pipeline and DDP/ZeRO composed;
+            bytes per mesh dimension against traffic.mesh_traffic
 
 Private plumbing: _checks (the input checks every module shares), _supervisor (the rank
 processes behind launch.run).

@@ -560,6 +560,7 @@ class TrafficLog:
 
 
 _active_logs: list[TrafficLog] = []
+_paused = 0  # how many uncounted() blocks are open
 # Taken from the class dict, not with getattr: pybind stores methods as descriptors there, and
 # only the descriptor binds `self` when put back on the class.
 _uncounted_send = vars(dist.ProcessGroup)["send"]
@@ -570,7 +571,7 @@ def record(op: str, full: torch.Tensor | int, group: dist.ProcessGroup | None = 
     """Add one `op` collective to every open `count_traffic` log. `full` is the full tensor
     the collective reduces or produces, or its size in bytes. Every minidist module that runs
     a collective calls this once per call."""
-    if _active_logs:
+    if _active_logs and not _paused:
         nbytes = full if isinstance(full, int) else full.numel() * full.element_size()
         entry = Collective(op, nbytes, dist.get_world_size(group), 1, when)
         for log in _active_logs:
@@ -581,7 +582,7 @@ def _counting_send(
     self: dist.ProcessGroup, tensors: list[torch.Tensor], *args, **kwargs
 ) -> dist.Work:
     nbytes = sum(tensor.numel() * tensor.element_size() for tensor in tensors)
-    for log in _active_logs:
+    for log in _active_logs if not _paused else ():
         log.bytes_sent += nbytes
         log.messages += 1
     return _uncounted_send(self, tensors, *args, **kwargs)
@@ -622,3 +623,15 @@ def count_traffic() -> Iterator[TrafficLog]:
         _active_logs.remove(log)
         if not _active_logs:
             dist.ProcessGroup.send = _uncounted_send
+
+
+@contextlib.contextmanager
+def uncounted() -> Iterator[None]:
+    """Inside the block the open `count_traffic` logs count nothing: for set-up work that is
+    not part of what they measure (pipeline_exec's shape exchange and warm-up step)."""
+    global _paused
+    _paused += 1
+    try:
+        yield
+    finally:
+        _paused -= 1

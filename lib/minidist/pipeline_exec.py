@@ -48,8 +48,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minidist import launch
-from minidist._checks import positive_int
+from minidist import comm, launch
+from minidist._checks import first_rank, positive_int
 from minidist.comm import chunk_bounds
 from minidist.pipeline import Action, Costs, Schedule, Span, Timeline, peer, validate
 
@@ -137,9 +137,11 @@ class _Executor:
 
     def __init__(self, schedule: Schedule, stages: dict[int, nn.Module],
                  inputs: torch.Tensor | None, targets: torch.Tensor | None, loss_fn: LossFn,
-                 costs: Costs, time_unit: float, timeout: float):
+                 costs: Costs, time_unit: float, timeout: float,
+                 group: dist.ProcessGroup | None):
         self.schedule = schedule
-        self.rank = dist.get_rank()
+        self.group = group
+        self.rank = dist.get_rank(group)  # the pipeline rank: this rank's place in the group
         self.stages = stages
         self.loss_fn = loss_fn
         self.costs = costs
@@ -149,7 +151,8 @@ class _Executor:
         m = schedule.microbatches
         self.inputs = split_microbatches(inputs, m) if 0 in stages else []
         self.targets = split_microbatches(targets, m) if self.last in stages else []
-        self.key = f"{_STORE_PREFIX}/{next(_calls)}"
+        # one key per call and pipeline group: several pipelines may run side by side
+        self.key = f"{_STORE_PREFIX}/{next(_calls)}/{first_rank(group)}"
         # Per (stage, microbatch): the stage's input (a leaf that collects its gradient), its
         # output (the loss on the last stage), the gradient of its output, of its input.
         self.stage_input: dict[tuple[int, int], torch.Tensor] = {}
@@ -169,6 +172,11 @@ class _Executor:
     def local(self, stage: int) -> bool:
         return stage in self.stages
 
+    def global_rank(self, pipeline_rank: int) -> int:
+        """The process group's rank of the pipeline rank, which send and receive take."""
+        return pipeline_rank if self.group is None else dist.get_global_rank(self.group,
+                                                                             pipeline_rank)
+
     # Shapes: before the first microbatch, stage k's owner tells stage k+1's owner the shape
     # of what it will send, walking the pipeline once. It also checks that stages fit.
     def exchange_shapes(self) -> None:
@@ -180,7 +188,8 @@ class _Executor:
             if not self.local(k):
                 continue
             if k > 0 and not self.local(k - 1):
-                request = dist.irecv(meta, self.schedule.rank_of(k - 1))
+                request = dist.irecv(meta, self.global_rank(self.schedule.rank_of(k - 1)),
+                                     group=self.group)
                 request.wait()  # setup, not the schedule: the process group's time limit
                 ndim = int(meta[1])
                 shape, dtype = torch.Size(meta[2:2 + ndim].tolist()), dtypes[int(meta[0])]
@@ -195,7 +204,9 @@ class _Executor:
                 meta.zero_()
                 meta[0], meta[1] = dtypes.index(dtype), len(shape)
                 meta[2:2 + len(shape)] = torch.tensor(shape)
-                request = dist.isend(meta.clone(), self.schedule.rank_of(k + 1))
+                request = dist.isend(meta.clone(),
+                                     self.global_rank(self.schedule.rank_of(k + 1)),
+                                     group=self.group)
                 request.wait()
 
     def warm_up(self, k: int, x: torch.Tensor) -> torch.Tensor:
@@ -212,8 +223,9 @@ class _Executor:
         return out.detach()
 
     def run(self) -> RankTrace:
-        self.exchange_shapes()
-        dist.barrier()  # start the clock together
+        with comm.uncounted():  # set-up, not the step: count_traffic sees only the schedule
+            self.exchange_shapes()
+        dist.barrier(group=self.group)  # start the clock together
         actions = self.schedule.actions[self.rank]
         self.post_receives(0)
         for index, action in enumerate(actions):
@@ -237,8 +249,8 @@ class _Executor:
         self.send(action, self.input_grad.pop((action.stage, action.microbatch)))
 
     def send(self, action: Action, tensor: torch.Tensor) -> None:
-        request = dist.isend(tensor.contiguous(), peer(self.schedule, action),
-                             tag=_tag(self.schedule, action))
+        request = dist.isend(tensor.contiguous(), self.global_rank(peer(self.schedule, action)),
+                             group=self.group, tag=_tag(self.schedule, action))
         self.sends.append((self.index, action, request, tensor))  # keep it alive until sent
 
     # A receive is posted (irecv) ahead of its place in the list: when the rank starts the
@@ -252,8 +264,8 @@ class _Executor:
                 shape, dtype = (self.incoming[action.stage] if action.kind == "RECV_F"
                                 else self.boundary[action.stage])
                 buffer = torch.empty(shape, dtype=dtype)
-                request = dist.irecv(buffer, peer(self.schedule, action),
-                                     tag=_tag(self.schedule, action))
+                request = dist.irecv(buffer, self.global_rank(peer(self.schedule, action)),
+                                     group=self.group, tag=_tag(self.schedule, action))
                 self.receives[action] = (request, buffer)
 
     def receive(self, action: Action) -> torch.Tensor:
@@ -418,8 +430,10 @@ def _wait_limit(schedule: Schedule, costs: Costs, time_unit: float) -> float:
 
 def execute(schedule: Schedule, stages: dict[int, nn.Module], inputs: torch.Tensor | None,
             targets: torch.Tensor | None, loss_fn: LossFn, costs: Costs | None = None,
-            time_unit: float = 0.0, timeout: float | None = None) -> RankTrace:
-    """Run this rank's part of `schedule`; call it on every rank of the process group.
+            time_unit: float = 0.0, timeout: float | None = None,
+            group: dist.ProcessGroup | None = None) -> RankTrace:
+    """Run this rank's part of `schedule`; call it on every rank of the process group, or of
+    `group` (e.g. a mesh's "pp" group), whose ranks are then the schedule's pipeline ranks.
 
     `stages` maps each stage this rank holds (`schedule.stages_of(rank)`) to its module.
     `inputs` (the whole batch) is needed on the rank holding stage 0, `targets` on the rank
@@ -430,10 +444,10 @@ def execute(schedule: Schedule, stages: dict[int, nn.Module], inputs: torch.Tens
     the default, `DEFAULT_TIMEOUT_S` plus the emulated compute of the whole step, is longer
     than any wait of a schedule that can finish.
     """
-    rank = dist.get_rank()
-    if dist.get_world_size() != schedule.ranks:
+    rank = dist.get_rank(group)
+    if dist.get_world_size(group) != schedule.ranks:
         raise ValueError(f"the schedule has {schedule.ranks} ranks but the process group has "
-                         f"{dist.get_world_size()}: start {schedule.ranks} ranks")
+                         f"{dist.get_world_size(group)}: start {schedule.ranks} ranks")
     if sorted(stages) != schedule.stages_of(rank):
         raise ValueError(f"rank {rank} holds stages {schedule.stages_of(rank)} in this schedule, "
                          f"but got modules for stages {sorted(stages)}")
@@ -444,7 +458,8 @@ def execute(schedule: Schedule, stages: dict[int, nn.Module], inputs: torch.Tens
     costs = costs or Costs()
     costs.check(schedule.num_stages)
     timeout = _wait_limit(schedule, costs, time_unit) if timeout is None else timeout
-    return _Executor(schedule, stages, inputs, targets, loss_fn, costs, time_unit, timeout).run()
+    return _Executor(schedule, stages, inputs, targets, loss_fn, costs, time_unit, timeout,
+                     group).run()
 
 
 # --- From a notebook: start the ranks, run, compare ----------------------------------------------

@@ -120,6 +120,35 @@ class ReduceScatterToSequenceParallel(torch.autograd.Function):
         return _gather_along(grad, SEQUENCE_DIM, ctx.group, "backward"), None
 
 
+class ScatterToSequenceParallel(torch.autograd.Function):
+    """Enter the sequence-parallel region from a replicated activation: keep this rank's slice
+    of the sequence forward (no communication), all-gather the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split(x, SEQUENCE_DIM, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_along(grad, SEQUENCE_DIM, ctx.group, "backward"), None
+
+
+class GatherFromSequenceParallel(torch.autograd.Function):
+    """Leave the sequence-parallel region for replicated layers: all-gather the sequence
+    forward; backward keeps this rank's slice of the gradient, which every rank computed
+    whole and alike."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_along(x, SEQUENCE_DIM, group, "forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split(grad, SEQUENCE_DIM, ctx.group), None
+
+
 class GatherFeatures(torch.autograd.Function):
     """All-gather the last dim forward, keep this rank's slice of the gradient backward."""
 

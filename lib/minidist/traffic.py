@@ -129,3 +129,70 @@ def pipeline_traffic(seq_len: int, micro_batch: int, hidden: int, microbatches: 
     n = microbatches * chunks
     return Traffic((Collective("send", size, 2, n, "activations, forward"),
                     Collective("send", size, 2, n, "gradients, backward")))
+
+
+def mesh_traffic(*, stage: int, pp: int, dp: int, tp: int, blocks: int, num_params: float,
+                 param_tensors: int, seq_len: int, micro_batch: int, hidden: int,
+                 microbatches: int, zero_stage: int = 1, sequence_parallel: bool = False,
+                 bytes_per_element: int = 4) -> dict[str, Traffic]:
+    """What one rank of a dp·pp·tp mesh sends in one step, per mesh dimension: the formulas
+    above, applied to the rank's share of a transformer, plus the few messages minidist's
+    implementation (`minidist.parallelize`) adds to them.
+
+    The rank sits on pipeline stage `stage` of `pp` and holds `blocks` transformer blocks,
+    `num_params` parameters in `param_tensors` tensors. A dimension of size 1 sends nothing.
+
+    tp  per block and microbatch, `tensor_parallel_traffic` (2 all-reduces of b·s·h forward,
+        2 backward). With sequence parallel: its all-gathers and reduce-scatters, plus 2
+        all-gathers in backward (the attention and MLP inputs are gathered again rather than
+        stored), 6 all-reduces of h (gradients of the two LayerNorms and two row-parallel
+        biases, which see only a slice of the sequence), one all-gather backward where the
+        embeddings enter the split sequence (first stage) and one forward where it is
+        gathered for the LM head (last stage).
+    pp  per microbatch, a b·s·h activation to the next stage (all but the last stage) and a
+        gradient to the previous one (all but the first); b·(s/t)·h with sequence parallel,
+        where each TP rank sends its slice.
+    dp  `data_parallel_traffic` of this rank's parameters: ≈ 2Ψ/(tp·pp) per rank. ZeRO-1 first
+        sums which parameters have a gradient (one int32 per tensor, minidist.zero).
+    """
+    positive_int(pp=pp, dp=dp, tp=tp, param_tensors=param_tensors, seq_len=seq_len,
+                 micro_batch=micro_batch, hidden=hidden, microbatches=microbatches,
+                 bytes_per_element=bytes_per_element)
+    if not 0 <= stage < pp:
+        raise ValueError(f"stage={stage}: must be in 0..{pp - 1}")
+    if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 0:
+        raise ValueError(f"blocks={blocks!r}: must be a whole number >= 0")
+    m, size = microbatches, micro_batch * seq_len * hidden * bytes_per_element
+    sequence_parallel = sequence_parallel and tp > 1
+    tensor: list[Collective] = []
+    if tp > 1:
+        layer = tensor_parallel_traffic(seq_len, micro_batch, hidden, tp, sequence_parallel,
+                                        bytes_per_element)
+        tensor = [Collective(c.op, c.nbytes, tp, c.count * blocks * m, c.when)
+                  for c in layer.collectives]
+        if sequence_parallel:
+            tensor += [
+                Collective("all_gather", size, tp, 2 * blocks * m,
+                           "backward, attention and MLP inputs gathered again"),
+                Collective("all_reduce", hidden * bytes_per_element, tp, 6 * blocks * m,
+                           "backward, gradients of norms and row-parallel biases"),
+            ]
+            if stage == 0:
+                tensor.append(Collective("all_gather", size, tp, m,
+                                         "backward, into the split sequence"))
+            if stage == pp - 1:
+                tensor.append(Collective("all_gather", size, tp, m,
+                                         "forward, out of the split sequence"))
+    boundary = size // tp if sequence_parallel else size
+    pipeline = []
+    if stage < pp - 1:
+        pipeline.append(Collective("send", boundary, 2, m, "activations, forward"))
+    if stage > 0:
+        pipeline.append(Collective("send", boundary, 2, m, "gradients, backward"))
+    data: tuple[Collective, ...] = ()
+    if dp > 1:
+        data = data_parallel_traffic(num_params, dp, zero_stage, bytes_per_element).collectives
+        if zero_stage == 1:
+            data += (Collective("all_reduce", 4 * param_tensors, dp, 1,
+                                "which parameters have gradients"),)
+    return {"tp": Traffic(tuple(tensor)), "pp": Traffic(tuple(pipeline)), "dp": Traffic(data)}

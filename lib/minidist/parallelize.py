@@ -1,0 +1,243 @@
+"""3D parallelism: the course's TinyGPT trained with TP, PP and DP/ZeRO at once, on a Mesh.
+
+    mesh = Mesh(dp=2, pp=2, tp=2)                       # on 8 ranks
+    torch.manual_seed(0)                                # the same model on every rank
+    model = TinyGPT(vocab=32, hidden=16, heads=4, layers=4, max_seq=8)
+    parallel = parallelize(model, mesh, lambda params: torch.optim.AdamW(params, lr=1e-2),
+                           microbatches=2)
+    loss = parallel.step(ids, targets)                  # the whole batch on every rank
+    parallel.full_state_dict()                          # model.state_dict()'s keys, unsharded
+
+Each dimension is one of the course's pieces, on the mesh's group for it:
+
+    pp  the blocks are cut into pp stages of consecutive blocks (the first stage also holds the
+        embeddings, the last the final norm and LM head); `minidist.pipeline_exec` runs the
+        schedule ("gpipe" or "1f1b") over the "pp" group, with the step's DP slice of the
+        batch cut into `microbatches`
+    tp  inside a stage, every block is `tensor_parallel.ParallelTransformerBlock` on the "tp"
+        group (with `sequence_parallel`, the activations between blocks, and those sent from
+        stage to stage, are split along the sequence); embeddings, final norm and head stay
+        whole on every TP rank
+    dp  after the pipeline's backward, `ddp.all_reduce_gradients_flat` (zero_stage=0) or
+        `zero.ZeroOptimizer` (zero_stage=1) on the "dp" group, then the optimizer step
+
+A dimension of size 1 uses no group: plain blocks when tp = 1, a plain optimizer when dp = 1.
+`step` also counts what each dimension sent (`traffic`), and `expected_traffic()` gives the
+formulas of `minidist.traffic.mesh_traffic` for the same rank, so the two can be compared.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from minidist import comm, ddp, pipeline, pipeline_exec, traffic
+from minidist._checks import one_of, positive_int
+from minidist.mesh import Mesh
+from minidist.models import TinyGPT, lm_loss
+from minidist.tensor_parallel import (
+    GatherFromSequenceParallel,
+    ParallelTransformerBlock,
+    ScatterToSequenceParallel,
+)
+from minidist.zero import ZeroOptimizer
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+SCHEDULES = ("gpipe", "1f1b")
+"""Schedules whose backward is one pass (the split backward of zero-bubble schedules would run
+the tensor-parallel collectives twice)."""
+PIPELINE_WAIT_S = 120.0
+"""How long a pipeline rank waits for a message before it reports a deadlock: generous, since
+8 ranks on a 2-core laptop take turns."""
+
+
+class TinyGPTStage(nn.Module):
+    """The part of TinyGPT one pipeline rank holds: maybe the embeddings, some blocks, maybe
+    the final norm and LM head. Input: token ids (first stage) or the previous stage's
+    activation; output: logits (last stage) or the activation for the next stage."""
+
+    def __init__(self, model: TinyGPT, first: int, end: int, is_first: bool, is_last: bool,
+                 tp_group: dist.ProcessGroup | None, sequence_parallel: bool):
+        super().__init__()
+        self.first_block, self.is_first, self.is_last = first, is_first, is_last
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        self.embeddings = copy.deepcopy(model.layers()[0]) if is_first else None
+        self.blocks = nn.ModuleList(
+            copy.deepcopy(block) if tp_group is None else ParallelTransformerBlock(
+                block.attn.q_proj.in_features, block.attn.heads, block.mlp.fc1.out_features,
+                sequence_parallel, group=tp_group).load_from(block)
+            for block in model.blocks[first:end])
+        self.norm = copy.deepcopy(model.norm) if is_last else None
+        self.head = copy.deepcopy(model.head) if is_last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_first:
+            x = self.embeddings(x)
+            if self.sequence_parallel:
+                x = ScatterToSequenceParallel.apply(x, self.tp_group)
+        for block in self.blocks:
+            x = block(x)
+        if self.is_last:
+            if self.sequence_parallel:
+                x = GatherFromSequenceParallel.apply(x, self.tp_group)
+            x = self.head(self.norm(x))
+        return x
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """This stage's parameters, unsharded, under TinyGPT's state_dict keys."""
+        state: dict[str, torch.Tensor] = {}
+        if self.is_first:
+            state |= {key: value.clone() for key, value in self.embeddings.state_dict().items()}
+        for index, block in enumerate(self.blocks, start=self.first_block):
+            block_state = (block.state_dict() if self.tp_group is None
+                           else block.full_state_dict())
+            state |= {f"blocks.{index}.{key}": value.clone() for key, value in
+                      block_state.items()}
+        if self.is_last:
+            state |= {f"norm.{key}": value.clone() for key, value in self.norm.state_dict().items()}
+            state |= {f"head.{key}": value.clone() for key, value in self.head.state_dict().items()}
+        return state
+
+
+class Parallel3D:
+    """One rank's part of a TinyGPT trained on a dp·pp·tp mesh (see the module doc); made by
+    `parallelize`."""
+
+    def __init__(self, model: TinyGPT, mesh: Mesh, optimizer_factory: OptimizerFactory,
+                 microbatches: int, schedule: str, zero_stage: int, sequence_parallel: bool):
+        self.mesh, self.microbatches, self.zero_stage = mesh, microbatches, zero_stage
+        self.dp, self.pp, self.tp = mesh.size("dp"), mesh.size("pp"), mesh.size("tp")
+        self.sequence_parallel = sequence_parallel and self.tp > 1
+        self.hidden = model.tok_emb.embedding_dim
+        self.stage_index = mesh.coord("pp")
+        self.schedule = pipeline.schedule(schedule, ranks=self.pp, microbatches=microbatches)
+        first, end = comm.chunk_bounds(len(model.blocks), self.pp)[self.stage_index]
+        self.stage = TinyGPTStage(
+            model, first, end, is_first=self.stage_index == 0,
+            is_last=self.stage_index == self.pp - 1,
+            tp_group=mesh.group("tp") if self.tp > 1 else None,
+            sequence_parallel=self.sequence_parallel)
+        self.dp_group = mesh.group("dp") if self.dp > 1 else None
+        if self.dp_group is not None:  # every data-parallel replica starts from one copy
+            ddp.broadcast_parameters(self.stage, self.dp_group)
+        params = list(self.stage.parameters())
+        if zero_stage == 1 and self.dp_group is not None:
+            self.optimizer = ZeroOptimizer(params, optimizer_factory, stage=1,
+                                           group=self.dp_group)
+        else:
+            self.optimizer = optimizer_factory(params)
+        self.traffic: dict[str, traffic.Traffic] = {}
+        self._shape: tuple[int, int] | None = None  # (micro_batch, seq_len) of the last step
+
+    def step(self, ids: torch.Tensor, targets: torch.Tensor) -> float:
+        """One optimizer step on the global batch `ids`, `targets` [batch, seq] (the same on
+        every rank): this rank trains on its DP slice, cut into microbatches. Returns the mean
+        loss over the whole batch, the same number on every rank."""
+        batch, seq = _check_batch(ids, targets, self.dp, self.microbatches,
+                                  self.tp if self.sequence_parallel else 1)
+        self._shape = (batch // (self.dp * self.microbatches), seq)
+        mine = slice(self.mesh.coord("dp") * batch // self.dp,
+                     (self.mesh.coord("dp") + 1) * batch // self.dp)
+        self.optimizer.zero_grad()
+        with comm.count_traffic() as pipeline_log:
+            trace = pipeline_exec.execute(
+                self.schedule, {self.stage_index: self.stage},
+                ids[mine] if self.stage.is_first else None,
+                targets[mine] if self.stage.is_last else None,
+                lm_loss, timeout=PIPELINE_WAIT_S, group=self.mesh.group("pp"))
+        with comm.count_traffic() as data_log:
+            if self.zero_stage == 0 and self.dp_group is not None:
+                ddp.all_reduce_gradients_flat(self.stage, group=self.dp_group)
+            self.optimizer.step()
+        # pipeline_exec sends point to point; tensor parallelism runs collectives
+        sends = (traffic.Collective("send", pipeline_log.bytes_sent / pipeline_log.messages, 2,
+                                    pipeline_log.messages, "activations and gradients")
+                 if pipeline_log.messages else None)
+        self.traffic = {"tp": pipeline_log.traffic, "pp": traffic.Traffic((sends,) if sends
+                                                                           else ()),
+                        "dp": data_log.traffic}
+        return self._global_mean(trace.losses)
+
+    def _global_mean(self, losses: list[float]) -> float:
+        """The mean loss over the batch: the last stage's microbatch losses, summed over the
+        DP replicas (one TP rank each), over every rank."""
+        counts = self.stage.is_last and self.mesh.coord("tp") == 0
+        total = torch.tensor([sum(losses) if counts else 0.0], dtype=torch.float64)
+        comm.record("all_reduce", total, None, "loss, for reporting")
+        dist.all_reduce(total)
+        return total.item() / (self.dp * self.microbatches)
+
+    def expected_traffic(self) -> dict[str, traffic.Traffic]:
+        """`minidist.traffic.mesh_traffic` for this rank and the last step's batch: what
+        `traffic` should hold, per dimension."""
+        if self._shape is None:
+            raise RuntimeError("expected_traffic() needs the batch shape: run step() first")
+        params = list(self.stage.parameters())
+        micro_batch, seq = self._shape
+        element = params[0].element_size()
+        return traffic.mesh_traffic(
+            stage=self.stage_index, pp=self.pp, dp=self.dp, tp=self.tp,
+            blocks=len(self.stage.blocks), num_params=sum(p.numel() for p in params),
+            param_tensors=len(params), seq_len=seq, micro_batch=micro_batch, hidden=self.hidden,
+            microbatches=self.microbatches, zero_stage=self.zero_stage,
+            sequence_parallel=self.sequence_parallel, bytes_per_element=element)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter of the model, unsharded, under the single model's state_dict keys,
+        on every rank (gathered over the tp, then the pp group)."""
+        mine = self.stage.full_state_dict()
+        stages: list[dict[str, torch.Tensor] | None] = [None] * self.pp
+        dist.all_gather_object(stages, mine, group=self.mesh.group("pp"))
+        return {key: value for stage in stages for key, value in stage.items()}
+
+
+def _check_batch(ids: torch.Tensor, targets: torch.Tensor, dp: int, microbatches: int,
+                 sequence_split: int) -> tuple[int, int]:
+    if ids.dim() != 2 or ids.shape != targets.shape:
+        raise ValueError(f"ids {tuple(ids.shape)} and targets {tuple(targets.shape)} must both "
+                         f"be [batch, seq]")
+    batch, seq = ids.shape
+    if batch % (dp * microbatches):
+        raise ValueError(
+            f"global batch {batch} is not divisible by dp·microbatches = {dp}·{microbatches} = "
+            f"{dp * microbatches}: every DP rank needs the same number of equal microbatches; "
+            f"use a batch that is a multiple of {dp * microbatches}")
+    if seq % sequence_split:
+        raise ValueError(f"sequence length {seq} is not divisible by tp={sequence_split}: "
+                         f"sequence parallel splits it across the TP ranks; use a multiple of "
+                         f"{sequence_split} or sequence_parallel=False")
+    return batch, seq
+
+
+def parallelize(model: TinyGPT, mesh: Mesh, optimizer_factory: OptimizerFactory,
+                microbatches: int, schedule: str = "1f1b", zero_stage: int = 1,
+                sequence_parallel: bool = False) -> Parallel3D:
+    """Shard `model` (the same TinyGPT on every rank: seed it) over `mesh` and return this
+    rank's `Parallel3D`. `optimizer_factory(params)` builds the optimizer, e.g.
+    `lambda params: torch.optim.AdamW(params, lr=1e-3)`; with zero_stage=1 each DP rank
+    updates 1/dp of every parameter. Every argument is checked before any rank communicates."""
+    if not isinstance(model, TinyGPT):
+        raise ValueError(f"parallelize takes a minidist.models.TinyGPT, got "
+                         f"{type(model).__name__}")
+    positive_int(microbatches=microbatches)
+    one_of("schedule", schedule, SCHEDULES)
+    one_of("zero_stage", zero_stage, (0, 1))
+    tp, pp = mesh.size("tp"), mesh.size("pp")
+    block = model.blocks[0]
+    heads, ffn = block.attn.heads, block.mlp.fc1.out_features
+    if heads % tp:
+        raise ValueError(f"heads={heads} is not divisible by tp={tp}: each TP rank holds whole "
+                         f"heads; use a tp that divides {heads}")
+    if ffn % tp:
+        raise ValueError(f"ffn_hidden={ffn} is not divisible by tp={tp}: use a tp that "
+                         f"divides {ffn}")
+    if len(model.blocks) < pp:
+        raise ValueError(f"layers={len(model.blocks)} is fewer than pp={pp} stages: every "
+                         f"stage needs a block; use pp <= {len(model.blocks)} or more layers")
+    return Parallel3D(model, mesh, optimizer_factory, microbatches, schedule, zero_stage,
+                      sequence_parallel)
