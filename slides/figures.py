@@ -22,7 +22,7 @@ from matplotlib.axes import Axes  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.patches import FancyArrowPatch, Rectangle  # noqa: E402
 
-from minidist import gantt, memory, pipeline, traffic  # noqa: E402
+from minidist import gantt, memory, moe, pipeline, planner, traffic  # noqa: E402
 from minidist.cost import (  # noqa: E402
     ALL_REDUCE_ALGORITHMS,
     all_reduce_time,
@@ -33,6 +33,7 @@ from minidist.cost import (  # noqa: E402
 )
 from minidist.ddp import Event, assign_buckets, plot_timeline  # noqa: E402
 from minidist.diagrams import draw_collectives, draw_linear_splits  # noqa: E402
+from minidist.mesh import group_ranks  # noqa: E402
 from minidist.planner import MODELS, Cluster  # noqa: E402
 from minidist.widgets import draw_memory, memory_by_zero_stage  # noqa: E402
 
@@ -845,6 +846,157 @@ def inflight_by_stage() -> Figure:
     return fig
 
 
+# --- Lab 07: 3D parallel and experts -----------------------------------------------------------
+
+MESH_8 = {"pp": 2, "dp": 2, "tp": 2}
+
+
+def mesh_groups_8() -> Figure:
+    """The 8 ranks of dp2·pp2·tp2 in Megatron's order, with the groups of each dimension."""
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+    for ax, dim in zip(axes, ("tp", "dp", "pp"), strict=True):
+        ax.set_xlim(0, 4.6)
+        ax.set_ylim(-0.2, 2.6)
+        ax.axis("off")
+        colour_of = {rank: COLORS(k) for k, group in enumerate(group_ranks(MESH_8, dim))
+                     for rank in group}
+        for rank in range(8):
+            pp, dp, tp = rank // 4, rank // 2 % 2, rank % 2
+            x, y = pp * 2.4 + tp * 1.0, 1.3 - dp * 1.1
+            color = matplotlib.colors.to_hex(colour_of[rank]) + "77"
+            _box(ax, x + 0.1, y, 0.85, 0.8, str(rank), color, size=14)
+        for pp in range(2):
+            ax.text(pp * 2.4 + 1.05, 2.3, f"stage {pp}", ha="center", fontsize=11)
+        groups = group_ranks(MESH_8, dim)
+        ax.set_title(f"{dim} groups: " + " ".join(str(g) for g in groups), fontsize=11)
+    fig.suptitle("dp = pp = tp = 2, ranks numbered TP fastest, then DP, then PP "
+                 "(same colour = same group)", fontsize=12)
+    fig.tight_layout()
+    return fig
+
+
+def mesh_on_nodes() -> Figure:
+    """Where one TP group of 8 lands on 8 nodes of 8 GPUs, with TP fastest or slowest."""
+    fig, axes = plt.subplots(2, 1, figsize=(11, 4.4))
+    orders = (("TP fastest (Megatron): {pp: 2, dp: 4, tp: 8}", {"pp": 2, "dp": 4, "tp": 8}),
+              ("TP slowest: {tp: 8, dp: 4, pp: 2}", {"tp": 8, "dp": 4, "pp": 2}))
+    for ax, (title, shape) in zip(axes, orders, strict=True):
+        group = group_ranks(shape, "tp")[0]
+        ax.set_xlim(-0.2, 64 + 7 * 0.6)
+        ax.set_ylim(-0.1, 1.3)
+        ax.axis("off")
+        for gpu in range(64):
+            node = gpu // 8
+            color = "tab:red" if gpu in group else "0.88"
+            ax.add_patch(Rectangle((gpu + node * 0.6, 0.1), 0.9, 0.8, facecolor=color,
+                                   edgecolor="0.5", lw=0.6))
+        for node in range(8):
+            ax.text(node * 8.6 + 4, 1.05, f"node {node}", ha="center", fontsize=10)
+        nodes = len({gpu // 8 for gpu in group})
+        ax.set_title(f"{title}: the TP group of rank 0 spans {nodes} node"
+                     + ("s" if nodes > 1 else ""), fontsize=12)
+    fig.tight_layout()
+    return fig
+
+
+def bytes_per_dimension_7b() -> Figure:
+    """Bytes one rank's collectives carry per step, per mesh dimension: 7B, tp 8, pp 4, bf16."""
+    model, tp_size, pp_size, m = MODELS["7B"], 8, 4, 16
+    s, h, blocks = model.seq_len, model.hidden, model.layers // pp_size
+    layer = traffic.tensor_parallel_traffic(s, 1, h, tp_size)
+    sends = traffic.pipeline_traffic(s, 1, h, m)
+    gradients = traffic.data_parallel_traffic(model.num_params / (tp_size * pp_size), 8)
+    values = {
+        "TP: 4 all-reduces of b·s·h\nper block and microbatch":
+            blocks * m * sum(c.count * c.nbytes for c in layer.collectives),
+        "PP: b·s·h per microbatch,\neach way (a middle stage)":
+            sum(c.count * c.nbytes for c in sends.collectives),
+        "DP: one all-reduce of\nΨ/(tp·pp) gradients":
+            sum(c.count * c.nbytes for c in gradients.collectives),
+    }
+    fig, ax = plt.subplots(figsize=(10, 3.6))
+    for k, value in enumerate(values.values()):
+        ax.barh(k, value / GB, color=COLORS(k))
+        ax.text(value / GB + 0.2, k, f"{value / GB:.2f} GB", va="center", fontsize=11)
+    ax.set_yticks(range(len(values)), list(values))
+    ax.invert_yaxis()
+    ax.set_xlim(0, 21)
+    ax.set_xlabel("GB of full tensors per rank per step")
+    ax.set_title(f"7B, s = {s}, b = 1, m = {m}, bf16, tp = {tp_size}, pp = {pp_size}: "
+                 "TP moves the most")
+    fig.tight_layout()
+    return fig
+
+
+def planner_by_tp_70b() -> Figure:
+    """The planner's best step per TP degree for 70B on 64 H100s, split into its parts."""
+    plan = planner.plan(MODELS["70B"], H100, global_batch=512)
+    best = {}
+    for evaluation in plan.feasible:
+        best.setdefault(evaluation.layout.tp, evaluation)
+    parts = ("compute", "bubble", "tp_comm", "pp_comm", "dp_comm")
+    labels = ("compute", "bubble", "TP exposed", "PP exposed", "DP exposed")
+    fig, ax = plt.subplots(figsize=(10, 3.9))
+    names = [str(e.layout).split(" b=")[0] for _, e in sorted(best.items())]
+    left = [0.0] * len(best)
+    for k, (part, label) in enumerate(zip(parts, labels, strict=True)):
+        values = [getattr(e.time, part) for _, e in sorted(best.items())]
+        ax.barh(range(len(best)), values, left=left, color=COLORS(k), label=label)
+        left = [a + b for a, b in zip(left, values, strict=True)]
+    for y, total in enumerate(left):
+        ax.text(total + 0.2, y, f"{total:.1f} s", va="center", fontsize=11)
+    ax.set_yticks(range(len(best)), names)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 38)
+    ax.set_xlabel("predicted seconds per step (global batch 512 × 4096 tokens)")
+    ax.set_title("70B on 64 H100s: the fastest layout for each TP degree (Lab 02's planner)")
+    ax.legend(fontsize=10, ncol=5, loc="lower center", bbox_to_anchor=(0.5, -0.42))
+    fig.tight_layout()
+    return fig
+
+
+def moe_capacity() -> Figure:
+    """A modelled router's load on 8 experts against the capacity per capacity factor."""
+    experts, tokens, top_k = 8, 4096, 2
+    preference = [1.0 / (e + 2) for e in range(experts)]  # a router that favours low experts
+    load = [tokens * top_k * p / sum(preference) for p in preference]
+    fig, ax = plt.subplots(figsize=(10, 3.8))
+    ax.bar(range(experts), load, color="0.7")
+    for k, factor in enumerate((1.0, 1.25, 2.0)):
+        capacity = moe.capacity_of(tokens, top_k, experts, factor)
+        dropped = sum(max(0.0, n - capacity) for n in load)
+        ax.axhline(capacity, color=COLORS(k + 1), lw=2, linestyle="--",
+                   label=f"capacity factor {factor}: {capacity:.0f} per expert, "
+                         f"{dropped / (tokens * top_k):.0%} of assignments dropped")
+    ax.set_xlabel("expert")
+    ax.set_ylabel("tokens routed to it")
+    ax.set_ylim(0, 3300)
+    ax.set_title(f"{tokens} tokens, top-{top_k}, {experts} experts: capacity = factor · "
+                 "tokens · k / E")
+    ax.legend(fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def moe_dispatch() -> Figure:
+    """Expert parallel on 2 ranks: route, all-to-all to the experts, run them, all-to-all back."""
+    fig, ax = _canvas(12, 3.8, (0, 12), (0, 4))
+    steps = [("tokens of rank r,\nsorted by expert", "#fde9b6"),
+             ("counts → split\nsizes (an all-to-all\nof the counts)", "0.92"),
+             ("all-to-all:\ntokens to their\nexpert's rank", "#cfe3f3"),
+             ("local experts\nrun their tokens", "#d5ecd4"),
+             ("all-to-all back,\nundo the sort", "#cfe3f3")]
+    for k, (text, color) in enumerate(steps):
+        _box(ax, 0.2 + k * 2.4, 1.4, 2.0, 1.3, text, color, size=11)
+        if k:
+            _arrow(ax, (0.2 + k * 2.4 - 0.38, 2.05), (0.2 + k * 2.4 - 0.02, 2.05))
+    ax.text(6, 0.6, "forward: 2 all-to-alls (dispatch, combine); backward: 2 more, in reverse",
+            ha="center", fontsize=12)
+    ax.text(6, 3.35, "each rank holds E / ep experts; split sizes are known only at run time",
+            ha="center", fontsize=12)
+    return fig
+
+
 FIGURES: dict[str, Callable[[], Figure]] = {
     "model-state-against-gpu": model_state_against_gpu,
     "spmd-ranks": spmd_ranks,
@@ -884,6 +1036,12 @@ FIGURES: dict[str, Callable[[], Figure]] = {
     "interleaved-pipeline": interleaved_pipeline,
     "zero-bubble-pipeline": zero_bubble_pipeline,
     "inflight-by-stage": inflight_by_stage,
+    "mesh-groups-8": mesh_groups_8,
+    "mesh-on-nodes": mesh_on_nodes,
+    "bytes-per-dimension-7b": bytes_per_dimension_7b,
+    "planner-by-tp-70b": planner_by_tp_70b,
+    "moe-dispatch": moe_dispatch,
+    "moe-capacity": moe_capacity,
 }
 
 

@@ -71,10 +71,13 @@ class RanksStuck(Exception):
 def _fork_server() -> multiprocessing.context.ForkServerContext:
     """A process that imported torch once and forks ranks on demand; started on first use.
 
+    It also imports torch._dynamo, which torch.optim's optimizers import on first use: a few
+    seconds of CPU that every rank building an optimizer would otherwise pay again.
     It exits once the process that started it and all ranks are gone.
     """
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "torch.distributed", "cloudpickle", __name__])
+    context.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "cloudpickle",
+                                    __name__])
     return context
 
 
