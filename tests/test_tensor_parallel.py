@@ -162,7 +162,13 @@ def _matmul_time_in_flight(cls, t: int) -> float:
     with profile(activities=[ProfilerActivity.CPU]) as trace:
         layer(x).sum().backward()
     events = [(e.name, e.time_range.start, e.time_range.end) for e in trace.events()]
-    transfers = [(start, end) for name, start, end in events if name.startswith("gloo:")]
+    transfers = []  # the union of the gloo work ranges: a send and a receive overlap
+    for start, end in sorted((start, end) for name, start, end in events
+                             if name.startswith("gloo:")):
+        if transfers and start <= transfers[-1][1]:
+            transfers[-1] = (transfers[-1][0], max(end, transfers[-1][1]))
+        else:
+            transfers.append((start, end))
     matmuls = [(start, end) for name, start, end in events if name in ("aten::mm", "aten::addmm")]
     inside = sum(max(0, min(end, t_end) - max(start, t_start))
                  for start, end in matmuls for t_start, t_end in transfers)
