@@ -29,11 +29,13 @@ from minidist.cost import (  # noqa: E402
     busbw_factor,
     collective_time,
     crossover_size,
+    parameter_server_time,
     ring_bytes_sent,
 )
 from minidist.ddp import Event, assign_buckets, plot_timeline  # noqa: E402
 from minidist.diagrams import draw_collectives, draw_linear_splits  # noqa: E402
 from minidist.mesh import group_ranks  # noqa: E402
+from minidist.param_server import stale_gradient_descent  # noqa: E402
 from minidist.planner import MODELS, Cluster  # noqa: E402
 from minidist.widgets import draw_memory, memory_by_zero_stage  # noqa: E402
 
@@ -871,6 +873,24 @@ def mesh_groups_8() -> Figure:
         ax.set_title(f"{dim} groups: " + " ".join(str(g) for g in groups), fontsize=11)
     fig.suptitle("dp = pp = tp = 2, ranks numbered TP fastest, then DP, then PP "
                  "(same colour = same group)", fontsize=12)
+def parameter_server_bytes() -> Figure:
+    """Bytes per step on a server's link against each rank's in ring all-reduce (Li et al.)."""
+    fig, ax = plt.subplots(figsize=(10, 4))
+    ns = list(range(2, 65))
+    for servers, style in ((1, "-"), (8, "--")):
+        ax.plot(ns, [traffic.parameter_server_traffic(1.0, n, servers)["server"].bytes_sent
+                     for n in ns], lw=2.5, ls=style, label=f"a server's link, {servers} "
+                     f"server{'s' if servers > 1 else ''}: N·S/{servers}")
+    ax.plot(ns, [traffic.parameter_server_traffic(1.0, n)["worker"].bytes_sent for n in ns],
+            lw=2, color="0.5", label="a worker: S")
+    ax.plot(ns, [ring_bytes_sent("all_reduce", 1.0, n) for n in ns], lw=2.5,
+            label="ring all-reduce, every rank: 2(N−1)/N·S")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("workers N")
+    ax.set_ylabel("bytes sent per step / S")
+    ax.set_title("The server's link carries N times the gradient; the ring's ranks under 2S")
+    ax.legend(fontsize=10, loc="upper left")
     fig.tight_layout()
     return fig
 
@@ -973,6 +993,21 @@ def moe_capacity() -> Figure:
     ax.set_ylim(0, 3300)
     ax.set_title(f"{tokens} tokens, top-{top_k}, {experts} experts: capacity = factor · "
                  "tokens · k / E")
+def parameter_server_time_against_n() -> Figure:
+    """α-β step time of a synchronous parameter server against ring all-reduce, 100 MB."""
+    fig, ax = plt.subplots(figsize=(10, 4))
+    ns, size = [2, 4, 8, 16, 32, 64, 128], 100e6
+    for servers in (1, 8, 64):
+        ax.plot(ns, [parameter_server_time(size, n, servers, ALPHA, 1 / BANDWIDTH) * 1e3
+                     for n in ns], "o-", lw=2, label=f"parameter server, {servers} server(s)")
+    ax.plot(ns, [all_reduce_time("ring", size, n, ALPHA, 1 / BANDWIDTH) * 1e3 for n in ns],
+            "o-", lw=2.5, color="black", label="ring all-reduce")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("workers N")
+    ax.set_ylabel("predicted ms per step")
+    ax.set_title(f"100 MB of gradients, α = {ALPHA * 1e6:.0f} µs, "
+                 f"1/β = {BANDWIDTH / 1e9:.0f} GB/s")
     ax.legend(fontsize=10)
     fig.tight_layout()
     return fig
@@ -994,6 +1029,61 @@ def moe_dispatch() -> Figure:
             ha="center", fontsize=12)
     ax.text(6, 3.35, "each rank holds E / ep experts; split sizes are known only at run time",
             ha="center", fontsize=12)
+def staleness_convergence() -> Figure:
+    """Gradient descent with gradients τ updates old (param_server.stale_gradient_descent)."""
+    fig, ax = plt.subplots(figsize=(10, 4))
+    for tau in (0, 1, 2, 4, 8):
+        ax.plot(stale_gradient_descent([1.0, 0.3, 0.1], 0.3, tau, 60), lw=2, label=f"τ = {tau}")
+    ax.set_yscale("log")
+    ax.set_xlabel("update")
+    ax.set_ylabel("loss")
+    ax.set_title("½Σcᵢxᵢ², c = 1, 0.3, 0.1, η = 0.3: staleness shrinks the stable step size")
+    ax.legend(fontsize=10, loc="lower left")
+    fig.tight_layout()
+    return fig
+
+
+def compressed_bytes_against_n() -> Figure:
+    """Bytes each rank sends per step for one 4096 × 4096 fp32 gradient, per compression."""
+    fig, ax = plt.subplots(figsize=(10, 4))
+    ns, n = list(range(2, 65)), 4096
+    numel, rank, k = n * n, 4, n * n // 100
+    lines = {
+        "ring all-reduce, fp32": [ring_bytes_sent("all_reduce", 4 * numel, w) for w in ns],
+        "int8 (all-to-all + all-gather)": [ring_bytes_sent("all_reduce", numel, w) for w in ns],
+        "top-k 1%: (N−1)·k values + indices": [(w - 1) * k * 8 for w in ns],
+        "PowerSGD r = 4: (n+m)·r, all-reduced": [
+            ring_bytes_sent("all_reduce", 4 * 2 * n * rank, w) for w in ns],
+    }
+    for label, values in lines.items():
+        ax.plot(ns, [v / 2**20 for v in values], lw=2.5, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("ranks N")
+    ax.set_ylabel("MiB sent per rank per step")
+    ax.set_title("One 4096 × 4096 gradient (64 MiB): top-k's all-gather grows with N")
+    ax.legend(fontsize=10, loc="center right")
+    fig.tight_layout()
+    return fig
+
+
+def async_tp_timeline() -> Figure:
+    """All-gather then matmul, against ring steps whose matmuls overlap the next transfer
+    (t = 4, a shard's transfer and matmul take one unit each)."""
+    fig, ax = _canvas(10, 3.2, (-2.4, 8.6), (0.2, 4.1))
+    rows = {"plain: link": 3.3, "plain: compute": 2.5, "async: link": 1.2, "async: compute": 0.4}
+    for label, y in rows.items():
+        ax.text(-0.15, y + 0.3, label, ha="right", va="center", fontsize=11)
+    for step in range(3):
+        _box(ax, step, rows["plain: link"], 1, 0.6, f"gather {step + 1}", "#f4b183", size=10)
+        _box(ax, step, rows["async: link"], 1, 0.6, f"shard {step + 1}", "#f4b183", size=10)
+    for step in range(4):
+        _box(ax, 3 + step, rows["plain: compute"], 1, 0.6, f"matmul {step}", "#9dc3e6", size=10)
+        _box(ax, step, rows["async: compute"], 1, 0.6, f"matmul {step}", "#9dc3e6", size=10)
+    ax.axvline(4, color="0.4", ls="--", lw=1)
+    ax.axvline(7, color="0.4", ls="--", lw=1)
+    ax.text(4.05, 2.0, "async done: 4", fontsize=11)
+    ax.text(7.05, 2.0, "plain done: 7", fontsize=11)
     return fig
 
 
@@ -1042,6 +1132,11 @@ FIGURES: dict[str, Callable[[], Figure]] = {
     "planner-by-tp-70b": planner_by_tp_70b,
     "moe-dispatch": moe_dispatch,
     "moe-capacity": moe_capacity,
+    "parameter-server-bytes": parameter_server_bytes,
+    "parameter-server-time": parameter_server_time_against_n,
+    "staleness-convergence": staleness_convergence,
+    "compressed-bytes-against-n": compressed_bytes_against_n,
+    "async-tp-timeline": async_tp_timeline,
 }
 
 

@@ -128,8 +128,56 @@ def _saved_bytes(rank: int, t: int) -> dict[bool, int]:
     return saved
 
 
+def _async_column_check(rank: int, t: int) -> dict[str, object]:
+    """AsyncColumnParallelLinear against ColumnParallelLinear(sequence_parallel=True): outputs,
+    gradients (in float64, so that only the decomposition shows, not the order of fp32
+    additions) and recorded collectives; with t > 1, how much matmul time ran while a gloo send
+    or receive was in flight, in a torch.profiler trace of forward and backward."""
+    torch.manual_seed(0)
+    linear = nn.Linear(H, FFN).double()
+    mine = torch.randn(B, S, H, dtype=torch.float64).chunk(t, dim=1)[rank]
+    found: dict[str, object] = {}
+    for cls in (tp.ColumnParallelLinear, tp.AsyncColumnParallelLinear):
+        layer = cls(H, FFN, sequence_parallel=True).double().load_from(linear)
+        x = mine.clone().requires_grad_()
+        with comm.count_traffic() as log:
+            y = layer(x)
+            (y * y.detach().sin()).sum().backward()
+        found[cls.__name__] = [y, x.grad, layer.weight.grad, layer.bias.grad]
+        found[f"{cls.__name__} calls"] = [(c.op, c.when, c.nbytes) for c in log.collectives]
+    found["error"] = max((a - b).abs().max().item() for a, b in zip(
+        found.pop("ColumnParallelLinear"), found.pop("AsyncColumnParallelLinear"), strict=True))
+    if t > 1:
+        for cls in (tp.ColumnParallelLinear, tp.AsyncColumnParallelLinear):
+            found[f"{cls.__name__} overlap"] = _matmul_time_in_flight(cls, t)
+    return found
+
+
+def _matmul_time_in_flight(cls, t: int) -> float:
+    """Fraction of the matmuls' time (aten::mm, addmm) with a gloo transfer in flight."""
+    from torch.profiler import ProfilerActivity, profile
+
+    layer = cls(256, 1024, sequence_parallel=True)
+    x = torch.randn(4, 64, 256, requires_grad=True)
+    with profile(activities=[ProfilerActivity.CPU]) as trace:
+        layer(x).sum().backward()
+    events = [(e.name, e.time_range.start, e.time_range.end) for e in trace.events()]
+    transfers = []  # the union of the gloo work ranges: a send and a receive overlap
+    for start, end in sorted((start, end) for name, start, end in events
+                             if name.startswith("gloo:")):
+        if transfers and start <= transfers[-1][1]:
+            transfers[-1] = (transfers[-1][0], max(end, transfers[-1][1]))
+        else:
+            transfers.append((start, end))
+    matmuls = [(start, end) for name, start, end in events if name in ("aten::mm", "aten::addmm")]
+    inside = sum(max(0, min(end, t_end) - max(start, t_start))
+                 for start, end in matmuls for t_start, t_end in transfers)
+    return inside / sum(end - start for start, end in matmuls)
+
+
 def _everything(rank: int, t: int) -> dict:
     return {
+        "async column": _async_column_check(rank, t),
         "linear": _linear_errors(rank, t),
         "block": _block_check(rank, t, sequence_parallel=False),
         "block sp": _block_check(rank, t, sequence_parallel=True),
@@ -178,6 +226,32 @@ def test_sequence_parallel_trades_each_all_reduce_for_gather_and_scatter(results
     small = [c for c in backward if c[2] != full]
     # LayerNorm weight and bias (2 norms) and the 2 row-parallel biases: h elements each.
     assert small == [("all_reduce", "backward", H)] * 6
+
+
+@pytest.mark.parametrize("t", [1, 2, 4])
+def test_async_column_parallel_equals_column_parallel_with_sequence_parallel(results, t):
+    for rank, found in enumerate(results[t]):
+        checks = found["async column"]
+        assert checks["error"] <= 1e-6, (f"t={t}, rank {rank}: expected outputs and gradients "
+                                         f"within 1e-6 of ColumnParallelLinear, got "
+                                         f"{checks['error']:.2e}")
+        expected = checks["ColumnParallelLinear calls"]
+        got = checks["AsyncColumnParallelLinear calls"]
+        assert got == expected, f"t={t}, rank {rank}: expected collectives {expected}, got {got}"
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_async_column_parallel_overlaps_transfers_with_matmuls(results, t):
+    """In the profiler trace, the async layer's matmuls run while gloo sends and receives are
+    in flight; the plain layer's all-gather ends before its matmul starts."""
+    for rank, found in enumerate(results[t]):
+        checks = found["async column"]
+        overlapped = checks["AsyncColumnParallelLinear overlap"]
+        plain = checks["ColumnParallelLinear overlap"]
+        assert overlapped > 0.2, (f"t={t}, rank {rank}: expected over 20% of the async layer's "
+                                  f"matmul time with a transfer in flight, got {overlapped:.0%}")
+        assert plain < overlapped, (f"t={t}, rank {rank}: expected the plain layer to overlap "
+                                    f"less than {overlapped:.0%}, got {plain:.0%}")
 
 
 @pytest.mark.parametrize("t", [2, 4])

@@ -20,6 +20,10 @@ One module per idea, each importing only modules listed before it:
     models  the plain MLP, transformer block and tiny GPT every parallel version is checked on
     footprint  measure the bytes PyTorch holds (model state, tensors saved for backward)
     sharding  element-level shards of flat tensors; reduce-scatter and all-gather for them
+    param_server  parameter servers from send/recv: synchronous, asynchronous (staleness
+            recorded), sharded over several server ranks
+    compression  gradient compression for ddp's buckets: top-k and PowerSGD with error
+            feedback, 8-bit quantization, all sent through comm's send/recv
     ddp     data parallel training: bucketed gradient all-reduces that overlap backward
     zero    ZeRO-1/2: an optimizer wrapper that updates 1/N of every parameter per rank
     fsdp    ZeRO-3: parameters sharded per unit, gathered on demand, with prefetch; a root

@@ -303,3 +303,17 @@ def fit_alpha_beta(
             candidates.append(candidate)
         solution = min(candidates, key=lambda x: np.sum((columns @ x - times_) ** 2))
     return AlphaBeta(alpha=float(solution[0]), beta=float(solution[1]))
+
+
+def parameter_server_time(nbytes: float, workers: int, servers: int, alpha: float,
+                          beta: float) -> float:
+    """Seconds one synchronous parameter-server step spends on its busiest link, a server's.
+
+    Each of the k = `servers` shards is S/k bytes: a server receives N = `workers` gradient
+    shards, then (the update needs all of them) sends N parameter shards back, one message at
+    a time: 2N * (alpha + S/k * beta) (Li et al., OSDI 2014). Ring all-reduce takes
+    2(N-1) * alpha + 2(N-1)/N * S * beta, so with one server the parameter server is about N
+    times slower for large S, and k servers bring that down to N/k.
+    """
+    positive_int(workers=workers, servers=servers)
+    return 2 * workers * (alpha + nbytes / servers * beta)

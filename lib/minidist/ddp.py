@@ -22,6 +22,8 @@ elements" data-parallel volume of ZeRO §7 (Rajbhandari et al. 2020) as N grows.
 `all_reduce="ring"` uses minidist's own `comm.ring_all_reduce`, built from send/recv, so that
 `comm.count_traffic()` can count those bytes; the default uses the backend's all-reduce (gloo or
 NCCL), which runs in C++: `count_traffic()` then sees each call but not its bytes on the wire.
+`compression=` (a `minidist.compression.Compression`) sends each bucket compressed instead,
+through minidist's send/recv, as PyTorch's DDP communication hooks do.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from torch import nn
 
 from minidist import comm
 from minidist._checks import check_same_model, first_rank, require_process_group
+from minidist.compression import Compression
 
 ALL_REDUCES = ("torch", "ring")
 
@@ -199,6 +202,9 @@ class DistributedDataParallel(nn.Module):
       parameters.
     - `all_reduce="ring"` runs minidist's ring all-reduce on a background thread, so
       `comm.count_traffic()` sees the bytes sent: 2(N-1)/N times each bucket per rank.
+    - `compression` (TopK, PowerSGD, Int8 from `minidist.compression`) replaces each
+      bucket's all-reduce with a compressed sum, run like `all_reduce="ring"` on the
+      background thread through minidist's send/recv, whatever `all_reduce` says.
     - `events` records the last synchronized backward: when each gradient arrived and when
       each bucket's all-reduce started and ended (`plot_timeline` draws them).
 
@@ -211,10 +217,14 @@ class DistributedDataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, *,
                  all_reduce: str = "torch", find_unused_parameters: bool = False,
-                 broadcast_buffers: bool = True, group: dist.ProcessGroup | None = None):
+                 broadcast_buffers: bool = True, group: dist.ProcessGroup | None = None,
+                 compression: Compression | None = None):
         super().__init__()
         require_process_group("DistributedDataParallel")
         _check_all_reduce(all_reduce)
+        if compression is not None and not isinstance(compression, Compression):
+            raise ValueError(f"compression={compression!r}: pass a minidist.compression object "
+                             f"(TopK(ratio), PowerSGD(rank), Int8()) or None")
         if isinstance(bucket_cap_mb, bool) or not (
             isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0
         ):
@@ -223,6 +233,7 @@ class DistributedDataParallel(nn.Module):
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.all_reduce = all_reduce
+        self.compression = compression
         self.find_unused_parameters = find_unused_parameters
         self.broadcast_buffers = broadcast_buffers
         self.events: list[Event] = []
@@ -230,7 +241,7 @@ class DistributedDataParallel(nn.Module):
         self._forward_synced: bool | None = None  # was the last training forward synced?
         self._step: _Step | None = None  # the synchronized backward in progress, if any
         self._ring_thread = (concurrent.futures.ThreadPoolExecutor(1, "minidist-ddp-ring")
-                             if all_reduce == "ring" else None)
+                             if all_reduce == "ring" or compression else None)
 
         check_same_model(module, group)
         broadcast_parameters(module, group)
@@ -337,9 +348,13 @@ class DistributedDataParallel(nn.Module):
         def finished(_: Any = None) -> None:
             event.end = time.perf_counter()
 
-        if self.all_reduce == "ring":
+        if self._ring_thread is not None:
             def ring() -> None:
-                comm.ring_all_reduce(bucket.buffer, group=self.group)
+                if self.compression is None:
+                    comm.ring_all_reduce(bucket.buffer, group=self.group)
+                else:
+                    self.compression.all_reduce(bucket.index, bucket.buffer,
+                                                [p.shape for p in bucket.params], self.group)
                 finished()
 
             return self._ring_thread.submit(ring)

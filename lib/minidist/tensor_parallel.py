@@ -17,6 +17,12 @@ regions along the sequence (dim 1 of the batch-first [b, s, h]): f becomes an al
 forward / reduce-scatter backward, g a reduce-scatter forward / all-gather backward. Same bytes,
 but the activations outside the split layers are no longer replicated t times.
 
+Asynchronous tensor parallelism (Wang et al., ASPLOS 2023; PyTorch's micro-pipelined async TP)
+hides that all-gather behind the matmul it feeds: `AsyncColumnParallelLinear` passes the sequence
+shards around the ring one step at a time and multiplies the shard it already holds while the
+next one travels; backward does the same for the weight gradient, and cuts the input gradient's
+reduce-scatter into ring steps, each computing the partial sum it sends next.
+
 Every collective here is recorded for `minidist.comm.count_traffic()`, with `when` set to
 "forward" or "backward", so a lab can list what a block really sends.
 """
@@ -276,6 +282,105 @@ class ColumnParallelLinear(nn.Module):
         if self.bias is not None:
             full["bias"] = _gather_along(self.bias, 0, self.group, "forward")
         return full
+
+
+def _ring_neighbours(group) -> tuple[int, int, int, int]:
+    """(t, this rank's index in the group, global rank on the left, on the right)."""
+    t, rank = dist.get_world_size(group), dist.get_rank(group)
+    members = dist.get_process_group_ranks(group or dist.group.WORLD)
+    return t, rank, members[(rank - 1) % t], members[(rank + 1) % t]
+
+
+def _ring_gather_overlapped(x: torch.Tensor, group, on_shard) -> None:
+    """All-gather the sequence shards of `x` around the ring, calling on_shard(source, shard)
+    on each one as it arrives (this rank's own first) while the next one is in transit."""
+    t, rank, left, right = _ring_neighbours(group)
+    shard = x.contiguous()
+    for step in range(t):
+        in_transit = []
+        if step < t - 1:
+            incoming = torch.empty_like(shard)
+            in_transit = [dist.isend(shard, right, group=group),
+                          dist.irecv(incoming, left, group=group)]
+        on_shard((rank - step) % t, shard)  # runs while the next shard travels
+        for request in in_transit:
+            request.wait()
+        if in_transit:
+            shard = incoming
+
+
+def _ring_reduce_scatter_overlapped(partial, group) -> torch.Tensor:
+    """Reduce-scatter along the ring where partial(c) computes this rank's addend for shard c
+    just before it is needed, while the running sum for it travels; returns shard `rank`."""
+    t, rank, left, right = _ring_neighbours(group)
+    running = partial((rank - 1) % t)
+    for step in range(t - 1):
+        incoming = torch.empty_like(running)
+        in_transit = [dist.isend(running, right, group=group),
+                      dist.irecv(incoming, left, group=group)]
+        mine = partial((rank - step - 2) % t)  # runs while the running sums travel
+        for request in in_transit:
+            request.wait()
+        running = incoming.add_(mine)
+    return running  # with t = 1, shard (rank - 1) % t is shard 0 = rank
+
+
+class ChunkedGatherThenLinear(torch.autograd.Function):
+    """GatherSequenceThenLinears for one linear, with every collective cut into ring steps that
+    overlap the matmuls: the same results, the same bytes, the transfers hidden."""
+
+    @staticmethod
+    def forward(ctx, x, group, weight, bias):
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.save_for_backward(x, weight)
+        t = dist.get_world_size(group)
+        comm.record("all_gather", x.numel() * x.element_size() * t, group, "forward")
+        outputs = [None] * t
+        _ring_gather_overlapped(
+            x, group, lambda source, shard: outputs.__setitem__(source, F.linear(shard, weight,
+                                                                                  bias)))
+        return torch.cat(outputs, dim=SEQUENCE_DIM)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        group, t = ctx.group, dist.get_world_size(ctx.group)
+        grads = [g.flatten(0, -2) for g in grad.chunk(t, dim=SEQUENCE_DIM)]
+        grad_weight = torch.zeros_like(weight)
+        full_bytes = x.numel() * x.element_size() * t
+        comm.record("all_gather", full_bytes, group, "backward")
+        _ring_gather_overlapped(x, group, lambda source, shard: grad_weight.addmm_(
+            grads[source].T, shard.flatten(0, -2)))
+        comm.record("reduce_scatter", full_bytes, group, "backward")
+        grad_x = _ring_reduce_scatter_overlapped(
+            lambda source: (grads[source] @ weight).view_as(x), group)
+        grad_bias = grad.flatten(0, -2).sum(0) if ctx.has_bias else None
+        return grad_x, None, grad_weight, grad_bias
+
+
+class AsyncColumnParallelLinear(ColumnParallelLinear):
+    """ColumnParallelLinear with sequence parallelism whose all-gather overlaps its matmul.
+
+    Same constructor and `load_from`; always sequence parallel: the input is this rank's
+    slice of the sequence. Instead of gathering the whole sequence and then multiplying, the t
+    shards go around the ring one step at a time, and the matmul of the shard already here runs
+    while the next travels (ChunkedGatherThenLinear). Equal to ColumnParallelLinear(...,
+    sequence_parallel=True) up to the order of floating-point additions."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 gather_output: bool = False, group: dist.ProcessGroup | None = None,
+                 sequence_parallel: bool = True, copy_input: bool = True):
+        if not (sequence_parallel and copy_input):
+            raise ValueError(
+                f"AsyncColumnParallelLinear overlaps the sequence all-gather, so it needs "
+                f"sequence_parallel=True and copy_input=True (got {sequence_parallel}, "
+                f"{copy_input}); use ColumnParallelLinear without sequence parallelism")
+        super().__init__(in_features, out_features, bias, gather_output, group,
+                         sequence_parallel=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = ChunkedGatherThenLinear.apply(x, self.group, self.weight, self.bias)
+        return GatherFeatures.apply(y, self.group) if self.gather_output else y
 
 
 class RowParallelLinear(nn.Module):

@@ -11,6 +11,8 @@ Sources:
   Megatron   Shoeybi et al., "Megatron-LM", 2019 (§3, tensor parallel).
   Korthikanti Korthikanti et al., MLSys 2023 (§4.2.2, sequence parallel).
   Narayanan  Narayanan et al., SC 2021 (§2.2 and §3, pipeline parallel).
+  Li         Li et al., "Scaling Distributed Machine Learning with the Parameter Server",
+             OSDI 2014.
 """
 
 from __future__ import annotations
@@ -197,3 +199,17 @@ def mesh_traffic(*, stage: int, pp: int, dp: int, tp: int, blocks: int, num_para
             data += (Collective("all_reduce", 4 * param_tensors, dp, 1,
                                 "which parameters have gradients"),)
     return {"tp": Traffic(tuple(tensor)), "pp": Traffic(tuple(pipeline)), "dp": Traffic(data)}
+def parameter_server_traffic(nbytes: float, workers: int, servers: int = 1) -> dict[str, Traffic]:
+    """What one synchronous parameter-server step sends, per role: {"worker": ..., "server": ...}.
+
+    Li et al. 2014: every worker pushes its S-byte gradient, cut into one S/k shard per server,
+    and each of the k servers sends its S/k parameter shard back to each of the N workers. A
+    worker sends S; a server sends N·S/k (and receives as much): one server's link carries N
+    times the gradient, where ring all-reduce sends 2(N-1)/N·S per rank.
+    """
+    positive(nbytes=nbytes)
+    positive_int(workers=workers, servers=servers)
+    shard = nbytes / servers
+    pushes = Collective("send", shard, 2, servers, "gradient shard, to each server")
+    pulls = Collective("send", shard, 2, workers, "parameter shard, to each worker")
+    return {"worker": Traffic((pushes,)), "server": Traffic((pulls,))}
