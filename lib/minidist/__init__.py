@@ -26,6 +26,10 @@ One module per idea, each importing only modules listed before it:
             unit for parameters in no unit and for tied weights, as FSDP2
     tensor_parallel  Megatron's f/g, column/row-parallel layers, sequence parallel
     pipeline_exec  run a schedule on real ranks with send/recv, timestamps and deadlock reports
+    checkpoint  sharded checkpoints: per-rank shards, atomic writes, checksums, a COMPLETE
+            marker; loading on another world size reshards; model, optimizer and RNG state
+    train   a resumable TinyGPT training job (python -m minidist.train): checkpoints, exact
+            resume after a crash, NaN/Inf and gradient-spike guards, collective timeouts
 
 Private plumbing: _checks (the input checks every module shares), _supervisor (the rank
 processes behind launch.run).
