@@ -923,7 +923,7 @@ def lost_work_timeline() -> Figure:
         t += interval
     _box(ax, t, 0.6, failure - t, 0.6, "lost", color="#f4b6b6")
     ax.text(failure, 1.45, "✕ failure", ha="center", color="#b22222", fontsize=12)
-    _box(ax, failure, 0.6, restart, 0.6, "restart", color="0.85")
+    _box(ax, failure, 0.6, restart, 0.6, "restart", color="0.85", size=10)
     _box(ax, failure + restart, 0.6, failure - t, 0.6, "redo", color="#f4b6b6")
     _box(ax, failure + restart + failure - t, 0.6, 10.2 - (2 * failure + restart - t), 0.6,
          "train", color="#d8e8f6")
@@ -938,17 +938,17 @@ def async_checkpoint_timeline() -> Figure:
     """A blocking save stops training for staging and the write; async_save stops it only for
     staging, the write overlapping the next steps."""
     fig, ax = _canvas(10, 3.0, (-2.0, 10.4), (-0.2, 2.6))
-    step, stage, write = 1.2, 0.5, 2.3
+    step, stage, write = 1.2, 0.8, 2.6
     for label, y, blocking in (("save", 1.5, True), ("async_save", 0.3, False)):
         ax.text(-0.2, y + 0.3, label, ha="right", va="center", fontsize=11)
         t = 0.0
         for _ in range(2):
             _box(ax, t, y, step, 0.6, "step", color="#d8e8f6")
             t += step
-        _box(ax, t, y, stage, 0.6, "stage", color="#f2c14e")
+        _box(ax, t, y, stage, 0.6, "stage", color="#f2c14e", size=10)
         t += stage
         if blocking:
-            _box(ax, t, y, write, 0.6, "write to storage", color="#f4b6b6")
+            _box(ax, t, y, write, 0.6, "write", color="#f4b6b6")
             t += write
         else:
             _box(ax, t, y - 0.25, write, 0.2, "", color="#f4b6b6")

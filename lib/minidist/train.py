@@ -18,7 +18,9 @@ Guards, each with a message naming the rank and the step:
 - a gradient norm above `spike_factor` times the mean of the recent norms is reported and
   clipped to that limit;
 - a collective that waits longer than `collective_timeout` seconds (a peer died or hangs)
-  ends the job with an error instead of waiting forever.
+  ends the job with an error instead of waiting forever. Under torchrun that is the process
+  group's timeout; inside `run(train, ...)` the launcher's `timeout` bounds the whole job and
+  reports where each rank was stuck.
 
 Failures can be injected: `--fail-at-step` kills a rank abruptly (os._exit, as a crashed node
 would vanish), `--nan-at-step` turns a rank's loss into NaN, `--hang-at-step` stops a rank
@@ -29,7 +31,6 @@ remembers it, so the restarted job runs through.
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
 import os
 import random
@@ -170,19 +171,15 @@ def train(rank: int, world_size: int, config: TrainConfig) -> dict[int, float]:
         raise ValueError(f"global_batch={config.global_batch} must be a multiple of the "
                          f"world size {world_size}")
     torch.set_num_threads(1)
-    # The job's own group, so a hung peer is reported after collective_timeout whatever
-    # timeout the launcher gave the default group.
-    group = dist.new_group(timeout=datetime.timedelta(seconds=config.collective_timeout))
     torch.manual_seed(config.seed)  # the same initial weights on every rank
     model: torch.nn.Module = TinyGPT(vocab=config.vocab, hidden=config.hidden, heads=2,
                                      layers=config.layers, max_seq=config.seq_len)
     if config.sharding == "fsdp":
-        model = FullyShardedDataParallel(model, group=group)
+        model = FullyShardedDataParallel(model)
         optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
         grads = lambda: [p.grad for p in model.parameters()]  # noqa: E731 (this rank's shards)
     else:
-        optimizer = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=2, group=group,
-                                  lr=config.lr)
+        optimizer = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=2, lr=config.lr)
         grads = lambda: [s.grad for s in optimizer.shards]  # noqa: E731
     # Each rank draws its own token noise: the per-rank generators a resume must restore.
     torch.manual_seed(config.seed + 1 + rank)
@@ -199,7 +196,7 @@ def train(rank: int, world_size: int, config: TrainConfig) -> dict[int, float]:
 
     latest = checkpoint.latest_checkpoint(config.checkpoint_dir)
     if latest is not None:
-        not_restored = checkpoint.load(state, latest, group)
+        not_restored = checkpoint.load(state, latest)
         say(f"resumed from {latest} at step {state['step']}", flush=True)
         if not_restored:
             say(f"the world size changed: {', '.join(not_restored)} start afresh from the "
@@ -208,7 +205,7 @@ def train(rank: int, world_size: int, config: TrainConfig) -> dict[int, float]:
     for step in range(state["step"] + 1, config.steps + 1):
         try:
             loss = _step(rank, world_size, step, config, model, optimizer, grads, data,
-                         sampler, guard, group, say)
+                         sampler, guard, say)
         except RuntimeError as error:
             if "timed out" not in str(error).lower() and "timeout" not in str(error).lower():
                 raise
@@ -223,13 +220,13 @@ def train(rank: int, world_size: int, config: TrainConfig) -> dict[int, float]:
         state["step"] = step
         if step % config.checkpoint_every == 0:
             path = checkpoint.save(state, checkpoint.checkpoint_path(config.checkpoint_dir,
-                                                                     step), group)
+                                                                     step))
             say(f"saved {path}", flush=True)
     return losses
 
 
 def _step(rank, world_size, step, config, model, optimizer, grads, data, sampler, guard,
-          group, say) -> float | None:
+          say) -> float | None:
     """One training step; the global mean loss, or None if a guard skipped it."""
     indices = sampler.next_batch()[rank::world_size]
     ids, targets = data.batch(indices)
@@ -250,7 +247,7 @@ def _step(rank, world_size, step, config, model, optimizer, grads, data, sampler
     flags[rank] = float(not torch.isfinite(loss).item())
     flags[world_size + rank] = float(not all(torch.isfinite(g).all().item() for g in local))
     flags[-2], flags[-1] = loss.detach().double() / world_size, squares
-    dist.all_reduce(flags, group=group)
+    dist.all_reduce(flags)
     bad_loss = [r for r in range(world_size) if flags[r] > 0]
     bad_grads = [r for r in range(world_size) if flags[world_size + r] > 0]
     if bad_loss or bad_grads:
@@ -302,12 +299,14 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_args(argv)
-    # Under torchrun each process is one rank already (run joins its group, and `timeout` is
-    # that group's); started with plain python the job runs on one rank, and `timeout` bounds
-    # the whole run: one collective timeout per step.
+    # Under torchrun each process is one rank already: run joins the job's process group with
+    # `timeout` as the group's timeout. Started with plain python the job runs on one rank,
+    # and `timeout` bounds the whole run: one collective timeout per step.
+    launched = "WORLD_SIZE" in os.environ
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    timeout = config.collective_timeout * (1 if launched else config.steps + 1)
     try:
-        run(train, world_size, config, timeout=config.collective_timeout * (config.steps + 1))
+        run(train, world_size, config, timeout=timeout)
     except CollectiveTimeout as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         os._exit(1)  # a clean exit would wait in a barrier for the peer that hangs
