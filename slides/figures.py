@@ -23,6 +23,7 @@ from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.patches import FancyArrowPatch, Rectangle  # noqa: E402
 
 from minidist import gantt, memory, moe, pipeline, planner, traffic  # noqa: E402
+from minidist.comm import chunk_bounds  # noqa: E402
 from minidist.cost import (  # noqa: E402
     ALL_REDUCE_ALGORITHMS,
     all_reduce_time,
@@ -1087,6 +1088,116 @@ def async_tp_timeline() -> Figure:
     return fig
 
 
+def _wasted_fraction(interval: float, write_time: float, mtbf: float) -> float:
+    """Young's model: time writing checkpoints plus work lost to failures, per unit of time."""
+    return write_time / interval + interval / (2 * mtbf)
+
+
+def checkpoint_waste_against_interval() -> Figure:
+    """δ/τ + τ/2M against τ, minimum at Young's √(2δM), for δ = 2 min and three MTBFs."""
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    write_time = 2.0
+    intervals = [5 + i * 0.5 for i in range(391)]
+    for color, hours in enumerate((2, 6, 24)):
+        mtbf = 60.0 * hours
+        ax.plot(intervals, [100 * _wasted_fraction(t, write_time, mtbf) for t in intervals],
+                color=COLORS(color), label=f"M = {hours} h")
+        best = (2 * write_time * mtbf) ** 0.5
+        ax.plot([best], [100 * _wasted_fraction(best, write_time, mtbf)], "o", color=COLORS(color))
+        ax.annotate(f"τ* = {best:.0f} min", (best, 100 * _wasted_fraction(best, write_time, mtbf)),
+                    textcoords="offset points", xytext=(4, -16), fontsize=10, color=COLORS(color))
+    ax.set_xlabel("checkpoint interval τ (minutes)")
+    ax.set_ylabel("% of run time wasted")
+    ax.set_ylim(0, 40)
+    ax.set_title("δ = 2 min per checkpoint: waste δ/τ + τ/2M, least at τ* = √(2δM)")
+    ax.legend(fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
+def checkpoint_bytes_per_rank() -> Figure:
+    """12Ψ/N bytes each rank writes (fp32 master, m, v), against N, for three model sizes."""
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    ranks = [2 ** k for k in range(0, 13)]
+    for color, (name, psi) in enumerate((("7B", 7e9), ("70B", 70e9), ("405B", 405e9))):
+        ax.plot(ranks, [12 * psi / n / GB for n in ranks], "o-", color=COLORS(color),
+                label=f"{name}: {12 * psi / GB:,.0f} GB in all")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("data-parallel ranks N (each writes its own shard)")
+    ax.set_ylabel("GB written per rank")
+    ax.set_title("Checkpoint = 12Ψ bytes (fp32 master + Adam m, v); per rank 12Ψ/N")
+    ax.legend(fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
+def resharding_overlaps() -> Figure:
+    """A flat tensor of 10 elements saved by 4 ranks and loaded by 2 (and 3): each new rank
+    reads the overlapping pieces of the old files (comm.chunk_bounds)."""
+    numel = 10
+    fig, ax = _canvas(10, 3.6, (-2.2, numel + 0.3), (-0.4, 3.4))
+    rows = ((4, "saved on 4", 2.6), (2, "loaded on 2", 1.4), (3, "loaded on 3", 0.2))
+    for world_size, label, y in rows:
+        ax.text(-0.2, y + 0.35, label, ha="right", va="center", fontsize=11)
+        for rank, (start, end) in enumerate(chunk_bounds(numel, world_size)):
+            _box(ax, start, y, end - start, 0.7, f"rank {rank}\n[{start}, {end})",
+                 color=matplotlib.colors.to_hex(COLORS(rank), keep_alpha=False) + "55")
+    for start, _ in chunk_bounds(numel, 4)[1:]:
+        ax.plot([start, start], [0.2, 3.3], color="0.3", lw=0.8, ls=":")
+    ax.set_title("Resharding: new rank r reads [its range] ∩ [each old piece], nothing else",
+                 loc="left", fontsize=12)
+    return fig
+
+
+def lost_work_timeline() -> Figure:
+    """Checkpoints every τ; a failure loses the work since the last complete one, plus the
+    restart; on average half an interval."""
+    fig, ax = _canvas(10, 2.8, (-0.2, 10.4), (-0.9, 1.9))
+    interval, write, failure, restart = 2.5, 0.35, 6.6, 0.8
+    t = 0.0
+    while t + interval <= failure:
+        _box(ax, t, 0.6, interval - write, 0.6, "train", color="#d8e8f6")
+        _box(ax, t + interval - write, 0.6, write, 0.6, "", color="#f2c14e")
+        t += interval
+    _box(ax, t, 0.6, failure - t, 0.6, "lost", color="#f4b6b6")
+    ax.text(failure, 1.45, "✕ failure", ha="center", color="#b22222", fontsize=12)
+    _box(ax, failure, 0.6, restart, 0.6, "restart", color="0.85", size=10)
+    _box(ax, failure + restart, 0.6, failure - t, 0.6, "redo", color="#f4b6b6")
+    _box(ax, failure + restart + failure - t, 0.6, 10.2 - (2 * failure + restart - t), 0.6,
+         "train", color="#d8e8f6")
+    ax.annotate("", (failure, 0.3), (t, 0.3), arrowprops={"arrowstyle": "<->"})
+    ax.text((t + failure) / 2, -0.1, "work since the last complete checkpoint: τ/2 on average",
+            ha="center", fontsize=11)
+    ax.text(0, 1.45, "yellow: checkpoint writes (δ each)", fontsize=11)
+    return fig
+
+
+def async_checkpoint_timeline() -> Figure:
+    """A blocking save stops training for staging and the write; async_save stops it only for
+    staging, the write overlapping the next steps."""
+    fig, ax = _canvas(10, 3.0, (-2.0, 10.4), (-0.2, 2.6))
+    step, stage, write = 1.2, 0.8, 2.6
+    for label, y, blocking in (("save", 1.5, True), ("async_save", 0.3, False)):
+        ax.text(-0.2, y + 0.3, label, ha="right", va="center", fontsize=11)
+        t = 0.0
+        for _ in range(2):
+            _box(ax, t, y, step, 0.6, "step", color="#d8e8f6")
+            t += step
+        _box(ax, t, y, stage, 0.6, "stage", color="#f2c14e", size=10)
+        t += stage
+        if blocking:
+            _box(ax, t, y, write, 0.6, "write", color="#f4b6b6")
+            t += write
+        else:
+            _box(ax, t, y - 0.25, write, 0.2, "", color="#f4b6b6")
+            ax.text(t + write / 2, y - 0.42, "write, in the background", ha="center", fontsize=10)
+        while t + step <= 10.2:
+            _box(ax, t, y, step, 0.6, "step", color="#d8e8f6")
+            t += step
+    return fig
+
+
 FIGURES: dict[str, Callable[[], Figure]] = {
     "model-state-against-gpu": model_state_against_gpu,
     "spmd-ranks": spmd_ranks,
@@ -1137,6 +1248,11 @@ FIGURES: dict[str, Callable[[], Figure]] = {
     "staleness-convergence": staleness_convergence,
     "compressed-bytes-against-n": compressed_bytes_against_n,
     "async-tp-timeline": async_tp_timeline,
+    "checkpoint-waste-against-interval": checkpoint_waste_against_interval,
+    "checkpoint-bytes-per-rank": checkpoint_bytes_per_rank,
+    "resharding-overlaps": resharding_overlaps,
+    "lost-work-timeline": lost_work_timeline,
+    "async-checkpoint-timeline": async_checkpoint_timeline,
 }
 
 

@@ -36,6 +36,10 @@ One module per idea, each importing only modules listed before it:
             dropped tokens
     parallelize  TinyGPT on a dp·pp·tp mesh: the course's TP, pipeline and DDP/ZeRO composed;
             bytes per mesh dimension against traffic.mesh_traffic
+    checkpoint  sharded checkpoints: per-rank shards, atomic writes, checksums, a COMPLETE
+            marker; loading on another world size reshards; model, optimizer and RNG state
+    train   a resumable TinyGPT training job (python -m minidist.train): checkpoints, exact
+            resume after a crash, NaN/Inf and gradient-spike guards, collective timeouts
 
 Private plumbing: _checks (the input checks every module shares), _supervisor (the rank
 processes behind launch.run).

@@ -194,6 +194,7 @@ def _run_in_place(fn, world_size, args, kwargs, backend, timeout, rank, env_worl
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout),
+            store=_torchrun_attempt_store(world_size, timeout),
         )
         atexit.register(_leave_group)
     torch.set_num_threads(1)
@@ -201,6 +202,21 @@ def _run_in_place(fn, world_size, args, kwargs, backend, timeout, rank, env_worl
     results: list[Any] = [None] * world_size
     dist.all_gather_object(results, result)
     return results
+
+
+def _torchrun_attempt_store(world_size: int, timeout: float) -> dist.Store | None:
+    """Under torchrun's agent store, a store of this restart attempt's own keys; else None
+    (init_process_group then builds its store from MASTER_ADDR/MASTER_PORT).
+
+    The agent keeps one store across `--max-restarts` restarts, so a restarted rank could read
+    the address a dead rank of the previous attempt left there, and wait on it until the
+    timeout. Each attempt's keys get their own prefix, as torch.distributed.elastic once did."""
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size,
+                          is_master=False, timeout=datetime.timedelta(seconds=timeout))
+    return dist.PrefixStore(f"minidist/attempt_{env['TORCHELASTIC_RESTART_COUNT']}", store)
 
 
 def _leave_group() -> None:
