@@ -16,7 +16,7 @@ PACKAGE = REPO / "lib" / "minidist"
 STACK = [
     "_checks", "cost", "memory", "traffic", "flops", "pipeline", "gantt", "planner", "widgets",
     "_supervisor", "launch", "comm", "bandwidth", "diagrams", "models", "footprint", "sharding",
-    "ddp", "zero", "fsdp", "tensor_parallel", "pipeline_exec",
+    "ddp", "zero", "fsdp", "tensor_parallel", "pipeline_exec", "profiling",
 ]
 
 

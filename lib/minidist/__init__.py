@@ -26,6 +26,8 @@ One module per idea, each importing only modules listed before it:
             unit for parameters in no unit and for tied weights, as FSDP2
     tensor_parallel  Megatron's f/g, column/row-parallel layers, sequence parallel
     pipeline_exec  run a schedule on real ranks with send/recv, timestamps and deadlock reports
+    profiling  torch.profiler on every rank, merged: compute, communication and idle per rank,
+            overlap fraction, Gantt chart and Chrome trace; the machine's measured peak FLOP/s
 
 Private plumbing: _checks (the input checks every module shares), _supervisor (the rank
 processes behind launch.run).

@@ -10,7 +10,7 @@
     timeline = profile_ranks(make_step, 2, warmup=1, steps=3)
     print(timeline)                      # per rank: step, compute, communication, hidden, idle
     overlap_fraction(timeline)           # {0: 0.6, 1: 0.6}: share of communication hidden
-    timeline.plot()                      # Gantt chart, one compute and one communication lane per rank
+    timeline.plot()                      # Gantt chart: a compute and a communication lane per rank
     timeline.to_chrome_trace("step.json")  # open in https://ui.perfetto.dev or chrome://tracing
 
 What counts as what. torch.profiler records every operator a rank runs, on every thread.
@@ -282,7 +282,7 @@ def overlap_fraction(timeline: ProfileTimeline) -> dict[int, float]:
     return fractions
 
 
-# --- Profiling the ranks ---------------------------------------------------------------------------
+# --- Profiling the ranks ------------------------------------------------------------------------
 
 
 def classify(records: Iterable[tuple[str, int, int, int]], origin_ns: int,
@@ -358,7 +358,7 @@ def profile_ranks(make_step: Callable[..., Callable[[], Any]], world_size: int, 
                            {rank: result["steps"] for rank, result in enumerate(results)})
 
 
-# --- Peak FLOP/s -----------------------------------------------------------------------------------
+# --- Peak FLOP/s --------------------------------------------------------------------------------
 
 
 def measure_peak_flops(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
