@@ -923,12 +923,12 @@ def scaling_efficiency() -> Figure:
     ns = [1, 2, 4, 8, 16, 32, 64]
     fig, ax = plt.subplots(figsize=(10, 3.8))
     for bandwidth, style in ((25e9, "-"), (200e9, "--")):
-        def all_reduce(n: int) -> float:
-            return collective_time("all_reduce", 1e9, n, DP_ALPHA, 1 / bandwidth) if n > 1 else 0.0
+        all_reduce = {n: collective_time("all_reduce", 1e9, n, DP_ALPHA, 1 / bandwidth)
+                      if n > 1 else 0.0 for n in ns}
         strong = [flops.strong_scaling_efficiency(SCALING_COMPUTE_S,
-                                                  SCALING_COMPUTE_S / n + all_reduce(n), n)
+                                                  SCALING_COMPUTE_S / n + all_reduce[n], n)
                   for n in ns]
-        weak = [flops.weak_scaling_efficiency(SCALING_COMPUTE_S, SCALING_COMPUTE_S + all_reduce(n))
+        weak = [flops.weak_scaling_efficiency(SCALING_COMPUTE_S, SCALING_COMPUTE_S + all_reduce[n])
                 for n in ns]
         ax.plot(ns, strong, style, color=COLORS(0), lw=2.5,
                 label=f"strong, {bandwidth / 1e9:.0f} GB/s")

@@ -1,10 +1,10 @@
 """Where a distributed step's time goes: torch.profiler on every rank, merged into one timeline.
 
-    def make_step(rank, world_size):
+    def make_step(rank, world_size):          # builds once per rank, returns one step
         model = DistributedDataParallel(TinyGPT(...), bucket_cap_mb=0.05)
         ids = torch.randint(0, 256, (8, 32))
         def step():
-            model.loss(ids, ids).backward()
+            lm_loss(model(ids), ids).backward()
         return step
 
     timeline = profile_ranks(make_step, 2, warmup=1, steps=3)
@@ -39,6 +39,9 @@ nodes whose clocks differ, too.
 `measure_peak_flops` times large matrix multiplications: the achievable FLOP/s that MFU and
 HFU (`minidist.flops`) divide by, when no datasheet number applies (a CPU) or to see how far
 below the datasheet a GPU really is.
+
+On GPUs the profile shows what the CPU side of each rank does (launches, NCCL calls); kernels
+run asynchronously, so read GPU time from torch.profiler's own CUDA trace.
 """
 
 from __future__ import annotations
