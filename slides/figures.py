@@ -22,7 +22,7 @@ from matplotlib.axes import Axes  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.patches import FancyArrowPatch, Rectangle  # noqa: E402
 
-from minidist import gantt, memory, moe, pipeline, planner, traffic  # noqa: E402
+from minidist import flops, gantt, memory, moe, pipeline, planner, traffic  # noqa: E402
 from minidist.comm import chunk_bounds  # noqa: E402
 from minidist.cost import (  # noqa: E402
     ALL_REDUCE_ALGORITHMS,
@@ -38,6 +38,7 @@ from minidist.diagrams import draw_collectives, draw_linear_splits  # noqa: E402
 from minidist.mesh import group_ranks  # noqa: E402
 from minidist.param_server import stale_gradient_descent  # noqa: E402
 from minidist.planner import MODELS, Cluster  # noqa: E402
+from minidist.profiling import ProfiledEvent, ProfileTimeline  # noqa: E402
 from minidist.widgets import draw_memory, memory_by_zero_stage  # noqa: E402
 
 GB = memory.GB
@@ -1198,6 +1199,101 @@ def async_checkpoint_timeline() -> Figure:
     return fig
 
 
+def _modelled_timeline(communication: list[tuple[float, float]], compute_end: float,
+                       ranks: int = 2, slow: dict[int, float] | None = None) -> ProfileTimeline:
+    """A ProfileTimeline of the modelled backward above (seconds): every rank computes until
+    `compute_end` (plus `slow[rank]`), and communicates over `communication`, each span
+    starting no earlier than the slowest rank is ready for it."""
+    slow = slow or {}
+    late = max(slow.values(), default=0.0)
+    events = []
+    for rank in range(ranks):
+        events.append(ProfiledEvent(rank, "backward", "compute", 1, 0.0,
+                                    compute_end + slow.get(rank, 0.0)))
+        events += [ProfiledEvent(rank, "all_reduce", "communication", 2, start + late, end + late)
+                   for start, end in communication]
+    end = max(e.end for e in events)
+    return ProfileTimeline(ranks, events, {rank: [(0.0, end)] for rank in range(ranks)})
+
+
+def profiled_flat_and_buckets() -> Figure:
+    """ProfileTimeline.plot of the modelled backward: one flat buffer against 50 MB buckets."""
+    end = _end_of_backward()
+    flat = [(end, end + _all_reduce_time(sum(nbytes for _, nbytes in _tensors())))]
+    fig, axes = plt.subplots(2, 1, figsize=(10, 4.6))
+    _modelled_timeline(flat, end).plot("one flat buffer (modelled)", ax=axes[0])
+    _modelled_timeline(_bucketed_spans(50e6), end).plot("50 MB buckets (modelled)", ax=axes[1])
+    right = max(ax.get_xlim()[1] for ax in axes)
+    for ax in axes:
+        ax.set_xlim(0, right)
+        ax.set_xlabel("ms")
+    fig.tight_layout()
+    return fig
+
+
+def straggler_timeline() -> Figure:
+    """Four ranks, rank 2 6 ms late: everyone's all-reduce waits for it."""
+    end = _end_of_backward()
+    flat = [(end, end + _all_reduce_time(sum(nbytes for _, nbytes in _tensors())))]
+    fig, ax = plt.subplots(figsize=(10, 3.4))
+    _modelled_timeline(flat, end, ranks=4, slow={2: 6e-3}).plot(
+        "rank 2 computes 6 ms longer (modelled)", ax=ax)
+    ax.set_xlabel("ms")
+    fig.tight_layout()
+    return fig
+
+
+def mfu_and_hfu_by_recompute() -> Figure:
+    """FLOPs per token counted by MFU and by HFU, for a 7B model, by recompute setting."""
+    model = MODELS["7B"]
+    shape = (model.num_params, model.layers, model.hidden, model.seq_len)
+    settings = [None, "selective", "full"]
+    model_flops = flops.model_flops_per_token(*shape)
+    hardware = [flops.hardware_flops_per_token(*shape, recompute=r) for r in settings]
+    fig, ax = plt.subplots(figsize=(10, 3.8))
+    x = range(len(settings))
+    ax.bar(x, [h / 1e9 for h in hardware], color=COLORS(1), label="HFU counts (hardware ran)")
+    ax.bar(x, [model_flops / 1e9] * 3, color=COLORS(0), label="MFU counts: 6Ψ + 12·L·h·s")
+    for i, h in enumerate(hardware):
+        ax.text(i, h / 1e9 + 1, f"HFU/MFU = {h / model_flops:.2f}", ha="center", fontsize=11)
+    ax.set_xticks(list(x), ["no recompute", "selective", "full recompute"])
+    ax.set_ylabel("GFLOPs per token")
+    ax.set_ylim(0, max(hardware) / 1e9 * 1.2)
+    ax.set_title("7B (Llama 2 shape), s = 4096: the same step, two utilisations")
+    ax.legend(fontsize=10, loc="lower right")
+    fig.tight_layout()
+    return fig
+
+
+SCALING_COMPUTE_S = 0.5  # one rank's step on its batch (modelled)
+
+
+def scaling_efficiency() -> Figure:
+    """Predicted strong and weak scaling efficiency of data parallel, 1 GB of gradients."""
+    ns = [1, 2, 4, 8, 16, 32, 64]
+    fig, ax = plt.subplots(figsize=(10, 3.8))
+    for bandwidth, style in ((25e9, "-"), (200e9, "--")):
+        all_reduce = {n: collective_time("all_reduce", 1e9, n, DP_ALPHA, 1 / bandwidth)
+                      if n > 1 else 0.0 for n in ns}
+        strong = [flops.strong_scaling_efficiency(SCALING_COMPUTE_S,
+                                                  SCALING_COMPUTE_S / n + all_reduce[n], n)
+                  for n in ns]
+        weak = [flops.weak_scaling_efficiency(SCALING_COMPUTE_S, SCALING_COMPUTE_S + all_reduce[n])
+                for n in ns]
+        ax.plot(ns, strong, style, color=COLORS(0), lw=2.5,
+                label=f"strong, {bandwidth / 1e9:.0f} GB/s")
+        ax.plot(ns, weak, style, color=COLORS(1), lw=2.5, label=f"weak, {bandwidth / 1e9:.0f} GB/s")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ns, [str(n) for n in ns])
+    ax.set_ylim(0, 1.05)
+    ax.set_xlabel("ranks N")
+    ax.set_ylabel("efficiency")
+    ax.set_title("0.5 s of compute, 1 GB of gradients, nothing overlapped (α-β model)")
+    ax.legend(fontsize=10, ncol=2)
+    fig.tight_layout()
+    return fig
+
+
 FIGURES: dict[str, Callable[[], Figure]] = {
     "model-state-against-gpu": model_state_against_gpu,
     "spmd-ranks": spmd_ranks,
@@ -1253,6 +1349,10 @@ FIGURES: dict[str, Callable[[], Figure]] = {
     "resharding-overlaps": resharding_overlaps,
     "lost-work-timeline": lost_work_timeline,
     "async-checkpoint-timeline": async_checkpoint_timeline,
+    "profiled-flat-and-buckets": profiled_flat_and_buckets,
+    "straggler-timeline": straggler_timeline,
+    "mfu-and-hfu-by-recompute": mfu_and_hfu_by_recompute,
+    "scaling-efficiency": scaling_efficiency,
 }
 
 

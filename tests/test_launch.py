@@ -175,6 +175,24 @@ def test_stuck_rank_is_named_with_where_it_was_stuck():
     assert wait_until_gone(rank_processes(), 5) == set()
 
 
+def reduce_different_shapes(rank, world_size):
+    dist.all_reduce(torch.zeros(4 if rank == 0 else 8))  # a bug: the ranks disagree on the size
+
+
+def test_variables_set_after_the_first_run_reach_the_ranks_and_detail_names_a_mismatch(
+        monkeypatch):
+    run(square_after_all_reduce, 1, 0)  # the fork server starts here, before the variable is set
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
+    start = time.monotonic()
+    with pytest.raises(RankError) as caught:
+        run(reduce_different_shapes, 2, timeout=20)
+    message = str(caught.value)
+    assert time.monotonic() - start < 20, "the mismatch should be caught before the timeout"
+    for expected in ("Detected mismatch between collectives", "Rank 0 is running collective",
+                     "Rank 1 is running collective", "TensorShape=[4]", "TensorShape=[8]"):
+        assert expected in message, f"expected {expected!r} in the report, got:\n{message}"
+
+
 def test_many_runs_in_a_row_and_two_programs_at_once():
     program = """
         from minidist.launch import run

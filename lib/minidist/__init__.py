@@ -40,6 +40,8 @@ One module per idea, each importing only modules listed before it:
             marker; loading on another world size reshards; model, optimizer and RNG state
     train   a resumable TinyGPT training job (python -m minidist.train): checkpoints, exact
             resume after a crash, NaN/Inf and gradient-spike guards, collective timeouts
+    profiling  torch.profiler on every rank, merged: compute, communication and idle per rank,
+            overlap fraction, Gantt chart and Chrome trace; the machine's measured peak FLOP/s
 
 Private plumbing: _checks (the input checks every module shares), _supervisor (the rank
 processes behind launch.run).

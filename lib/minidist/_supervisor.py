@@ -108,6 +108,9 @@ class _RankSpec:
     payload: bytes  # cloudpickle of (fn, args, kwargs)
     sys_path: list[str]
     cwd: str
+    # The caller's environment now: the fork server's is the one it had when it started, so a
+    # variable set since (TORCH_DISTRIBUTED_DEBUG=DETAIL in a notebook) would not reach the ranks.
+    environ: dict[str, str]
 
 
 @dataclass
@@ -148,7 +151,7 @@ class Supervisor:
         for rank in range(world_size):
             spec = _RankSpec(
                 rank, world_size, backend, self.store.port, timeout, payload, list(sys.path),
-                os.getcwd(),
+                os.getcwd(), dict(os.environ),
             )
             stdout_r, stdout_w = context.Pipe(duplex=False)
             stderr_r, stderr_w = context.Pipe(duplex=False)
@@ -373,6 +376,8 @@ def _rank_main(spec: _RankSpec, stdout_w, stderr_w, control, lifeline) -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=False)
     sys.path[:] = spec.sys_path
     os.chdir(spec.cwd)
+    os.environ.clear()
+    os.environ.update(spec.environ)
     os.environ.update(
         RANK=str(spec.rank),
         LOCAL_RANK=str(spec.rank),
@@ -392,6 +397,7 @@ def _rank_main(spec: _RankSpec, stdout_w, stderr_w, control, lifeline) -> None:
             "127.0.0.1", spec.store_port, is_master=False,
             timeout=datetime.timedelta(seconds=spec.timeout),
         )
+        dist.set_debug_level_from_env()  # torch read TORCH_DISTRIBUTED_DEBUG when imported
         # The process group's own timeout is longer than the parent's, so a hang is reported by
         # the parent (naming the stuck ranks) rather than by gloo/nccl on some random rank.
         dist.init_process_group(

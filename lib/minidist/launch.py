@@ -14,6 +14,9 @@ shipped to them with cloudpickle, so it may be defined in a notebook cell or in 
 a "fork server" that imported torch once and has never run a torch op, so each `run` costs a
 fork and a rendezvous instead of a fresh interpreter, and no rank inherits a thread pool.
 
+Each rank starts with the caller's environment as it is when `run` is called, so a variable a
+notebook sets (`os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"`) applies to the next `run`.
+
 Under torchrun or `srun` the process already is one rank (RANK/WORLD_SIZE or
 SLURM_PROCID/SLURM_NTASKS are set): `run` joins the job's process group and calls the
 function in place, so the same lab code runs unchanged on a cluster.

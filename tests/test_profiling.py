@@ -1,0 +1,127 @@
+"""minidist.profiling: events classified, ranks merged, overlap measured on real DDP and FSDP
+steps, a valid Chrome trace, and the machine's peak."""
+
+import json
+
+import pytest
+import torch
+
+from minidist import flops, profiling
+from minidist.ddp import DistributedDataParallel, all_reduce_gradients_flat, broadcast_parameters
+from minidist.fsdp import FullyShardedDataParallel
+from minidist.models import TinyGPT, lm_loss
+
+
+def test_interval_arithmetic():
+    assert profiling.merge([(3, 4), (0, 1), (0.5, 2)]) == [(0, 2), (3, 4)]
+    assert profiling.total([(0, 2), (1, 3), (5, 6)]) == 4
+    assert profiling.intersect([(0, 4), (6, 8)], [(1, 2), (3, 7)]) == [(1, 2), (3, 4), (6, 7)]
+    assert profiling.subtract([(0, 10)], [(2, 3), (8, 12)]) == [(0, 2), (3, 8)]
+
+
+def test_classify_keeps_outermost_operators_and_all_communication():
+    ms = 1_000_000  # ns
+    records = [
+        ("autograd::engine::evaluate_function: MmBackward0", 0, 10 * ms, 1),  # a range: no
+        ("aten::mm", 1 * ms, 4 * ms, 1),                   # outermost operator: compute
+        ("aten::empty", 2 * ms, 3 * ms, 1),                # inside aten::mm: counted there
+        ("c10d::allreduce_", 5 * ms, 6 * ms, 1),           # the launch: communication
+        ("aten::copy_", 5 * ms + 1, 6 * ms - 1, 1),        # gloo's copy inside it: not compute
+        ("gloo:all_reduce", 5 * ms, 9 * ms, 7),            # the transfer, on gloo's thread
+        ("aten::add", 7 * ms, 8 * ms, 1),
+    ]
+    events = profiling.classify(records, origin_ns=0, rank=3)
+    got = [(e.name, e.kind) for e in events]
+    assert got == [("aten::mm", "compute"), ("c10d::allreduce_", "communication"),
+                   ("gloo:all_reduce", "communication"), ("aten::add", "compute")], got
+    assert all(e.rank == 3 for e in events)
+    assert events[0].start == pytest.approx(0.001) and events[0].end == pytest.approx(0.004)
+
+
+def one_step(rank, world_size, how):
+    """One TinyGPT step on each rank, synchronized `how`."""
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=256, hidden=64, heads=4, layers=4, max_seq=64)
+    ids = torch.randint(0, 256, (16, 64), generator=torch.Generator().manual_seed(rank))
+    if how == "flat":  # one buffer, all-reduced after backward: nothing to overlap with
+        broadcast_parameters(model)
+
+        def step():
+            model.loss(ids, ids).backward()
+            all_reduce_gradients_flat(model)
+    elif how == "buckets":  # small buckets, each all-reduced while backward goes on
+        wrapped = DistributedDataParallel(model, bucket_cap_mb=0.02)
+
+        def step():
+            lm_loss(wrapped(ids), ids).backward()
+    else:
+        sharded = FullyShardedDataParallel(model, prefetch=how == "prefetch")
+
+        def step():
+            sharded.loss(ids, ids).backward()
+    return step
+
+
+@pytest.fixture(scope="module")
+def timelines():
+    return {how: profiling.profile_ranks(one_step, 2, how, warmup=1, steps=2)
+            for how in ("flat", "buckets", "no_prefetch", "prefetch")}
+
+
+def test_ddp_buckets_hide_communication_and_one_flat_buffer_does_not(timelines):
+    flat = profiling.overlap_fraction(timelines["flat"])
+    buckets = profiling.overlap_fraction(timelines["buckets"])
+    for rank in (0, 1):
+        assert flat[rank] <= 0.05, f"rank {rank}: expected <= 0.05 for one flat buffer, got {flat}"
+        assert buckets[rank] >= 0.3, f"rank {rank}: expected >= 0.3 with buckets, got {buckets}"
+    for timeline in timelines.values():
+        for rank in (0, 1):
+            assert len(timeline.steps[rank]) == 2, timeline.steps
+            assert timeline.busy_time(rank) <= sum(timeline.step_times(rank)) + 1e-6
+            assert timeline.intervals(rank, "communication"), f"rank {rank} sent nothing"
+
+
+def test_fsdp_prefetch_hides_more_than_without(timelines):
+    without = profiling.overlap_fraction(timelines["no_prefetch"])
+    with_prefetch = profiling.overlap_fraction(timelines["prefetch"])
+    for rank in (0, 1):
+        assert with_prefetch[rank] > without[rank], (
+            f"rank {rank}: expected more overlap with prefetch, got {with_prefetch} with and "
+            f"{without} without")
+
+
+def test_chrome_trace_is_valid_and_holds_every_rank(timelines, tmp_path):
+    timeline = timelines["buckets"]
+    path = timeline.to_chrome_trace(tmp_path / "trace.json")
+    trace = json.loads(path.read_text())
+    complete = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert {e["ph"] for e in trace["traceEvents"]} <= {"X", "M"}, "only complete and metadata"
+    for event in complete:
+        for key in ("name", "ts", "dur", "pid", "tid"):
+            assert key in event, f"complete event without {key!r}: {event}"
+        assert event["dur"] >= 0, event
+    assert {e["pid"] for e in complete} == {0, 1}, "expected events of ranks 0 and 1"
+    assert len(complete) == len(timeline.events) + 4  # and the 2 steps of each rank
+    kinds = {e["cat"] for e in complete}
+    assert kinds == {"step", "compute", "communication"}, kinds
+    figure = timeline.plot("DDP buckets")
+    assert len(figure.axes[0].get_yticklabels()) == 2
+
+
+def test_peak_flops_and_mfu_from_it():
+    torch.set_num_threads(1)
+    peak = profiling.measure_peak_flops(torch.float32, "cpu", size=256, repeats=3)
+    assert 1e8 < peak < 1e13, f"expected a CPU core's FLOP/s, got {peak:.3g}"
+    # MFU of a step is Lab 02's formula with this peak: tokens/s x (6Ψ + 12·L·h·s) / peak.
+    assert flops.mfu(1000, 1e6, 2, 64, 32, peak) == pytest.approx(
+        1000 * (6e6 + 12 * 2 * 64 * 32) / peak)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no GPU"):
+            profiling.measure_peak_flops(torch.bfloat16, "cuda")
+
+
+def test_bad_arguments_are_explained():
+    with pytest.raises(ValueError, match="warmup"):
+        profiling.profile_ranks(one_step, 2, "flat", warmup=-1)
+    with pytest.raises(ValueError, match="kind"):
+        profiling.ProfileTimeline(1, [], {0: [(0.0, 1.0)]}).intervals(0, "idle")
