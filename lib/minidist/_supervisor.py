@@ -74,7 +74,10 @@ def _fork_server() -> multiprocessing.context.ForkServerContext:
     It exits once the process that started it and all ranks are gone.
     """
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "torch.distributed", "cloudpickle", __name__])
+    # torch._dynamo too: an optimizer's first step imports it, which took each rank of each
+    # run seconds (ranks are forked afresh every run); imported here, it is paid once.
+    context.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "cloudpickle",
+                                    __name__])
     return context
 
 
