@@ -713,6 +713,40 @@ def fsdp_unit_timeline() -> Figure:
     return fig
 
 
+def fsdp_units_gathered() -> Figure:
+    """Which units hold their gathered parameters during each unit's forward (F) and
+    backward (B), by the schedule of Lab 04's FSDP: the running unit, plus with prefetch the
+    next one in that direction."""
+    names = ["tok_emb", "pos_emb", "block 0", "block 1", "norm", "head"]
+    phases = [("F", unit) for unit in range(len(names))]
+    phases += [("B", unit) for unit in reversed(range(len(names)))]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 3.6), sharey=True)
+    for ax, prefetch in zip(axes, (False, True), strict=True):
+        for column, (kind, unit) in enumerate(phases):
+            ahead = unit + 1 if kind == "F" else unit - 1
+            held = {unit: COLORS(0)}
+            if prefetch and 0 <= ahead < len(names):
+                held[ahead] = COLORS(1)
+            for row in range(len(names)):
+                ax.add_patch(Rectangle((column, row), 0.9, 0.9, facecolor=held.get(row, "0.93"),
+                                       edgecolor="white"))
+            ax.text(column + 0.45, len(names) + 0.2, f"{kind}{unit}", ha="center",
+                    fontsize=9)
+        ax.set_xlim(0, len(phases))
+        ax.set_ylim(len(names) + 0.8, 0)
+        ax.set_xticks([])
+        ax.set_yticks([row + 0.45 for row in range(len(names))], names)
+        ax.tick_params(left=False)
+        ax.spines[["left", "bottom"]].set_visible(False)
+        ax.set_title(f"{'with' if prefetch else 'without'} prefetch: at most "
+                     f"{2 if prefetch else 1} unit{'s' if prefetch else ''} gathered")
+    fig.suptitle("blue: the unit that runs, gathered   orange: the next one, prefetched   "
+                 "(TinyGPT's 6 units; F = forward, B = backward, in time order)",
+                 fontsize=11, x=0.01, ha="left")
+    fig.tight_layout()
+    return fig
+
+
 # --- Lab 05: tensor parallel -------------------------------------------------------------------
 
 
@@ -1323,6 +1357,7 @@ FIGURES: dict[str, Callable[[], Figure]] = {
     "zero-sharding-layout": zero_sharding_layout,
     "zero-memory-against-n": zero_memory_against_n,
     "fsdp-unit-timeline": fsdp_unit_timeline,
+    "fsdp-units-gathered": fsdp_units_gathered,
     "linear-splits": linear_splits,
     "tensor-parallel-mlp": tensor_parallel_mlp,
     "tensor-parallel-activations": tensor_parallel_activations,
