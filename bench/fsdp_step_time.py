@@ -71,7 +71,7 @@ def main() -> None:
         print(f"  {kind:9s} step {statistics.median(seconds) * 1e3:8.1f} ms (median)")
     print(f"  minidist / torch = {ratio:.3f} (median of {args.rounds} rounds)")
     verdict = "PASS" if ratio <= TARGET_RATIO else "FAIL"
-    print(f"{verdict}: minidist / torch = {ratio:.3f}, target <= {TARGET_RATIO}")
+    print(f"{verdict}: minidist / torch = {ratio:.3f}, target <= {TARGET_RATIO:.2f}")
 
 
 if __name__ == "__main__":
