@@ -111,18 +111,16 @@ class _Unit:
 
     def gather_for_forward(self) -> None:
         """Bring the parameters in (waiting for a prefetch if one is in flight), in a new
-        buffer that autograd ties to the shard, and point the modules at views of it."""
+        buffer, and point the modules at views of it that autograd ties to the shard."""
         self.start_gather()
         for flat in self.flats:
-            gathered = self._wait(flat)
-            flat.full = (_GatheredParams.apply(flat.shard, gathered, self, flat)
-                         if flat.shard.requires_grad else gathered)
-            offset = 0
-            for slot in flat.slots:
-                view = flat.full[offset: offset + slot.shape.numel()].view(slot.shape)
+            flat.full = self._wait(flat)
+            shapes = [slot.shape for slot in flat.slots]
+            views = (_GatheredParams.apply(flat.shard, flat.full, self, flat, *shapes)
+                     if flat.shard.requires_grad else _views(flat.full, shapes))
+            for slot, view in zip(flat.slots, views, strict=True):
                 for module, attribute in slot.users:
                     setattr(module, attribute, view)
-                offset += slot.shape.numel()
         self._mark_gathered()
 
     def gather_for_backward(self) -> None:
@@ -132,7 +130,7 @@ class _Unit:
             gathered = self._wait(flat)
             if flat.full is not None:
                 flat.full.untyped_storage().resize_(gathered.untyped_storage().nbytes())
-                flat.full.data.copy_(gathered)
+                flat.full.data.copy_(gathered)  # .data: autograd must not see a change
         self._mark_gathered()
 
     @staticmethod
@@ -161,24 +159,39 @@ class _Unit:
         return [flat for flat in self.flats if not flat.shard.requires_grad]
 
 
+def _views(full: torch.Tensor, shapes: list[torch.Size]) -> tuple[torch.Tensor, ...]:
+    """One view of `full` per parameter, in order."""
+    views, offset = [], 0
+    for shape in shapes:
+        views.append(full[offset: offset + shape.numel()].view(shape))
+        offset += shape.numel()
+    return tuple(views)
+
+
 class _GatheredParams(torch.autograd.Function):
-    """shard → gathered parameters; backward reduce-scatters their gradient into the shard.
+    """shard → one view of the gathered parameters per parameter; backward reduce-scatters
+    their gradients into the shard.
 
-    Autograd calls backward once every use of the parameters has added its gradient, i.e.
-    when the unit's backward is done (for a tied weight: both users' backwards)."""
+    The parameters are outputs of this one function, not slices taken of one gathered
+    output afterwards: autograd would turn the gradient of each slice into a zero-filled
+    tensor of the whole unit and add those up (k parameters, k full-size fills and adds),
+    where here the k gradients are concatenated once. Autograd calls backward once every use
+    of the parameters has added its gradient, i.e. when the unit's backward is done (for a
+    tied weight: both users' backwards); a parameter that got none arrives as zeros."""
 
     @staticmethod
-    def forward(ctx, shard, full, unit, flat):
+    def forward(ctx, shard, full, unit, flat, *shapes):
         ctx.unit, ctx.flat = unit, flat
-        return full
+        return _views(full, list(shapes))
 
     @staticmethod
-    def backward(ctx, grad_full):
+    def backward(ctx, *grads):
         unit, flat = ctx.unit, ctx.flat
         owner = unit.owner
-        grad = sharding.reduce_scatter(grad_full.contiguous(), owner.group, owner.ring)
+        grad_full = torch.cat([grad.reshape(-1) for grad in grads])
+        grad = sharding.reduce_scatter(grad_full, owner.group, owner.ring)
         unit.free([flat], drop=True)
-        return grad.float().div_(owner.world_size), None, None, None
+        return grad.float().div_(owner.world_size), None, None, None, *(None for _ in grads)
 
 
 class _FreeAfterBackward(torch.autograd.Function):
@@ -379,11 +392,9 @@ class FullyShardedDataParallel(nn.Module):
             for flat in unit.flats:
                 full = sharding.all_gather(flat.shard.detach(), flat.numel, self.group,
                                            self.ring)
-                offset = 0
-                for slot in flat.slots:
-                    value = full[offset: offset + slot.shape.numel()].view(slot.shape).clone()
-                    state.update(dict.fromkeys(slot.names, value))
-                    offset += slot.shape.numel()
+                for slot, view in zip(flat.slots, _views(full, [s.shape for s in flat.slots]),
+                                      strict=True):
+                    state.update(dict.fromkeys(slot.names, view.clone()))
         return {key: state[key] for key in self._state_keys}
 
     def sharded_bytes(self) -> int:

@@ -27,9 +27,12 @@ def shard_bounds(numel: int, group: dist.ProcessGroup | None = None) -> tuple[in
 
 
 def _padded(flat: torch.Tensor, world_size: int) -> tuple[torch.Tensor, int]:
-    """`flat` as world_size equal chunks (each chunk_bounds chunk padded to the longest)."""
+    """`flat` as world_size equal chunks (each chunk_bounds chunk padded to the longest);
+    `flat` itself when the chunks are equal already (no copy)."""
     bounds = comm.chunk_bounds(flat.numel(), world_size)
     longest = bounds[0][1] - bounds[0][0]
+    if longest * world_size == flat.numel():
+        return flat, longest
     pieces = [F.pad(flat[start:end], (0, longest - (end - start))) for start, end in bounds]
     return torch.cat(pieces), longest
 
@@ -74,10 +77,13 @@ def start_all_gather(shard: torch.Tensor, numel: int, group: dist.ProcessGroup |
     longest = bounds[0][1] - bounds[0][0]
     comm.record("all_gather", numel * shard.element_size(), group)
     gathered = torch.empty(longest * world_size, dtype=shard.dtype, device=shard.device)
-    work = dist.all_gather_single(gathered, F.pad(shard, (0, longest - shard.numel())),
+    padding = longest - shard.numel()
+    work = dist.all_gather_single(gathered, F.pad(shard, (0, padding)) if padding else shard,
                                   group=group, async_op=True)
 
     def unpad() -> torch.Tensor:
+        if longest * world_size == numel:  # equal chunks: no padding to cut out
+            return gathered
         rows = gathered.view(world_size, longest)
         return torch.cat([rows[r, : e - s] for r, (s, e) in enumerate(bounds)])
 
