@@ -909,6 +909,8 @@ def mesh_groups_8() -> Figure:
         ax.set_title(f"{dim} groups: " + " ".join(str(g) for g in groups), fontsize=11)
     fig.suptitle("dp = pp = tp = 2, ranks numbered TP fastest, then DP, then PP "
                  "(same colour = same group)", fontsize=12)
+    fig.tight_layout()
+    return fig
 def parameter_server_bytes() -> Figure:
     """Bytes per step on a server's link against each rank's in ring all-reduce (Li et al.)."""
     fig, ax = plt.subplots(figsize=(10, 4))
@@ -1029,6 +1031,9 @@ def moe_capacity() -> Figure:
     ax.set_ylim(0, 3300)
     ax.set_title(f"{tokens} tokens, top-{top_k}, {experts} experts: capacity = factor · "
                  "tokens · k / E")
+    ax.legend(fontsize=10)
+    fig.tight_layout()
+    return fig
 def parameter_server_time_against_n() -> Figure:
     """α-β step time of a synchronous parameter server against ring all-reduce, 100 MB."""
     fig, ax = plt.subplots(figsize=(10, 4))
@@ -1065,6 +1070,7 @@ def moe_dispatch() -> Figure:
             ha="center", fontsize=12)
     ax.text(6, 3.35, "each rank holds E / ep experts; split sizes are known only at run time",
             ha="center", fontsize=12)
+    return fig
 def staleness_convergence() -> Figure:
     """Gradient descent with gradients τ updates old (param_server.stale_gradient_descent)."""
     fig, ax = plt.subplots(figsize=(10, 4))
