@@ -13,7 +13,7 @@ is: time ~ 2(N-1)*alpha + 2(N-1)/N * S * beta (Thakur, Rabenseifner & Gropp 2005
 carries the same load at every step, so no link is the bottleneck; that is why NCCL and gloo
 use rings for large messages. `minidist.cost` turns these formulas into numbers.
 
-A message over `SEGMENT_BYTES` (1 MiB) travels as several equal segments, each added in as
+A message of 512 KiB or more travels as several equal segments (`segment_count`), added in as
 soon as it lands while the next is still on its way, as gloo and NCCL pipeline theirs: the
 same bytes in a few more messages, with the additions hidden behind the transfers.
 
@@ -111,19 +111,25 @@ def _ring(group: dist.ProcessGroup | None, what: str) -> _Ring:
     return ring
 
 
-# A message larger than this is sent as several equal segments of at most this size, so that
-# the receiver adds each segment while the next is still arriving. Whole messages left the
-# link idle during every addition and the CPU idle during every transfer: the ring reached only
-# ~0.7x gloo's busbw from 8 MiB on 2 ranks. 1 MiB keeps the extra per-message latency (tens of
-# microseconds) to a few percent of a segment's time.
-SEGMENT_BYTES = 1 << 20
+# A message is cut into equal segments so that the receiver adds each one while the next is
+# still arriving. Whole messages left the link idle during every addition and the CPU idle
+# during every transfer: on 2 ranks the ring reached only ~0.7x gloo's busbw from 8 MiB. Timed
+# on 2 otherwise idle ranks, about four segments of 256 KiB to 1 MiB traded that overlap best
+# against the tens of microseconds each message costs.
+_SEGMENTS = 4
+_MIN_SEGMENT_BYTES = 1 << 18
+_MAX_SEGMENT_BYTES = 1 << 20
+
+
+def segment_count(nbytes: int) -> int:
+    """How many messages a send of `nbytes` travels as: one up to 512 KiB, then up to four of
+    at least 256 KiB, and more above 4 MiB so that none exceeds 1 MiB."""
+    return max(1, min(_SEGMENTS, nbytes // _MIN_SEGMENT_BYTES), -(-nbytes // _MAX_SEGMENT_BYTES))
 
 
 def _segments(numel: int, element_size: int) -> list[tuple[int, int]]:
-    """(start, end) of the segments that carry `numel` elements: one per SEGMENT_BYTES or
-    part of it, of equal sizes (one segment if the message is empty)."""
-    count = max(1, -(-numel * element_size // SEGMENT_BYTES))
-    return chunk_bounds(numel, count)
+    """(start, end) of the equal segments that carry a message of `numel` elements."""
+    return chunk_bounds(numel, segment_count(numel * element_size))
 
 
 def _exchange(send: torch.Tensor, recv: torch.Tensor, ring: _Ring,
@@ -636,7 +642,7 @@ def count_traffic() -> Iterator[TrafficLog]:
     API while the block runs: dist.send, dist.isend, dist.batch_isend_irecv (each P2POp with
     dist.isend), send_object_list, and the rings of this module. `bytes_sent` adds up
     numel * element_size of each sent tensor (payload only, no headers); `messages` counts
-    sends (a message over `SEGMENT_BYTES` counts once per segment). Receives are not counted,
+    sends (a message sent in segments counts once per segment). Receives are not counted,
     nor the bytes of collectives that torch runs as one call (dist.all_reduce, ...): those
     run in C++, where no Python-level send sees them; their calls are in `collectives` when a
     minidist module made them.
