@@ -208,26 +208,48 @@ def _recv_buffer(numel: int, like: torch.Tensor) -> torch.Tensor:
     return buffer[:numel]
 
 
-def _ring_reduce_scatter_steps(flat: torch.Tensor, ring: _Ring) -> None:
-    chunks = chunk_bounds(flat.numel(), ring.size)
-    buffer = _recv_buffer(chunks[0][1] - chunks[0][0], flat)  # chunk 0 is the largest
-    for step in range(ring.size - 1):
-        # Send the chunk finished in the previous step (at step 0: our own copy of chunk r-1).
-        # The indices are chosen so that the last chunk this rank finishes is chunk `rank`.
-        send_start, send_end = chunks[(ring.rank - step - 1) % ring.size]
-        recv_start, recv_end = chunks[(ring.rank - step - 2) % ring.size]
-        _exchange(flat[send_start:send_end], buffer[: recv_end - recv_start], ring,
-                  add_to=flat[recv_start:recv_end])
+def _ring_steps(flat: torch.Tensor, ring: _Ring, first: int, steps: int, reduce_steps: int,
+                average: bool = False) -> None:
+    """`steps` steps around the ring: in step t this rank sends chunk `first` - t to its right
+    and receives chunk `first` - t - 1 from its left, adding it into its own copy in the first
+    `reduce_steps` steps (the reduce-scatter) and storing it in place after (the all-gather).
 
-
-def _ring_all_gather_steps(flat: torch.Tensor, ring: _Ring) -> None:
+    What a step receives is what the next one sends, so each segment is forwarded as soon as
+    it has been added: segments stream around the ring, the reduce-scatter runs straight into
+    the all-gather, and no rank waits for a whole chunk before passing it on. `average`
+    divides the last chunk reduced, this rank's own, before it goes round: N times less work
+    than dividing the whole tensor.
+    """
+    if steps == 0:  # one rank: nothing to send
+        return
     chunks = chunk_bounds(flat.numel(), ring.size)
-    for step in range(ring.size - 1):
-        # Forward the chunk received in the previous step (at step 0: our own chunk r); the
-        # incoming chunk lands straight in its place, so no buffer and no copy.
-        send_start, send_end = chunks[(ring.rank - step) % ring.size]
-        recv_start, recv_end = chunks[(ring.rank - step - 1) % ring.size]
-        _exchange(flat[send_start:send_end], flat[recv_start:recv_end], ring)
+    element_size = flat.element_size()
+    if reduce_steps:
+        buffer = _recv_buffer(chunks[0][1] - chunks[0][0], flat)  # chunk 0 is the largest
+
+    def segments(chunk: int) -> list[tuple[int, int]]:
+        start, end = chunks[chunk % ring.size]
+        return [(start + a, start + b) for a, b in _segments(end - start, element_size)]
+
+    sends = [dist.isend(flat[a:b], ring.right, group=ring.group) for a, b in segments(first)]
+    for step in range(steps):
+        pieces = segments(first - step - 1)
+        reduce = step < reduce_steps
+        # Into the buffer to be added (it is free again: the last step's additions are done),
+        # or straight into place.
+        offset = pieces[0][0]
+        targets = [buffer[a - offset: b - offset] if reduce else flat[a:b] for a, b in pieces]
+        receives = [dist.irecv(target, ring.left, group=ring.group) for target in targets]
+        for (a, b), target, receive in zip(pieces, targets, receives, strict=True):
+            receive.wait()
+            if reduce:
+                flat[a:b].add_(target)  # in the tensor's own dtype, as gloo does
+                if average and step == reduce_steps - 1:
+                    flat[a:b].div_(ring.size)
+            if step < steps - 1:
+                sends.append(dist.isend(flat[a:b], ring.right, group=ring.group))
+    for send in sends:  # the tensor must not change before what it sent has left
+        send.wait()
 
 
 # --- Public collectives -------------------------------------------------------------------------
@@ -250,7 +272,8 @@ def ring_reduce_scatter(
     op_name = _reduce_op(op, tensor)
     ring = _ring(group, "ring_reduce_scatter")
     record("reduce_scatter", flat, group)
-    _ring_reduce_scatter_steps(flat, ring)
+    # Our own copy of chunk r-1 goes first; the last chunk this rank finishes is chunk r.
+    _ring_steps(flat, ring, ring.rank - 1, ring.size - 1, reduce_steps=ring.size - 1)
     start, end = chunk_bounds(flat.numel(), ring.size)[ring.rank]
     if op_name == "avg":
         flat[start:end].div_(ring.size)
@@ -266,7 +289,8 @@ def ring_all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
     flat = _flat(tensor, "ring_all_gather")
     ring = _ring(group, "ring_all_gather")
     record("all_gather", flat, group)
-    _ring_all_gather_steps(flat, ring)
+    # Our chunk r goes first; every chunk travels once around the ring.
+    _ring_steps(flat, ring, ring.rank, ring.size - 1, reduce_steps=0)
     return tensor
 
 
@@ -445,12 +469,8 @@ def _tree(flat: torch.Tensor, ring: _Ring, average: bool) -> None:
 
 
 def _ring_algorithm(flat: torch.Tensor, ring: _Ring, average: bool) -> None:
-    _ring_reduce_scatter_steps(flat, ring)
-    if average:
-        # Divide only the chunk this rank owns, before it is sent around: N times less work.
-        start, end = chunk_bounds(flat.numel(), ring.size)[ring.rank]
-        flat[start:end].div_(ring.size)
-    _ring_all_gather_steps(flat, ring)
+    # The reduce-scatter's N-1 steps, then the all-gather's, as one stream.
+    _ring_steps(flat, ring, ring.rank - 1, 2 * (ring.size - 1), ring.size - 1, average)
 
 
 @functools.lru_cache(maxsize=4096)
