@@ -82,10 +82,22 @@ class _Ring:
     right: int
     group: dist.ProcessGroup | None
     members: tuple[int, ...]  # global rank of each group rank
+    process_group: dist.ProcessGroup  # `group`, or the default group when it is None
 
     def peer(self, group_rank: int) -> int:
         """The global rank of group rank `group_rank`, the address send/recv want."""
         return self.members[group_rank]
+
+    # dist.isend and dist.irecv check their arguments and translate ranks on every call, tens
+    # of microseconds that each segment would pay; these go straight to the process group's
+    # own send and recv (where count_traffic counts), with ranks checked once per group.
+    def isend(self, tensor: torch.Tensor, to: int) -> dist.Work:
+        """dist.isend(tensor, to, group) for global rank `to`."""
+        return self.process_group.send([tensor], self.members.index(to), 0)
+
+    def irecv(self, tensor: torch.Tensor, source: int) -> dist.Work:
+        """dist.irecv(tensor, source, group) for global rank `source`."""
+        return self.process_group.recv([tensor], self.members.index(source), 0)
 
 
 # Each group's ring, built once: all_reduce of a small tensor takes only tens of microseconds,
@@ -107,7 +119,7 @@ def _ring(group: dist.ProcessGroup | None, what: str) -> _Ring:
         )
     members = tuple(dist.get_process_group_ranks(key))
     ring = _rings[key] = _Ring(rank, size, members[(rank - 1) % size],
-                               members[(rank + 1) % size], group, members)
+                               members[(rank + 1) % size], group, members, key)
     return ring
 
 
@@ -147,10 +159,10 @@ def _exchange(send: torch.Tensor, recv: torch.Tensor, ring: _Ring,
     to = ring.right if to is None else to
     source = ring.left if source is None else source
     element_size = send.element_size()
-    sends = [dist.isend(send[start:end], to, group=ring.group)
+    sends = [ring.isend(send[start:end], to)
              for start, end in _segments(send.numel(), element_size)]
     segments = _segments(recv.numel(), element_size)
-    receives = [dist.irecv(recv[start:end], source, group=ring.group) for start, end in segments]
+    receives = [ring.irecv(recv[start:end], source) for start, end in segments]
     # Recursive doubling adds into the very tensor it sends: a segment may change only once
     # it has left. (Each request is waited on exactly once: a gloo send waited on twice waits
     # for a second send that never comes.)
@@ -231,7 +243,7 @@ def _ring_steps(flat: torch.Tensor, ring: _Ring, first: int, steps: int, reduce_
         start, end = chunks[chunk % ring.size]
         return [(start + a, start + b) for a, b in _segments(end - start, element_size)]
 
-    sends = [dist.isend(flat[a:b], ring.right, group=ring.group) for a, b in segments(first)]
+    sends = [ring.isend(flat[a:b], ring.right) for a, b in segments(first)]
     for step in range(steps):
         pieces = segments(first - step - 1)
         reduce = step < reduce_steps
@@ -239,7 +251,7 @@ def _ring_steps(flat: torch.Tensor, ring: _Ring, first: int, steps: int, reduce_
         # or straight into place.
         offset = pieces[0][0]
         targets = [buffer[a - offset: b - offset] if reduce else flat[a:b] for a, b in pieces]
-        receives = [dist.irecv(target, ring.left, group=ring.group) for target in targets]
+        receives = [ring.irecv(target, ring.left) for target in targets]
         for (a, b), target, receive in zip(pieces, targets, receives, strict=True):
             receive.wait()
             if reduce:
@@ -247,7 +259,7 @@ def _ring_steps(flat: torch.Tensor, ring: _Ring, first: int, steps: int, reduce_
                 if average and step == reduce_steps - 1:
                     flat[a:b].div_(ring.size)
             if step < steps - 1:
-                sends.append(dist.isend(flat[a:b], ring.right, group=ring.group))
+                sends.append(ring.isend(flat[a:b], ring.right))
     for send in sends:  # the tensor must not change before what it sent has left
         send.wait()
 
