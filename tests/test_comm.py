@@ -8,7 +8,6 @@ below look up their check and assert that its list is empty.
 from __future__ import annotations
 
 import functools
-import math
 
 import pytest
 import torch
@@ -109,9 +108,9 @@ def _check_all_reduce_bytes(rank: int, world_size: int) -> list[str]:
             expected = all_reduce_bytes_sent(algorithm, numel * 4, world_size, rank)
             messages = _all_reduce_messages(algorithm, rank, world_size)
             slack = 0 if numel % 240 == 0 else messages * 4  # one element per uneven chunk
-            # A tensor over SEGMENT_BYTES goes in several segments per step (the ring's exact
-            # count is checked in _check_ring_bytes); below it, one message per step.
-            fits = numel * 4 <= comm.SEGMENT_BYTES
+            # A large tensor goes in several segments per step (the ring's exact count is
+            # checked in _check_ring_bytes); a small one in one message per step.
+            fits = comm.segment_count(numel * 4) == 1
             if (abs(counter.bytes_sent - expected) > slack
                     or (counter.messages != messages if fits else counter.messages < messages)
                     or counter.collectives != [Collective("all_reduce", numel * 4, world_size)]):
@@ -211,9 +210,9 @@ def _check_ring_bytes(rank: int, world_size: int) -> list[str]:
     failures = []
     for numel in (24 * world_size, *SIZES):
         nbytes = numel * 4
-        # One message per SEGMENT_BYTES (or part) of each chunk sent. Rank r sends every chunk
-        # but r in the reduce-scatter, every chunk but r+1 in the all-gather.
-        segments = [max(1, math.ceil((end - start) * 4 / comm.SEGMENT_BYTES))
+        # segment_count messages per chunk sent. Rank r sends every chunk but r in the
+        # reduce-scatter, every chunk but r+1 in the all-gather.
+        segments = [comm.segment_count((end - start) * 4)
                     for start, end in comm.chunk_bounds(numel, world_size)]
         scattered = sum(segments) - segments[rank]
         gathered = sum(segments) - segments[(rank + 1) % world_size]

@@ -13,7 +13,7 @@ is: time ~ 2(N-1)*alpha + 2(N-1)/N * S * beta (Thakur, Rabenseifner & Gropp 2005
 carries the same load at every step, so no link is the bottleneck; that is why NCCL and gloo
 use rings for large messages. `minidist.cost` turns these formulas into numbers.
 
-A message over `SEGMENT_BYTES` (1 MiB) travels as several equal segments, each added in as
+A message of 512 KiB or more travels as several equal segments (`segment_count`), added in as
 soon as it lands while the next is still on its way, as gloo and NCCL pipeline theirs: the
 same bytes in a few more messages, with the additions hidden behind the transfers.
 
@@ -82,10 +82,22 @@ class _Ring:
     right: int
     group: dist.ProcessGroup | None
     members: tuple[int, ...]  # global rank of each group rank
+    process_group: dist.ProcessGroup  # `group`, or the default group when it is None
 
     def peer(self, group_rank: int) -> int:
         """The global rank of group rank `group_rank`, the address send/recv want."""
         return self.members[group_rank]
+
+    # dist.isend and dist.irecv check their arguments and translate ranks on every call, tens
+    # of microseconds that each segment would pay; these go straight to the process group's
+    # own send and recv (where count_traffic counts), with ranks checked once per group.
+    def isend(self, tensor: torch.Tensor, to: int) -> dist.Work:
+        """dist.isend(tensor, to, group) for global rank `to`."""
+        return self.process_group.send([tensor], self.members.index(to), 0)
+
+    def irecv(self, tensor: torch.Tensor, source: int) -> dist.Work:
+        """dist.irecv(tensor, source, group) for global rank `source`."""
+        return self.process_group.recv([tensor], self.members.index(source), 0)
 
 
 # Each group's ring, built once: all_reduce of a small tensor takes only tens of microseconds,
@@ -107,23 +119,29 @@ def _ring(group: dist.ProcessGroup | None, what: str) -> _Ring:
         )
     members = tuple(dist.get_process_group_ranks(key))
     ring = _rings[key] = _Ring(rank, size, members[(rank - 1) % size],
-                               members[(rank + 1) % size], group, members)
+                               members[(rank + 1) % size], group, members, key)
     return ring
 
 
-# A message larger than this is sent as several equal segments of at most this size, so that
-# the receiver adds each segment while the next is still arriving. Whole messages left the
-# link idle during every addition and the CPU idle during every transfer: the ring reached only
-# ~0.7x gloo's busbw from 8 MiB on 2 ranks. 1 MiB keeps the extra per-message latency (tens of
-# microseconds) to a few percent of a segment's time.
-SEGMENT_BYTES = 1 << 20
+# A message is cut into equal segments so that the receiver adds each one while the next is
+# still arriving. Whole messages left the link idle during every addition and the CPU idle
+# during every transfer: on 2 ranks the ring reached only ~0.7x gloo's busbw from 8 MiB. Timed
+# on 2 otherwise idle ranks, about four segments of 256 KiB to 1 MiB traded that overlap best
+# against the tens of microseconds each message costs.
+_SEGMENTS = 4
+_MIN_SEGMENT_BYTES = 1 << 18
+_MAX_SEGMENT_BYTES = 1 << 20
+
+
+def segment_count(nbytes: int) -> int:
+    """How many messages a send of `nbytes` travels as: one up to 512 KiB, then up to four of
+    at least 256 KiB, and more above 4 MiB so that none exceeds 1 MiB."""
+    return max(1, min(_SEGMENTS, nbytes // _MIN_SEGMENT_BYTES), -(-nbytes // _MAX_SEGMENT_BYTES))
 
 
 def _segments(numel: int, element_size: int) -> list[tuple[int, int]]:
-    """(start, end) of the segments that carry `numel` elements: one per SEGMENT_BYTES or
-    part of it, of equal sizes (one segment if the message is empty)."""
-    count = max(1, -(-numel * element_size // SEGMENT_BYTES))
-    return chunk_bounds(numel, count)
+    """(start, end) of the equal segments that carry a message of `numel` elements."""
+    return chunk_bounds(numel, segment_count(numel * element_size))
 
 
 def _exchange(send: torch.Tensor, recv: torch.Tensor, ring: _Ring,
@@ -141,10 +159,10 @@ def _exchange(send: torch.Tensor, recv: torch.Tensor, ring: _Ring,
     to = ring.right if to is None else to
     source = ring.left if source is None else source
     element_size = send.element_size()
-    sends = [dist.isend(send[start:end], to, group=ring.group)
+    sends = [ring.isend(send[start:end], to)
              for start, end in _segments(send.numel(), element_size)]
     segments = _segments(recv.numel(), element_size)
-    receives = [dist.irecv(recv[start:end], source, group=ring.group) for start, end in segments]
+    receives = [ring.irecv(recv[start:end], source) for start, end in segments]
     # Recursive doubling adds into the very tensor it sends: a segment may change only once
     # it has left. (Each request is waited on exactly once: a gloo send waited on twice waits
     # for a second send that never comes.)
@@ -202,26 +220,48 @@ def _recv_buffer(numel: int, like: torch.Tensor) -> torch.Tensor:
     return buffer[:numel]
 
 
-def _ring_reduce_scatter_steps(flat: torch.Tensor, ring: _Ring) -> None:
-    chunks = chunk_bounds(flat.numel(), ring.size)
-    buffer = _recv_buffer(chunks[0][1] - chunks[0][0], flat)  # chunk 0 is the largest
-    for step in range(ring.size - 1):
-        # Send the chunk finished in the previous step (at step 0: our own copy of chunk r-1).
-        # The indices are chosen so that the last chunk this rank finishes is chunk `rank`.
-        send_start, send_end = chunks[(ring.rank - step - 1) % ring.size]
-        recv_start, recv_end = chunks[(ring.rank - step - 2) % ring.size]
-        _exchange(flat[send_start:send_end], buffer[: recv_end - recv_start], ring,
-                  add_to=flat[recv_start:recv_end])
+def _ring_steps(flat: torch.Tensor, ring: _Ring, first: int, steps: int, reduce_steps: int,
+                average: bool = False) -> None:
+    """`steps` steps around the ring: in step t this rank sends chunk `first` - t to its right
+    and receives chunk `first` - t - 1 from its left, adding it into its own copy in the first
+    `reduce_steps` steps (the reduce-scatter) and storing it in place after (the all-gather).
 
-
-def _ring_all_gather_steps(flat: torch.Tensor, ring: _Ring) -> None:
+    What a step receives is what the next one sends, so each segment is forwarded as soon as
+    it has been added: segments stream around the ring, the reduce-scatter runs straight into
+    the all-gather, and no rank waits for a whole chunk before passing it on. `average`
+    divides the last chunk reduced, this rank's own, before it goes round: N times less work
+    than dividing the whole tensor.
+    """
+    if steps == 0:  # one rank: nothing to send
+        return
     chunks = chunk_bounds(flat.numel(), ring.size)
-    for step in range(ring.size - 1):
-        # Forward the chunk received in the previous step (at step 0: our own chunk r); the
-        # incoming chunk lands straight in its place, so no buffer and no copy.
-        send_start, send_end = chunks[(ring.rank - step) % ring.size]
-        recv_start, recv_end = chunks[(ring.rank - step - 1) % ring.size]
-        _exchange(flat[send_start:send_end], flat[recv_start:recv_end], ring)
+    element_size = flat.element_size()
+    if reduce_steps:
+        buffer = _recv_buffer(chunks[0][1] - chunks[0][0], flat)  # chunk 0 is the largest
+
+    def segments(chunk: int) -> list[tuple[int, int]]:
+        start, end = chunks[chunk % ring.size]
+        return [(start + a, start + b) for a, b in _segments(end - start, element_size)]
+
+    sends = [ring.isend(flat[a:b], ring.right) for a, b in segments(first)]
+    for step in range(steps):
+        pieces = segments(first - step - 1)
+        reduce = step < reduce_steps
+        # Into the buffer to be added (it is free again: the last step's additions are done),
+        # or straight into place.
+        offset = pieces[0][0]
+        targets = [buffer[a - offset: b - offset] if reduce else flat[a:b] for a, b in pieces]
+        receives = [ring.irecv(target, ring.left) for target in targets]
+        for (a, b), target, receive in zip(pieces, targets, receives, strict=True):
+            receive.wait()
+            if reduce:
+                flat[a:b].add_(target)  # in the tensor's own dtype, as gloo does
+                if average and step == reduce_steps - 1:
+                    flat[a:b].div_(ring.size)
+            if step < steps - 1:
+                sends.append(ring.isend(flat[a:b], ring.right))
+    for send in sends:  # the tensor must not change before what it sent has left
+        send.wait()
 
 
 # --- Public collectives -------------------------------------------------------------------------
@@ -244,7 +284,8 @@ def ring_reduce_scatter(
     op_name = _reduce_op(op, tensor)
     ring = _ring(group, "ring_reduce_scatter")
     record("reduce_scatter", flat, group)
-    _ring_reduce_scatter_steps(flat, ring)
+    # Our own copy of chunk r-1 goes first; the last chunk this rank finishes is chunk r.
+    _ring_steps(flat, ring, ring.rank - 1, ring.size - 1, reduce_steps=ring.size - 1)
     start, end = chunk_bounds(flat.numel(), ring.size)[ring.rank]
     if op_name == "avg":
         flat[start:end].div_(ring.size)
@@ -260,7 +301,8 @@ def ring_all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
     flat = _flat(tensor, "ring_all_gather")
     ring = _ring(group, "ring_all_gather")
     record("all_gather", flat, group)
-    _ring_all_gather_steps(flat, ring)
+    # Our chunk r goes first; every chunk travels once around the ring.
+    _ring_steps(flat, ring, ring.rank, ring.size - 1, reduce_steps=0)
     return tensor
 
 
@@ -439,12 +481,8 @@ def _tree(flat: torch.Tensor, ring: _Ring, average: bool) -> None:
 
 
 def _ring_algorithm(flat: torch.Tensor, ring: _Ring, average: bool) -> None:
-    _ring_reduce_scatter_steps(flat, ring)
-    if average:
-        # Divide only the chunk this rank owns, before it is sent around: N times less work.
-        start, end = chunk_bounds(flat.numel(), ring.size)[ring.rank]
-        flat[start:end].div_(ring.size)
-    _ring_all_gather_steps(flat, ring)
+    # The reduce-scatter's N-1 steps, then the all-gather's, as one stream.
+    _ring_steps(flat, ring, ring.rank - 1, 2 * (ring.size - 1), ring.size - 1, average)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -637,7 +675,7 @@ def count_traffic() -> Iterator[TrafficLog]:
     API while the block runs: dist.send, dist.isend, dist.batch_isend_irecv (each P2POp with
     dist.isend), send_object_list, and the rings of this module. `bytes_sent` adds up
     numel * element_size of each sent tensor (payload only, no headers); `messages` counts
-    sends (a message over `SEGMENT_BYTES` counts once per segment). Receives are not counted,
+    sends (a message sent in segments counts once per segment). Receives are not counted,
     nor the bytes of collectives that torch runs as one call (dist.all_reduce, ...): those
     run in C++, where no Python-level send sees them; their calls are in `collectives` when a
     minidist module made them.
