@@ -159,10 +159,13 @@ def _exchange(send: torch.Tensor, recv: torch.Tensor, ring: _Ring,
     to = ring.right if to is None else to
     source = ring.left if source is None else source
     element_size = send.element_size()
-    sends = [ring.isend(send[start:end], to)
-             for start, end in _segments(send.numel(), element_size)]
+    # Receives are posted before sends: a gloo send waits until the peer has posted the
+    # matching receive, so posting ours first lets the peer's data start moving at once.
+    # Measured on 2 ranks, 256 KiB to 4 MiB: recursive doubling 0.75-0.9x -> 0.9-1.05x gloo.
     segments = _segments(recv.numel(), element_size)
     receives = [ring.irecv(recv[start:end], source) for start, end in segments]
+    sends = [ring.isend(send[start:end], to)
+             for start, end in _segments(send.numel(), element_size)]
     # Recursive doubling adds into the very tensor it sends: a segment may change only once
     # it has left. (Each request is waited on exactly once: a gloo send waited on twice waits
     # for a second send that never comes.)
@@ -209,11 +212,12 @@ def _reduce_op(op: str | dist.ReduceOp.RedOpType, tensor: torch.Tensor) -> str:
 # seen, S/N bytes). A fresh buffer per call would cost more than it looks: glibc hands blocks
 # over 32 MB back to the OS when freed, and page-faulting one back in on every call took about
 # as long as moving the data (ring all-reduce of 64 MB on 2 ranks ran at 0.6x gloo, now ~0.9x).
-_recv_buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+# The ring keeps two (`slot` 0 and 1): it receives a step ahead while adding the last one.
+_recv_buffers: dict[tuple[torch.dtype, torch.device, int], torch.Tensor] = {}
 
 
-def _recv_buffer(numel: int, like: torch.Tensor) -> torch.Tensor:
-    key = (like.dtype, like.device)
+def _recv_buffer(numel: int, like: torch.Tensor, slot: int = 0) -> torch.Tensor:
+    key = (like.dtype, like.device, slot)
     buffer = _recv_buffers.get(key)
     if buffer is None or buffer.numel() < numel:
         buffer = _recv_buffers[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
@@ -231,27 +235,44 @@ def _ring_steps(flat: torch.Tensor, ring: _Ring, first: int, steps: int, reduce_
     the all-gather, and no rank waits for a whole chunk before passing it on. `average`
     divides the last chunk reduced, this rank's own, before it goes round: N times less work
     than dividing the whole tensor.
+
+    A step's receives are posted one step ahead, before this rank forwards anything: a gloo
+    send waits until its receive is posted, so each forwarded segment can leave at once
+    instead of waiting for the neighbour to finish its own step. The reduce-scatter receives
+    into two buffers in turn, one filling while the other is added. (Receiving in place in
+    the all-gather is safe too: a chunk comes back only after what this rank sent of it
+    has arrived.) Measured in alternating runs, the ring gained ~5% at N = 2 and N = 4.
     """
     if steps == 0:  # one rank: nothing to send
         return
     chunks = chunk_bounds(flat.numel(), ring.size)
     element_size = flat.element_size()
-    if reduce_steps:
-        buffer = _recv_buffer(chunks[0][1] - chunks[0][0], flat)  # chunk 0 is the largest
+    largest = chunks[0][1] - chunks[0][0]  # chunk 0 is the largest
+    buffers = [_recv_buffer(largest, flat, slot) for slot in range(min(reduce_steps, 2))]
 
     def segments(chunk: int) -> list[tuple[int, int]]:
         start, end = chunks[chunk % ring.size]
         return [(start + a, start + b) for a, b in _segments(end - start, element_size)]
 
+    def post_receives(step: int) -> tuple[list[tuple[int, int]], list, list[dist.Work]]:
+        """Step `step`'s segments, where they land (a buffer to be added, or in place), and
+        their posted receives."""
+        pieces = segments(first - step - 1)
+        offset = pieces[0][0]
+        if step < reduce_steps:
+            buffer = buffers[step % 2]
+            targets = [buffer[a - offset: b - offset] for a, b in pieces]
+        else:
+            targets = [flat[a:b] for a, b in pieces]
+        return pieces, targets, [ring.irecv(target, ring.left) for target in targets]
+
+    upcoming = post_receives(0)
     sends = [ring.isend(flat[a:b], ring.right) for a, b in segments(first)]
     for step in range(steps):
-        pieces = segments(first - step - 1)
+        pieces, targets, receives = upcoming
+        if step < steps - 1:  # its buffer's additions, two steps back, are done
+            upcoming = post_receives(step + 1)
         reduce = step < reduce_steps
-        # Into the buffer to be added (it is free again: the last step's additions are done),
-        # or straight into place.
-        offset = pieces[0][0]
-        targets = [buffer[a - offset: b - offset] if reduce else flat[a:b] for a, b in pieces]
-        receives = [ring.irecv(target, ring.left) for target in targets]
         for (a, b), target, receive in zip(pieces, targets, receives, strict=True):
             receive.wait()
             if reduce:
