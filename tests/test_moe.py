@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from minidist import comm
 from minidist.launch import run
 from minidist.moe import MoELayer
 
@@ -49,13 +50,16 @@ def _expert_parallel(rank: int, world_size: int) -> list[dict]:
         layer = MoELayer(HIDDEN, FFN, EXPERTS, TOP_K, group=group,
                          capacity_factor=factor).load_from(full)
         x = inputs[rank].clone().requires_grad_()
-        out = layer(x)
-        (out * output_weights[rank]).sum().backward()
+        with comm.count_traffic() as log:
+            out = layer(x)
+            (out * output_weights[rank]).sum().backward()
         results.append({
             "out": out.detach(), "x_grad": x.grad, "router_grad": layer.router.weight.grad,
             "experts": {layer.first_expert + i: {n: p.grad for n, p in e.named_parameters()}
                         for i, e in enumerate(layer.experts)},
             "dropped": layer.dropped, "load": layer.load,
+            "all_to_all": {when: (log.calls("all_to_all", when), log.nbytes("all_to_all", when))
+                           for when in ("forward", "backward", "counts")},
         })
     with pytest.raises(ValueError) as error:
         MoELayer(HIDDEN, FFN, 6, TOP_K, group=groups[4][0])
@@ -80,8 +84,8 @@ def test_expert_parallel_equals_the_loop_over_experts_on_ep_2_and_4():
                 error = (got["out"] - out).abs().max().item()
                 assert error < TOL, f"{label}: expected the loop's output, max error {error:.2e}"
                 error = (got["x_grad"] - x.grad).abs().max().item()
-                assert error < TOL, f"{label}: expected the loop's input gradient, max error " \
-                                    f"{error:.2e}"
+                assert error < TOL, (
+                    f"{label}: expected the loop's input gradient, max error {error:.2e}")
                 assert got["dropped"] == dropped, (
                     f"{label}: expected {dropped} dropped assignments, got {got['dropped']}")
                 if factor is not None:
@@ -92,6 +96,14 @@ def test_expert_parallel_equals_the_loop_over_experts_on_ep_2_and_4():
                 assert torch.equal(got["load"], expected_load), (
                     f"{label}: expected load {expected_load.tolist()}, got {got['load'].tolist()}")
                 expected_router += got["router_grad"]  # the router is replicated: sum it
+                calls = {when: c for when, (c, _) in got["all_to_all"].items()}
+                assert calls == {"forward": 2, "backward": 2, "counts": 1}, (
+                    f"{label}: expected all-to-alls dispatch + combine forward, their two "
+                    f"backward, one of the counts; got {calls}")
+                sent = {when: b for when, (_, b) in got["all_to_all"].items()}
+                assert sent["forward"] == sent["backward"], (
+                    f"{label}: backward sends back what forward received: expected "
+                    f"{sent['forward']} bytes, got {sent['backward']}")
             error = (expected_router - full.router.weight.grad).abs().max().item()
             assert error < TOL, f"EP {ep}: router gradient summed over ranks, max error {error:.2e}"
             for rank in members:

@@ -20,6 +20,8 @@ group; each rank routes its own tokens, and one forward is
 
 Per layer that is two all-to-alls forward (dispatch, combine) and two backward (REFERENCE.md,
 "mixture of experts"): the backward of an all-to-all is the all-to-all with the splits swapped.
+Each is recorded for `minidist.comm.count_traffic()` as an "all_to_all" with the bytes that
+leave the rank, `when` "forward", "backward", or "counts" for the exchange of the sizes.
 Each step is a small function here, so that a lab can have students write it and check it.
 """
 
@@ -32,6 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from minidist import comm
 from minidist._checks import positive, positive_int, require_process_group
 from minidist.models import FeedForward
 
@@ -74,6 +77,9 @@ def exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup) -> torch.Ten
     sends to each of this rank's experts. Both sides of the token all-to-all need the sizes."""
     ranks = dist.get_world_size(group)
     received = torch.empty_like(counts)
+    # each rank keeps its own E/P counts and sends the rest
+    comm.record("all_to_all", counts.element_size() * counts.numel() * (ranks - 1) // ranks,
+                group, "counts")
     dist.all_to_all_single(received, counts, group=group)
     return received.view(ranks, -1)
 
@@ -85,16 +91,20 @@ class AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, send_sizes, receive_sizes, group):
         ctx.sizes, ctx.group = (send_sizes, receive_sizes), group
-        return _all_to_all(x, send_sizes, receive_sizes, group)
+        return _all_to_all(x, send_sizes, receive_sizes, group, "forward")
 
     @staticmethod
     def backward(ctx, grad):
         send_sizes, receive_sizes = ctx.sizes
-        return _all_to_all(grad, receive_sizes, send_sizes, ctx.group), None, None, None
+        return _all_to_all(grad, receive_sizes, send_sizes, ctx.group, "backward"), None, None, None
 
 
 def _all_to_all(x: torch.Tensor, send_sizes: list[int], receive_sizes: list[int],
-                group: dist.ProcessGroup) -> torch.Tensor:
+                group: dist.ProcessGroup, when: str) -> torch.Tensor:
+    """The all-to-all itself, recorded with the bytes that leave this rank."""
+    row_bytes = math.prod(x.shape[1:]) * x.element_size()
+    leaving = sum(send_sizes) - send_sizes[dist.get_rank(group)]
+    comm.record("all_to_all", leaving * row_bytes, group, when)
     out = x.new_empty(sum(receive_sizes), *x.shape[1:])
     dist.all_to_all_single(out, x.contiguous(), receive_sizes, send_sizes, group=group)
     return out
@@ -114,6 +124,21 @@ def run_experts(experts: nn.ModuleList, tokens: torch.Tensor, counts: torch.Tens
     chunks = tokens.split(counts.flatten().tolist())
     local = len(experts)
     return torch.cat([experts[i % local](chunk) for i, chunk in enumerate(chunks)])
+
+
+def dispatch_and_combine(outgoing: torch.Tensor, counts: torch.Tensor, experts: nn.ModuleList,
+                         group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The expert-parallel heart of a forward: `outgoing` holds this rank's token rows sorted
+    by expert, `counts` [E] how many go to each expert. Counts -> split sizes -> all-to-all
+    -> this rank's experts -> all-to-all back; returns each row's expert output, in
+    `outgoing`'s order. Without a group, every expert is local and nothing is sent."""
+    if group is None:
+        return run_experts(experts, outgoing, counts.view(1, -1))
+    received_counts = exchange_counts(counts, group)
+    send = split_sizes(counts, dist.get_world_size(group))
+    receive = received_counts.sum(1).tolist()
+    incoming = all_to_all(outgoing, send, receive, group)
+    return all_to_all(run_experts(experts, incoming, received_counts), receive, send, group)
 
 
 class MoELayer(nn.Module):
@@ -170,15 +195,8 @@ class MoELayer(nn.Module):
         # the kept assignments sorted by expert, so each rank's tokens are one contiguous run
         order = kept[torch.sort(expert_of[kept], stable=True).indices]
         counts = tokens_per_expert(expert_of[order], self.num_experts)
-        outgoing = tokens[order // self.top_k]
-        if self.group is None:
-            results = run_experts(self.experts, outgoing, counts.view(1, -1))
-        else:
-            received_counts = exchange_counts(counts, self.group)
-            send, receive = split_sizes(counts, self.ranks), received_counts.sum(1).tolist()
-            incoming = all_to_all(outgoing, send, receive, self.group)
-            outputs = run_experts(self.experts, incoming, received_counts)
-            results = all_to_all(outputs, receive, send, self.group)
+        results = dispatch_and_combine(tokens[order // self.top_k], counts, self.experts,
+                                       self.group)
         weighted = results * weights.flatten()[order].unsqueeze(1)
         combined = torch.zeros_like(tokens).index_add(0, order // self.top_k, weighted)
         return combined.view_as(x)

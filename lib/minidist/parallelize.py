@@ -106,14 +106,21 @@ class TinyGPTStage(nn.Module):
 
 class Parallel3D:
     """One rank's part of a TinyGPT trained on a dp·pp·tp mesh (see the module doc); made by
-    `parallelize`."""
+    `parallelize`.
+
+    `stage` is this rank's TinyGPTStage, `optimizer` its optimizer (a ZeroOptimizer under
+    ZeRO-1), `schedule` the pipeline schedule. After each `step`, `traffic` maps "tp", "pp"
+    and "dp" to what this rank sent along that dimension (a `minidist.traffic.Traffic`:
+    the tensor-parallel collectives during the pipeline, its point-to-point sends, and the
+    data-parallel collectives after it); `expected_traffic()` holds the formulas for it.
+    """
 
     def __init__(self, model: TinyGPT, mesh: Mesh, optimizer_factory: OptimizerFactory,
                  microbatches: int, schedule: str, zero_stage: int, sequence_parallel: bool):
         self.mesh, self.microbatches, self.zero_stage = mesh, microbatches, zero_stage
         self.dp, self.pp, self.tp = mesh.size("dp"), mesh.size("pp"), mesh.size("tp")
         self.sequence_parallel = sequence_parallel and self.tp > 1
-        self.hidden = model.tok_emb.embedding_dim
+        self.hidden, self.max_seq = model.tok_emb.embedding_dim, model.max_seq
         self.stage_index = mesh.coord("pp")
         self.schedule = pipeline.schedule(schedule, ranks=self.pp, microbatches=microbatches)
         first, end = comm.chunk_bounds(len(model.blocks), self.pp)[self.stage_index]
@@ -139,7 +146,7 @@ class Parallel3D:
         every rank): this rank trains on its DP slice, cut into microbatches. Returns the mean
         loss over the whole batch, the same number on every rank."""
         batch, seq = _check_batch(ids, targets, self.dp, self.microbatches,
-                                  self.tp if self.sequence_parallel else 1)
+                                  self.tp if self.sequence_parallel else 1, self.max_seq)
         self._shape = (batch // (self.dp * self.microbatches), seq)
         mine = slice(self.mesh.coord("dp") * batch // self.dp,
                      (self.mesh.coord("dp") + 1) * batch // self.dp)
@@ -154,12 +161,13 @@ class Parallel3D:
             if self.zero_stage == 0 and self.dp_group is not None:
                 ddp.all_reduce_gradients_flat(self.stage, group=self.dp_group)
             self.optimizer.step()
-        # pipeline_exec sends point to point; tensor parallelism runs collectives
-        sends = (traffic.Collective("send", pipeline_log.bytes_sent / pipeline_log.messages, 2,
-                                    pipeline_log.messages, "activations and gradients")
-                 if pipeline_log.messages else None)
-        self.traffic = {"tp": pipeline_log.traffic, "pp": traffic.Traffic((sends,) if sends
-                                                                           else ()),
+        # During the pipeline, the point-to-point sends are the pipeline's (all one size: an
+        # activation or its gradient) and the collectives are tensor parallelism's.
+        sends: tuple[traffic.Collective, ...] = ()
+        if pipeline_log.messages:
+            sends = (traffic.Collective("send", pipeline_log.bytes_sent // pipeline_log.messages,
+                                        2, pipeline_log.messages, "activations and gradients"),)
+        self.traffic = {"tp": pipeline_log.traffic, "pp": traffic.Traffic(sends),
                         "dp": data_log.traffic}
         return self._global_mean(trace.losses)
 
@@ -197,11 +205,14 @@ class Parallel3D:
 
 
 def _check_batch(ids: torch.Tensor, targets: torch.Tensor, dp: int, microbatches: int,
-                 sequence_split: int) -> tuple[int, int]:
+                 sequence_split: int, max_seq: int) -> tuple[int, int]:
     if ids.dim() != 2 or ids.shape != targets.shape:
         raise ValueError(f"ids {tuple(ids.shape)} and targets {tuple(targets.shape)} must both "
                          f"be [batch, seq]")
     batch, seq = ids.shape
+    if seq > max_seq:
+        raise ValueError(f"sequence length {seq} exceeds the model's max_seq={max_seq}: use "
+                         f"shorter sequences or a model with a larger max_seq")
     if batch % (dp * microbatches):
         raise ValueError(
             f"global batch {batch} is not divisible by dp·microbatches = {dp}·{microbatches} = "

@@ -26,17 +26,18 @@ class Collective:
     """`count` runs of collective `op` on a tensor of `nbytes` bytes over `group` ranks;
     `when` says where in the step (e.g. "forward", "gradients, after backward")."""
 
-    op: str  # "all_reduce", "reduce_scatter", "all_gather", "broadcast" or "send"
-    nbytes: float  # the full tensor reduced or produced (the message, for send)
+    op: str  # "all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "all_to_all"
+    nbytes: float  # the full tensor reduced or produced (the message, for send; for
+    # all_to_all, what this rank sends to the other ranks)
     group: int  # ranks in the group (2 for a point-to-point send)
     count: int = 1
     when: str = ""
 
     @property
     def bytes_sent(self) -> float:
-        """Bytes each rank sends: ring algorithms (minidist.cost), or the message for send.
-        A broadcast has none: its root sends more than the other ranks."""
-        if self.op == "send":
+        """Bytes each rank sends: ring algorithms (minidist.cost), or the message for send
+        and all_to_all. A broadcast has none: its root sends more than the other ranks."""
+        if self.op in ("send", "all_to_all"):
             return self.count * self.nbytes
         return self.count * ring_bytes_sent(self.op, self.nbytes, self.group)
 

@@ -1,14 +1,21 @@
-"""minidist.parallelize: TP x PP x DP/ZeRO on 8 ranks trains exactly like one process, sends
-what minidist.traffic.mesh_traffic predicts per mesh dimension, and rejects bad layouts with a
-clear error before any rank communicates. One launch of 8 ranks checks every layout."""
+"""minidist.mesh and minidist.parallelize on 8 ranks: the mesh's groups are init_device_mesh's,
+TP x PP x DP/ZeRO trains exactly like one process and sends what
+minidist.traffic.mesh_traffic predicts per mesh dimension, and bad layouts are clear errors
+before any rank communicates. One launch of 8 ranks checks every layout."""
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from minidist.launch import run
-from minidist.mesh import Mesh
+from minidist.mesh import DIMS, Mesh, group_ranks
 from minidist.models import TinyGPT
 from minidist.parallelize import parallelize
+from minidist.traffic import mesh_traffic
+
+# One worker runs every test here, so the 8-rank launch (the module fixture) runs once.
+pytestmark = pytest.mark.xdist_group("parallel3d")
 
 VOCAB, HIDDEN, HEADS, LAYERS, SEQ, BATCH = 32, 16, 4, 4, 8, 8
 STEPS, LR = 3, 1e-2
@@ -48,6 +55,17 @@ def _train_every_layout(rank: int, world_size: int) -> dict:
     results, meshes = {}, {}
     for dp, pp, tp, m, zero, sp, schedule in LAYOUTS:
         mesh = meshes[dp, pp, tp] = Mesh(dp=dp, pp=pp, tp=tp)
+        theirs = init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=DIMS)
+        groups = {
+            "ours": {d: mesh.ranks(d) for d in DIMS},
+            "torch": {d: dist.get_process_group_ranks(theirs.get_group(d)) for d in DIMS},
+            "to_torch": {d: dist.get_process_group_ranks(mesh.to_torch().get_group(d))
+                         for d in DIMS},
+            "names": mesh.to_torch().mesh_dim_names,
+            "coords": {d: mesh.coord(d) for d in DIMS},
+            "torch_coords": dict(zip(DIMS, theirs.get_coordinate(), strict=True)),
+            "sizes": {d: mesh.size(d) for d in DIMS},
+        }
         parallel = parallelize(_model(), mesh, _adamw, microbatches=m, schedule=schedule,
                                zero_stage=zero, sequence_parallel=sp)
         losses, traffic = [], None
@@ -58,7 +76,7 @@ def _train_every_layout(rank: int, world_size: int) -> dict:
                 traffic = {dim: (parallel.traffic[dim].bytes_sent, expected[dim].bytes_sent)
                            for dim in ("tp", "pp", "dp")}
         results[dp, pp, tp] = {"losses": losses, "state": parallel.full_state_dict(),
-                               "traffic": traffic}
+                               "traffic": traffic, "groups": groups}
     model = _model()
     results["errors"] = {
         "heads": _error(lambda: parallelize(_model(hidden=12, heads=6), meshes[1, 2, 4],
@@ -90,6 +108,32 @@ def per_rank() -> list[dict]:
     return run(_train_every_layout, 8, timeout=600)
 
 
+def test_group_ranks_tp_fastest_then_dp_then_pp():
+    sizes = {"pp": 2, "dp": 2, "tp": 2}
+    expected = {"tp": [[0, 1], [2, 3], [4, 5], [6, 7]], "dp": [[0, 2], [1, 3], [4, 6], [5, 7]],
+                "pp": [[0, 4], [1, 5], [2, 6], [3, 7]]}
+    for dim, groups in expected.items():
+        got = group_ranks(sizes, dim)
+        assert got == groups, f"{dim} groups: expected {groups}, got {got}"
+    with pytest.raises(ValueError, match="dim='ep'"):
+        group_ranks(sizes, "ep")
+
+
+def test_mesh_groups_equal_init_device_mesh_for_every_layout(per_rank):
+    for dp, pp, tp, *_ in LAYOUTS:
+        for rank, result in enumerate(per_rank):
+            found = result[dp, pp, tp]["groups"]
+            label = f"rank {rank}, dp={dp} pp={pp} tp={tp}"
+            assert found["ours"] == found["torch"] == found["to_torch"], (
+                f"{label}: expected init_device_mesh's groups {found['torch']}, got "
+                f"{found['ours']} (to_torch: {found['to_torch']})")
+            assert found["names"] == DIMS, f"expected dim names {DIMS}, got {found['names']}"
+            assert found["coords"] == found["torch_coords"], (
+                f"{label}: expected coordinates {found['torch_coords']}, got {found['coords']}")
+            assert found["sizes"] == {"pp": pp, "dp": dp, "tp": tp}, (
+                f"{label}: expected those sizes, got {found['sizes']}")
+
+
 def test_every_layout_trains_like_one_process(per_rank):
     losses, state = _single_process()
     for dp, pp, tp, m, zero, sp, schedule in LAYOUTS:
@@ -116,6 +160,24 @@ def test_bytes_per_mesh_dimension_equal_the_formulas(per_rank):
                 assert (counted > 0) == (size > 1), (
                     f"dp={dp} pp={pp} tp={tp}, rank {rank}: {dim} of size {size} sent "
                     f"{counted:.0f} bytes")
+
+
+def test_mesh_traffic_adds_up_lab_02s_formulas():
+    """First of 2 stages, tp=2, dp=2, ZeRO-1, 2 blocks, 2 microbatches of 1·8·16 fp32."""
+    got = mesh_traffic(stage=0, pp=2, dp=2, tp=2, blocks=2, num_params=1000, param_tensors=10,
+                       seq_len=8, micro_batch=1, hidden=16, microbatches=2)
+    activation = 1 * 8 * 16 * 4
+    expected = {
+        "tp": 2 * 2 * 4 * activation,  # 4 all-reduces per block and microbatch, 2(t-1)/t = 1
+        "pp": 2 * activation,  # the first stage sends activations only
+        "dp": 1000 * 4 + 10 * 4,  # reduce-scatter + all-gather, (N-1)/N = 1/2 each; flags
+    }
+    for dim, want in expected.items():
+        assert got[dim].bytes_sent == want, (
+            f"{dim}: expected {want} bytes sent, got {got[dim].bytes_sent}")
+    with pytest.raises(ValueError, match="stage=2"):
+        mesh_traffic(stage=2, pp=2, dp=1, tp=1, blocks=1, num_params=1, param_tensors=1,
+                     seq_len=1, micro_batch=1, hidden=1, microbatches=1)
 
 
 def test_bad_layouts_are_clear_errors(per_rank):
