@@ -162,8 +162,9 @@ def stale_gradient_descent(curvatures: Sequence[float], lr: float, staleness: in
     gradient is `staleness` updates old: x_{t+1} = x_t − lr · ∇f(x_{t−τ}).
 
     The model of an asynchronous parameter server with a fixed delay τ: no ranks, no noise.
-    With τ = 0 it converges for lr·c < 2; a delay shrinks the stable learning rates (roughly
-    lr·c < 1/τ for large τ) and makes the loss oscillate before it falls."""
+    Each coordinate converges iff lr·c < 2 sin(π / (2(2τ+1))) (Levin & May 1976): 2 for τ = 0,
+    1 for τ = 1, about π/(2τ) for large τ. A delay shrinks the stable learning rates, and near
+    the bound the loss oscillates as it falls."""
     positive(lr=lr)
     positive_int(steps=steps)
     if staleness < 0:
