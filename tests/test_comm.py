@@ -16,6 +16,7 @@ import torch.distributed as dist
 from minidist import comm, sharding
 from minidist.cost import (
     ALL_REDUCE_ALGORITHMS,
+    AlgorithmLinks,
     AlphaBeta,
     all_reduce_bytes_sent,
     ring_bytes_sent,
@@ -124,20 +125,32 @@ def _check_all_reduce_bytes(rank: int, world_size: int) -> list[str]:
 
 def _check_auto(rank: int, world_size: int) -> list[str]:
     failures = []
-    link = comm.fit_link()
-    if comm.fit_link() is not link:
-        failures.append("fit_link measured again instead of keeping the group's link")
-    links = [None] * world_size
-    dist.all_gather_object(links, link)
-    if any(other != link for other in links):
-        failures.append(f"ranks fitted different links: {links}")
-    # A link given explicitly decides: latency-bound picks fewest steps, bandwidth-bound fewest
-    # bytes. The bytes sent show which algorithm ran (sizes that every chunking divides).
+    with comm.count_traffic() as fitting:
+        links = comm.fit_links()
+    if comm.fit_links() is not links:
+        failures.append("fit_links measured again instead of keeping the group's links")
+    if fitting.bytes_sent or fitting.collectives:
+        failures.append(f"fit_links' own timings were counted: {fitting}")
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, links)
+    if any(other != links for other in everyone):
+        failures.append(f"ranks fitted different links: {everyone}")
+    if world_size > 1 and any(link.alpha <= 0 and link.beta <= 0 for _, link in links.links):
+        failures.append(f"an algorithm fitted no cost at all: {links}")
+    # Links given explicitly decide: one AlphaBeta for all (latency-bound picks fewest steps,
+    # bandwidth-bound fewest bytes), or each algorithm's own, where a cheap one must win. The
+    # bytes sent show which algorithm ran (sizes that every chunking divides).
+    cheap_tree = AlgorithmLinks(world_size, tuple(
+        (name, AlphaBeta(1e-9, 1e-12) if name == "tree" else AlphaBeta(1e-3, 1e-6))
+        for name in ALL_REDUCE_ALGORITHMS))
     for given, numel in ((AlphaBeta(alpha=1e-3, beta=1e-12), 3840),
-                         (AlphaBeta(alpha=1e-9, beta=1e-6), 3840), (link, 240), (link, 240 * 4096)):
+                         (AlphaBeta(alpha=1e-9, beta=1e-6), 3840), (cheap_tree, 3840),
+                         (links, 240), (links, 240 * 4096)):
         chosen = given.best_all_reduce(numel * 4, world_size)
+        if given is cheap_tree and world_size > 1 and chosen != "tree":
+            failures.append(f"links where the tree costs least chose {chosen}")
         with comm.count_traffic() as counter:
-            comm.all_reduce(torch.zeros(numel), algorithm="auto", link=None if given is link
+            comm.all_reduce(torch.zeros(numel), algorithm="auto", link=None if given is links
                             else given)
         expected = all_reduce_bytes_sent(chosen, numel * 4, world_size, rank)
         if counter.bytes_sent != expected:

@@ -9,6 +9,7 @@ import pytest
 from minidist.cost import (
     ALL_REDUCE_ALGORITHMS,
     COLLECTIVES,
+    AlgorithmLinks,
     AlphaBeta,
     all_reduce_bytes_sent,
     all_reduce_coefficients,
@@ -17,6 +18,7 @@ from minidist.cost import (
     busbw_factor,
     collective_time,
     crossover_size,
+    fit_all_reduce,
     fit_alpha_beta,
     reduction_coefficient,
     ring_bytes_sent,
@@ -215,3 +217,43 @@ def test_additions_make_the_ring_win_large_tensors_on_two_ranks() -> None:
         2 * alpha + MB * beta + 0.5 * MB * gamma
     )
     assert str(link) == "alpha = 50.0 us, bandwidth = 1.00 GB/s, additions at 5.00 GB/s"
+
+
+def test_each_algorithm_fits_its_own_link_and_the_cheapest_prediction_wins() -> None:
+    # Where ranks share cores the tree's one-way sends cost less per byte than the others'
+    # exchanges: with each algorithm's own link it wins large tensors, though one shared link
+    # (the textbook model) says it never does.
+    true = {"ring": AlphaBeta(60e-6, 1.0e-9), "recursive_doubling": AlphaBeta(30e-6, 1.2e-9),
+            "tree": AlphaBeta(40e-6, 0.3e-9), "rabenseifner": AlphaBeta(50e-6, 1.1e-9)}
+    sizes = [4**k for k in range(5, 12)]
+    fitted = AlgorithmLinks(4, tuple(
+        (name, fit_all_reduce(name, 4, sizes, [
+            all_reduce_time(name, s, 4, true[name].alpha, true[name].beta) for s in sizes]))
+        for name in ALL_REDUCE_ALGORITHMS))
+    for name in ALL_REDUCE_ALGORITHMS:
+        assert fitted[name].alpha == pytest.approx(true[name].alpha, rel=1e-6), name
+        assert fitted[name].beta == pytest.approx(true[name].beta, rel=1e-6), name
+    assert fitted.predict("tree", MB) == pytest.approx(4 * 40e-6 + 4 * MB * 0.3e-9)
+    assert fitted.best_all_reduce(1024, 4) == "recursive_doubling"
+    assert fitted.best_all_reduce(64 * MB, 4) == "tree"
+    assert best_all_reduce(64 * MB, 4, 60e-6, 1.0e-9) == "rabenseifner"
+    assert str(fitted).splitlines()[2] == (
+        "tree                alpha = 40.0 us, bandwidth = 3.33 GB/s")
+
+
+def test_fits_weigh_every_size_alike_and_bad_links_are_clear() -> None:
+    # A 10% error on the largest time must not swamp the smallest: alpha stays near the truth.
+    sizes = [2**12, 2**16, 2**20, 2**22]
+    times = [all_reduce_time("tree", s, 2, 50e-6, 1e-9) for s in sizes]
+    times[-1] *= 1.1
+    assert fit_all_reduce("tree", 2, sizes, times).alpha == pytest.approx(50e-6, rel=0.1)
+    with pytest.raises(ValueError, match="times must be > 0"):
+        fit_all_reduce("ring", 2, [1, 2], [0.0, 1.0])
+    with pytest.raises(ValueError, match="'butterfly'"):
+        fit_all_reduce("butterfly", 2, [1, 2], [1.0, 1.0])
+    with pytest.raises(ValueError, match="links must name each of"):
+        AlgorithmLinks(2, (("ring", AlphaBeta(1e-5, 1e-9)),))
+    links = AlgorithmLinks(2, tuple((name, AlphaBeta(1e-5, 1e-9))
+                                    for name in ALL_REDUCE_ALGORITHMS))
+    with pytest.raises(ValueError, match="fitted on 2 ranks, not world_size=4"):
+        links.best_all_reduce(1024, 4)

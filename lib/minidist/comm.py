@@ -25,7 +25,8 @@ larger steps. `all_reduce(tensor, algorithm=...)` offers, besides "ring", "recur
 (log2 N steps of the whole tensor), "tree" (a binomial-tree reduce, then a broadcast) and
 "rabenseifner" (reduce-scatter by recursive halving, all-gather by recursive doubling: the
 ring's bytes in 2 log2 N steps), all from the same point-to-point sends; "auto" picks by the
-alpha-beta model fitted on this machine (`fit_link`). `minidist.cost` has their costs.
+alpha-beta model, each algorithm's own alpha and beta fitted on this machine (`fit_links`).
+`minidist.cost` has their costs.
 
 `count_traffic()` is how every parallelism in minidist reports what it sends: inside its block
 it counts the point-to-point bytes and messages this rank sends, and keeps one
@@ -46,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from minidist._checks import require_process_group
-from minidist.cost import ALL_REDUCE_ALGORITHMS, AlphaBeta, fit_alpha_beta
+from minidist.cost import ALL_REDUCE_ALGORITHMS, AlgorithmLinks, AlphaBeta, fit_all_reduce
 from minidist.traffic import Collective, Traffic
 
 _TORCH_OP_NAMES = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg"}
@@ -507,7 +508,7 @@ def _ring_algorithm(flat: torch.Tensor, ring: _Ring, average: bool) -> None:
 
 
 @functools.lru_cache(maxsize=4096)
-def _best_all_reduce(link: AlphaBeta, nbytes: int, world_size: int) -> str:
+def _best_all_reduce(link: AlphaBeta | AlgorithmLinks, nbytes: int, world_size: int) -> str:
     """link.best_all_reduce, remembered: training all-reduces the same sizes every step, and
     small tensors take only tens of microseconds to all-reduce."""
     return link.best_all_reduce(nbytes, world_size)
@@ -526,7 +527,7 @@ def all_reduce(
     op: str | dist.ReduceOp.RedOpType = "sum",
     group: dist.ProcessGroup | None = None,
     algorithm: str = "auto",
-    link: AlphaBeta | None = None,
+    link: AlphaBeta | AlgorithmLinks | None = None,
 ) -> torch.Tensor:
     """Sum or average `tensor` over all ranks in place with `algorithm`; returns it.
 
@@ -535,11 +536,12 @@ def all_reduce(
     "recursive_doubling" log2 N           log2 N * S
     "tree"               2 log2 N         log2 N * S (rank 0, in the broadcast)
     "rabenseifner"       2 log2 N         2(N-1)/N * S
-    "auto"               whichever `minidist.cost.best_all_reduce` predicts fastest on `link`
+    "auto"               whichever `link.best_all_reduce` predicts fastest
 
-    `link` is the fitted link (alpha, beta and the additions' gamma) that "auto" decides
-    with; by default the one `fit_link(group)` measures on the first "auto" call and keeps
-    for the group. Every rank must pass the same `algorithm`, `link` and tensor size. Full
+    `link` is what "auto" decides with: an `AlgorithmLinks` (each algorithm's own alpha and
+    beta), by default the one `fit_links(group)` measures on the first "auto" call and keeps
+    for the group, or one `AlphaBeta` for every algorithm (the textbook model, with the
+    additions' gamma). Every rank must pass the same `algorithm`, `link` and tensor size. Full
     costs, N not a power of two included, are in `minidist.cost` (Thakur, Rabenseifner &
     Gropp 2005). Additions happen in the tensor's own dtype, in an order that differs between
     algorithms, so floating-point results may differ in the last bits.
@@ -553,7 +555,7 @@ def all_reduce(
     op_name = _reduce_op(op, tensor)
     ring = _ring(group, "all_reduce")
     if algorithm == "auto":
-        algorithm = _best_all_reduce(link or fit_link(group),
+        algorithm = _best_all_reduce(link or fit_links(group),
                                      flat.numel() * flat.element_size(), ring.size)
     record("all_reduce", flat, group)
     if ring.size > 1:
@@ -561,55 +563,56 @@ def all_reduce(
     return tensor
 
 
-# Sizes "auto" fits its link on: small ones pin alpha, large ones beta (4 KiB .. 4 MiB).
-_FIT_SIZES = (2**12, 2**16, 2**20, 2**22)
-_links: dict[dist.ProcessGroup, AlphaBeta] = {}
+# Sizes each algorithm is timed at to fit its link: small ones pin alpha, large ones beta.
+_FIT_SIZES = (2**12, 2**16, 2**18, 2**20, 2**22)
+_links: dict[dist.ProcessGroup, AlgorithmLinks] = {}
 
 
-def fit_link(group: dist.ProcessGroup | None = None, repeats: int = 3) -> AlphaBeta:
-    """The link of `group` as "auto" sees it, measured on the first call and kept per group.
+def fit_links(group: dist.ProcessGroup | None = None, repeats: int = 3) -> AlgorithmLinks:
+    """Each all-reduce algorithm's own link on `group`, as "auto" sees it: measured on the
+    first call and kept per group.
 
-    gamma: the fastest of `repeats` timings of adding two 4 MiB tensors, per byte. alpha and
-    beta: `ring_all_reduce` timed at 4 KiB .. 4 MiB (the fastest of `repeats` each), less the
-    ring's additions ((N-1)/N * S * gamma), fitted to t = 2(N-1) alpha + 2(N-1)/N S beta as
-    Lab 01 does. Timings are taken on the slowest rank, so every rank fits the same link and
-    "auto" makes the same choice everywhere. About 0.1 s; every member of the group must call
-    it (as "auto" does), at the same time.
+    Every algorithm is timed at 4 KiB .. 4 MiB (the fastest of `repeats` timings each, its
+    additions included) and fitted to its own a * alpha + b * S * beta (`cost.fit_all_reduce`).
+    One link fitted on the ring alone would say what the ring pays per step and per byte, but
+    where ranks share cores the tree's one-way sends and the exchanges of the others pay
+    differently. Timings are taken on the slowest rank, so every rank fits the same links and
+    "auto" makes the same choice everywhere. Under a second on 4 ranks of a 2-core laptop;
+    every member of the group must call it (as "auto" does), at the same time. What it sends
+    is not counted by `count_traffic`.
     """
-    ring = _ring(group, "fit_link")
+    ring = _ring(group, "fit_links")
     key = group or dist.group.WORLD
-    if key in _links:
-        return _links[key]
-    if ring.size == 1:
-        _links[key] = AlphaBeta(alpha=0.0, beta=0.0)  # nothing is ever sent
-        return _links[key]
+    if key not in _links:
+        _links[key] = _fit_links(ring, repeats)
+    return _links[key]
 
-    def fastest(call: Callable[[], object], barrier: bool) -> float:
-        call()  # warm-up: connections, buffers, pages
+
+def _fit_links(ring: _Ring, repeats: int) -> AlgorithmLinks:
+    if ring.size == 1:  # nothing is ever sent
+        return AlgorithmLinks(1, tuple((name, AlphaBeta(0.0, 0.0)) for name in _ALGORITHMS))
+
+    def fastest(algorithm: Callable, tensor: torch.Tensor) -> float:
+        algorithm(tensor, ring, False)  # warm-up: connections, buffers, pages
         best = float("inf")
         for _ in range(repeats):
-            if barrier:
-                dist.barrier(group=group)  # start together, or we time the wait for late ranks
+            dist.barrier(group=ring.group)  # start together, or we time the wait for late ranks
             start = time.perf_counter()
-            call()
+            algorithm(tensor, ring, False)
             best = min(best, time.perf_counter() - start)
         return best
 
-    largest = _FIT_SIZES[-1] // 4
-    total, addend = torch.zeros(largest), torch.zeros(largest)  # zeros never overflow
-    timings = [fastest(lambda: total.add_(addend), barrier=False)]
-    for nbytes in _FIT_SIZES:
-        tensor = torch.zeros(nbytes // 4)
-        timings.append(fastest(lambda t=tensor: ring_all_reduce(t, group=group), barrier=True))
+    tensors = [torch.zeros(nbytes // 4) for nbytes in _FIT_SIZES]  # zeros never overflow
+    with uncounted():
+        timings = [fastest(algorithm, tensor) for algorithm in _ALGORITHMS.values()
+                   for tensor in tensors]
     agreed = torch.tensor(timings, dtype=torch.float64)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)  # every rank: the same numbers
-    gamma = agreed[0].item() / _FIT_SIZES[-1]
-    additions = (ring.size - 1) / ring.size * gamma
-    communication = [t - additions * s for t, s in zip(agreed[1:].tolist(), _FIT_SIZES,
-                                                        strict=True)]
-    fitted = fit_alpha_beta("all_reduce", ring.size, _FIT_SIZES, communication)
-    _links[key] = AlphaBeta(fitted.alpha, fitted.beta, gamma)
-    return _links[key]
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=ring.group)  # every rank: the same
+    per_algorithm = agreed.view(len(_ALGORITHMS), len(_FIT_SIZES)).tolist()
+    return AlgorithmLinks(ring.size, tuple(
+        (name, fit_all_reduce(name, ring.size, _FIT_SIZES, times))
+        for name, times in zip(_ALGORITHMS, per_algorithm, strict=True)
+    ))
 
 
 # --- Counting what is sent ----------------------------------------------------------------------

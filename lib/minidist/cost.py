@@ -18,7 +18,7 @@ f = 1 when N is not a power of two (0 when it is):
     algorithm            a(N)              b(N)              c(N)             fastest for
     ring                 2(N-1)            2(N-1)/N          (N-1)/N          large S, N != 2^k
     recursive_doubling   log2 p + 2f       log2 p + 2f       log2 p + f       small S
-    tree                 2 ceil(log2 N)    2 ceil(log2 N)    ceil(log2 N)     never, here
+    tree                 2 ceil(log2 N)    2 ceil(log2 N)    ceil(log2 N)     shared cores
     rabenseifner         2 log2 p + 2f     2(p-1)/p + 2f     (p-1)/p + f      large S, N = 2^k
 
 c(N) is Thakur's third term: the bytes the busiest rank adds up per byte of tensor, at gamma
@@ -26,7 +26,16 @@ seconds per byte, so all-reduce takes a * alpha + b * S * beta + c * S * gamma. 
 network gamma is negligible beside beta; between processes on one CPU it is not, and it is
 what makes recursive doubling, which adds the whole tensor log2 N times, lose to the ring
 for large tensors even on 2 ranks, where both send S. (NCCL's trees beat rings on many
-nodes because they pipeline small chunks; this unpipelined tree never wins.)
+nodes because they pipeline small chunks; on a network of full-duplex links this unpipelined
+tree never wins.)
+
+The table assumes each rank has a link of its own that sends and receives at once. Ranks
+that share a CPU break both assumptions: a rank waits for a core before each step, and the
+copies of a send and a receive compete for the same cores, so an exchange (ring, recursive
+doubling, Rabenseifner) costs more per byte than the tree's one-way sends. One alpha and beta
+then no longer fit every algorithm, so `AlgorithmLinks` gives each its own, fitted on its own
+timings, as NCCL's tuner keeps a latency and a bandwidth per algorithm; on a 2-core laptop
+the tree often wins.
 
 Recursive doubling: in step k every rank swaps its whole tensor with rank XOR 2^k and adds.
 Tree: a binomial-tree reduce to rank 0, then a binomial-tree broadcast. Rabenseifner:
@@ -275,10 +284,25 @@ def fit_alpha_beta(
 ) -> AlphaBeta:
     """Least-squares alpha, beta >= 0 from measured `times` (s) of `collective` at `sizes` (B).
 
-    Fits t = a(N) * alpha + b(N) * S * beta. Small messages pin down alpha and large ones
-    beta, so give sizes spanning both (e.g. 1 KB to 16 MB).
+    Fits t = a(N) * alpha + b(N) * S * beta, each point to the same relative error, so that
+    microsecond timings of small messages count as much as the milliseconds of large ones.
+    Small messages pin down alpha and large ones beta, so give sizes spanning both (e.g. 1 KB
+    to 16 MB).
     """
-    a, b = _coefficients(collective, world_size)
+    return _fit(*_coefficients(collective, world_size), sizes, times, collective)
+
+
+def fit_all_reduce(
+    algorithm: str, world_size: int, sizes: Sequence[float], times: Sequence[float]
+) -> AlphaBeta:
+    """`fit_alpha_beta` for one all-reduce algorithm: alpha and beta such that
+    a * alpha + b * S * beta (its coefficients from `all_reduce_coefficients`) matches its
+    measured `times`. Its additions are folded into beta."""
+    return _fit(*all_reduce_coefficients(algorithm, world_size), sizes, times, algorithm)
+
+
+def _fit(a: float, b: float, sizes: Sequence[float], times: Sequence[float],
+         what: str) -> AlphaBeta:
     sizes_, times_ = np.asarray(sizes, dtype=float), np.asarray(times, dtype=float)
     if sizes_.shape != times_.shape or sizes_.ndim != 1 or len(sizes_) < 2:
         raise ValueError(
@@ -286,23 +310,71 @@ def fit_alpha_beta(
             f"and {len(times_)} times"
         )
     if a == 0:
-        raise ValueError(f"{collective} on world_size=1 sends nothing; fit with world_size >= 2")
-    columns = np.column_stack([np.full_like(sizes_, a), b * sizes_])
+        raise ValueError(f"{what} on world_size=1 sends nothing; fit with world_size >= 2")
+    if (times_ <= 0).any():
+        raise ValueError(f"times must be > 0 seconds, got {times_.tolist()}")
+    # Each row divided by its time: the residuals are relative errors.
+    columns = np.column_stack([np.full_like(sizes_, a), b * sizes_]) / times_[:, None]
+    target = np.ones_like(times_)
     # Scale the columns to unit norm: alpha ~ 1e-5 and beta ~ 1e-9 differ by orders of magnitude.
     scale = np.linalg.norm(columns, axis=0)
     scale[scale == 0] = 1
-    solution = np.linalg.lstsq(columns / scale, times_, rcond=None)[0] / scale
+    solution = np.linalg.lstsq(columns / scale, target, rcond=None)[0] / scale
     if (solution < 0).any():
         # The best non-negative fit then has alpha = 0 or beta = 0: fit each alone, keep the best.
         candidates = []
         for j in range(2):
             column = columns[:, j]
-            coefficient = max(0.0, column @ times_ / max(column @ column, 1e-300))
+            coefficient = max(0.0, column @ target / max(column @ column, 1e-300))
             candidate = np.zeros(2)
             candidate[j] = coefficient
             candidates.append(candidate)
-        solution = min(candidates, key=lambda x: np.sum((columns @ x - times_) ** 2))
+        solution = min(candidates, key=lambda x: np.sum((columns @ x - target) ** 2))
     return AlphaBeta(alpha=float(solution[0]), beta=float(solution[1]))
+
+
+@dataclass(frozen=True)
+class AlgorithmLinks:
+    """Each all-reduce algorithm's own fitted link on a group of `world_size` ranks.
+
+    `links` pairs every name in ALL_REDUCE_ALGORITHMS with the alpha and beta fitted on that
+    algorithm's timings (`fit_all_reduce`; its additions are in its beta). Where ranks share
+    cores, an algorithm's steps and bytes cost what its own traffic pattern costs there, not
+    what the ring's do: one link fitted on the ring would mislead the choice.
+    """
+
+    world_size: int
+    links: tuple[tuple[str, AlphaBeta], ...]
+
+    def __post_init__(self) -> None:
+        names = tuple(name for name, _ in self.links)
+        if sorted(names) != sorted(ALL_REDUCE_ALGORITHMS):
+            raise ValueError(
+                f"links must name each of {', '.join(ALL_REDUCE_ALGORITHMS)} once, got {names}"
+            )
+
+    def __getitem__(self, algorithm: str) -> AlphaBeta:
+        _check_algorithm(algorithm, self.world_size)
+        return dict(self.links)[algorithm]
+
+    def predict(self, algorithm: str, nbytes: float) -> float:
+        """Seconds all-reduce of `nbytes` with `algorithm` should take, on its own link."""
+        link = self[algorithm]
+        return all_reduce_time(algorithm, nbytes, self.world_size, link.alpha, link.beta)
+
+    def best_all_reduce(self, nbytes: float, world_size: int) -> str:
+        """The algorithm predicted fastest for an `nbytes` tensor; on a tie, the first in
+        ALL_REDUCE_ALGORITHMS. `world_size` must be the one the links were fitted on."""
+        if world_size != self.world_size:
+            raise ValueError(
+                f"these links were fitted on {self.world_size} ranks, not world_size="
+                f"{world_size}; fit them on the group that all-reduces"
+            )
+        return min(ALL_REDUCE_ALGORITHMS, key=lambda name: self.predict(name, nbytes))
+
+    def __str__(self) -> str:
+        width = max(map(len, ALL_REDUCE_ALGORITHMS))
+        return "\n".join(f"{name:<{width}}  {link}" for name, link in self.links)
 
 
 def parameter_server_time(nbytes: float, workers: int, servers: int, alpha: float,
