@@ -3,21 +3,21 @@
     python bench/ddp_step_time.py [--world-size 2] [--rounds 15] [--batch 2]
 
 A TinyGPT of about 10.5 M parameters on gloo CPU ranks (one thread each): forward, backward
-(with the gradient all-reduces) and an SGD step. The implementations take turns, one step
-each per round, so that background load hits them alike; the ratio to torch is the median of
-the rounds' ratios (slowest rank), the step time each one's median. The course's target:
+(with the gradient all-reduces) and an SGD step, timed by `step_timing`: the implementations
+take turns; the ratio to torch is the median of the rounds' ratios, the step time each one's
+median. The course's target:
 ours / torch <= 1.05 with the default (backend) all-reduce.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
-import time
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
+from step_timing import alternating_step_times, median_ratio
 from torch import nn
 
 from minidist.ddp import DistributedDataParallel
@@ -41,24 +41,16 @@ def _step_times(rank: int, world_size: int, rounds: int, batch: int) -> dict[str
     generator = torch.Generator().manual_seed(rank)
     ids = torch.randint(0, VOCAB, (batch, SEQ + 1), generator=generator)
 
-    def step(model: nn.Module) -> float:
-        dist.barrier()
-        start = time.perf_counter()
+    def step(model: nn.Module) -> None:
         logits = model(ids[:, :-1])
         F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()).backward()
         with torch.no_grad():
             for param in model.parameters():
                 param -= 1e-3 * param.grad
                 param.grad = None
-        return time.perf_counter() - start
 
-    times: dict[str, list[float]] = {name: [] for name in models}
-    for model in models.values():  # warm up
-        step(model)
-    for _ in range(rounds):
-        for name, model in models.items():
-            times[name].append(step(model))
-    return times
+    return alternating_step_times(
+        {name: functools.partial(step, model) for name, model in models.items()}, rounds)
 
 
 def main() -> None:
@@ -68,18 +60,14 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2, help="sequences per rank")
     args = parser.parse_args()
 
-    results = run(_step_times, args.world_size, args.rounds, args.batch, timeout=1800)
-    # Per implementation and round, the slowest rank's step.
-    slowest = {name: [max(steps) for steps in zip(*(r[name] for r in results), strict=True)]
-               for name in results[0]}
+    times = run(_step_times, args.world_size, args.rounds, args.batch, timeout=1800)[0]
     params = sum(p.numel() for p in TinyGPT(VOCAB, HIDDEN, HEADS, LAYERS, SEQ).parameters())
     print(f"TinyGPT, {params / 1e6:.1f} M parameters, {args.world_size} gloo ranks, batch "
           f"{args.batch}x{SEQ} tokens per rank, {args.rounds} rounds")
     print(f"{'implementation':<22}{'median step (ms)':>18}{'/ torch (median of rounds)':>28}")
     ratios = {}
-    for name, seconds in slowest.items():
-        per_round = [a / b for a, b in zip(seconds, slowest["torch DDP"], strict=True)]
-        ratios[name] = statistics.median(per_round)
+    for name, seconds in times.items():
+        ratios[name] = median_ratio(times, name, "torch DDP")
         print(f"{name:<22}{statistics.median(seconds) * 1e3:>18.1f}{ratios[name]:>28.3f}")
     ratio = ratios["minidist DDP"]
     verdict = "holds" if ratio <= TARGET_RATIO else "MISSED"

@@ -5,19 +5,19 @@
 A TinyGPT of 10.5 M parameters on gloo CPU ranks (one thread each), each wrapped as its
 library's user would: ours with its default units (each embedding, each transformer block,
 the norm, the head), PyTorch's with `fully_shard` on each block and on the whole model.
-Forward, backward, SGD step. The two take turns, one step each per round, so background load
-hits both alike; the ratio is the median over rounds of (ours / torch), timed on the slowest
-rank. The last line says PASS or FAIL against the target (issue 15: <= 1.10).
+Forward, backward, SGD step, timed by `step_timing`: the two take turns, and the ratio is the
+median over rounds of (ours / torch). The last line says PASS or FAIL against the target
+(issue 15: <= 1.10).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
-import time
 
 import torch
-import torch.distributed as dist
+from step_timing import alternating_step_times, median_ratio
 from torch.distributed.fsdp import fully_shard
 
 from minidist.fsdp import FullyShardedDataParallel
@@ -42,19 +42,14 @@ def _rounds(rank: int, world_size: int, rounds: int) -> dict[str, list[float]]:
     models = {kind: _build(kind) for kind in ("torch", "minidist")}
     optimizers = {kind: torch.optim.SGD(m.parameters(), lr=1e-3) for kind, m in models.items()}
     ids = torch.randint(0, VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(rank))
-    times: dict[str, list[float]] = {kind: [] for kind in models}
-    for round_ in range(rounds + 1):  # the first round warms up
-        for kind, model in models.items():
-            dist.barrier()
-            start = time.perf_counter()
-            model.loss(ids[:, :-1], ids[:, 1:]).backward()
-            optimizers[kind].step()
-            optimizers[kind].zero_grad()
-            elapsed = torch.tensor([time.perf_counter() - start])
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
-            if round_:
-                times[kind].append(elapsed.item())
-    return times
+
+    def step(kind: str) -> None:
+        models[kind].loss(ids[:, :-1], ids[:, 1:]).backward()
+        optimizers[kind].step()
+        optimizers[kind].zero_grad()
+
+    return alternating_step_times({kind: functools.partial(step, kind) for kind in models},
+                                  rounds)
 
 
 def main() -> None:
@@ -64,8 +59,7 @@ def main() -> None:
     args = parser.parse_args()
     params = sum(p.numel() for p in TinyGPT(VOCAB, HIDDEN, HEADS, LAYERS, SEQ).parameters())
     times = run(_rounds, args.world_size, args.rounds, timeout=900)[0]
-    ratio = statistics.median(a / b for a, b in zip(times["minidist"], times["torch"],
-                                                    strict=True))
+    ratio = median_ratio(times, "minidist", "torch")
     print(f"TinyGPT, {params / 1e6:.1f} M parameters, {args.world_size} ranks, gloo CPU")
     for kind, seconds in times.items():
         print(f"  {kind:9s} step {statistics.median(seconds) * 1e3:8.1f} ms (median)")

@@ -7,19 +7,18 @@ AdamW. Ours: `minidist.parallelize` (the course's tensor-parallel blocks, pipeli
 and ZeRO-1). PyTorch's: on `mesh.to_torch()`, DTensor `parallelize_module` on the "tp"
 dimension (q, k, v and fc1 column-wise, out_proj and fc2 row-wise), `fully_shard` on "dp"
 (FSDP2, which also shards the parameters: ZeRO-3 to our ZeRO-1) and
-`torch.distributed.pipelining.Schedule1F1B` on "pp". The two take turns, one step each per
-round, so background load hits both alike; the ratio is the median over rounds of
-(ours / torch), timed on the slowest rank. Target: <= 1.2.
+`torch.distributed.pipelining.Schedule1F1B` on "pp". Timed by `step_timing`: the two take
+turns, and the ratio is the median over rounds of (ours / torch). Target: <= 1.2.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
-import time
 
 import torch
-import torch.distributed as dist
+from step_timing import alternating_step_times, median_ratio
 from torch.distributed import pipelining
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import (
@@ -86,17 +85,9 @@ def _rounds(rank: int, world_size: int, rounds: int) -> dict[str, list[float]]:
     steps = {"torch": _TorchStep(mesh).step,
              "minidist": parallelize(_model(), mesh, _adamw, MICROBATCHES).step}
     ids = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
-    times: dict[str, list[float]] = {kind: [] for kind in steps}
-    for round_ in range(rounds + 1):  # the first round warms up
-        for kind, step in steps.items():
-            dist.barrier()
-            start = time.perf_counter()
-            step(ids[:, :-1], ids[:, 1:])
-            elapsed = torch.tensor([time.perf_counter() - start])
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
-            if round_:
-                times[kind].append(elapsed.item())
-    return times
+    return alternating_step_times(
+        {kind: functools.partial(step, ids[:, :-1], ids[:, 1:]) for kind, step in steps.items()},
+        rounds)
 
 
 def main() -> None:
@@ -105,8 +96,7 @@ def main() -> None:
     args = parser.parse_args()
     params = sum(p.numel() for p in _model().parameters())
     times = run(_rounds, DP * PP * TP, args.rounds, timeout=900)[0]
-    ratio = statistics.median(a / b for a, b in zip(times["minidist"], times["torch"],
-                                                    strict=True))
+    ratio = median_ratio(times, "minidist", "torch")
     print(f"TinyGPT, {params / 1e6:.2f} M parameters, dp{DP}·pp{PP}·tp{TP} = 8 ranks, "
           f"{MICROBATCHES} microbatches, gloo CPU")
     for kind, seconds in times.items():
