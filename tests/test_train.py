@@ -97,14 +97,16 @@ def test_a_lost_node_leaves_the_job_to_the_survivor_which_resumes_resharded(tmp_
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2",
                "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
                "--rdzv-id=lost-node", "--max-restarts=2", "--monitor-interval=0.2",
-               # A node silent for 1 s x 2 heartbeats is dead; a round with the minimum of
+               # A node silent for 3 heartbeats of 1 s is dead (with 2, a live node that
+               # skips one beat is already taken for dead); a round with the minimum of
                # nodes closes 3 s after it has them.
                "--rdzv-conf=is_host=0,join_timeout=60,last_call_timeout=3,close_timeout=10,"
-               "keep_alive_interval=1,keep_alive_max_attempt=2",
+               "keep_alive_interval=1,keep_alive_max_attempt=3",
                "-m", "minidist.train", "--steps", "12", "--checkpoint-dir", str(directory),
                "--checkpoint-every", "5", "--token-noise", "0", "--collective-timeout", "20",
                "--fail-at-step", "7", "--fail-rank", "0", "--fail-scope", "node"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", LOGLEVEL="INFO")
+    env = dict(os.environ, OMP_NUM_THREADS="1", LOGLEVEL="INFO",
+               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")  # as minidist.train advises
     logs = [(tmp_path / f"node{i}.out", tmp_path / f"node{i}.err") for i in range(2)]
     agents = []
     try:

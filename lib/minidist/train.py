@@ -29,18 +29,24 @@ remembers it, so the restarted job runs through.
 
 With `--fail-scope node` the failing rank takes its whole node down instead: its torchrun
 agent and every worker that agent started are killed (SIGKILL), as a machine losing power
-would. Started elastically, on nodes that each run an agent,
+would. Started elastically, with one agent on each node and a rendezvous server at HOST:PORT
+that outlives them (a `torch.distributed.TCPStore(HOST, PORT, is_master=True)` kept by
+the job's launcher; a node that hosted the rendezvous would take it down with it),
 
-    torchrun --nnodes=1:2 --nproc-per-node=1 --max-restarts=2 --rdzv-backend=c10d \
-        --rdzv-endpoint=HOST:PORT --rdzv-id=run1 -m minidist.train --steps 12 \
-        --checkpoint-dir run1 --checkpoint-every 5 --fail-at-step 7 --fail-rank 1 \
-        --fail-scope node
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=1:2 --nproc-per-node=1 \\
+        --max-restarts=2 --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT --rdzv-id=run1 \\
+        --rdzv-conf=is_host=0 -m minidist.train --steps 12 --checkpoint-dir run1 \\
+        --checkpoint-every 5 --fail-at-step 7 --fail-rank 1 --fail-scope node
 
 the job goes on without the lost node: the survivors' collectives fail as soon as its sockets
 close, their agents restart them, the next rendezvous round closes with the nodes that are
-left (at least the minimum of `--nnodes`), and the job resumes from the newest complete
-checkpoint, resharded onto the smaller world. Rank 0 says so: `resumed from <dir> at step 5
-on 1 rank(s) (saved by 2)`.
+left (at least the minimum of `--nnodes`) once the lost one has missed its heartbeats, and the
+job resumes from the newest complete checkpoint, resharded onto the smaller world. Rank 0 says
+so: `resumed from <dir> at step 5 on 1 rank(s) (saved by 2)`. A node that joins later (up
+to the maximum of `--nnodes`) makes the agents restart the workers on the larger world the
+same way. (Without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, torch 2.13's agents keep the first
+round's worker store, and a node that joins a later round waits for the store's address,
+which nobody publishes again, until its rendezvous times out.)
 """
 
 from __future__ import annotations
