@@ -310,8 +310,9 @@ def _maybe_fail(rank: int, step: int, config: TrainConfig) -> None:
         print(f"rank {rank}: injected failure of its node (torchrun agent {os.getppid()} and "
               f"its workers) at step {step}", file=sys.stderr, flush=True)
         _kill_node()
-    print(f"rank {rank}: injected failure at step {step}", file=sys.stderr, flush=True)
-    os._exit(1)
+    else:
+        print(f"rank {rank}: injected failure at step {step}", file=sys.stderr, flush=True)
+        os._exit(1)
 
 
 def _kill_node() -> None:
@@ -320,8 +321,9 @@ def _kill_node() -> None:
     Killing the agent alone is not a node failure: the agent starts each worker in a session
     of its own, so its workers would train on, orphaned, and no survivor would notice."""
     agent = os.getppid()
+    siblings = _children(agent) - {os.getpid()}  # listed first: the agent's death orphans them
     os.kill(agent, signal.SIGKILL)
-    for sibling in _children(agent) - {os.getpid()}:
+    for sibling in siblings:
         os.kill(sibling, signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
 
