@@ -121,8 +121,6 @@ def test_a_lost_node_leaves_the_job_to_the_survivor_which_resumes_resharded(tmp_
             except subprocess.TimeoutExpired:
                 pytest.fail("the elastic job did not finish within 120 s:\n" + "\n".join(
                     f"{path.name}:\n{path.read_text()[-3000:]}" for pair in logs for path in pair))
-        # The lost node's other worker went with it (torchrun's agent had started it in a
-        # session of its own: killing the agent alone would have left it running).
         leftover = [process.pid for process in psutil.process_iter(["cmdline"])
                     if str(directory) in " ".join(process.info["cmdline"] or [])]
         assert not leftover, f"expected no worker left after the job, got pids {leftover}"
@@ -136,6 +134,9 @@ def test_a_lost_node_leaves_the_job_to_the_survivor_which_resumes_resharded(tmp_
     lost, survivor = [logs[codes.index(code)] for code in (-signal.SIGKILL, 0)]
     lost_out, lost_err, out, err = (path.read_text() for path in (*lost, *survivor))
     assert "rank 0: injected failure of its node" in lost_err, lost_err[-3000:]
+    # Its other worker died with it, in its tracks (torchrun had started it in a session of its
+    # own, out of the agent's reach): an orphan would have reported the lost peer first.
+    assert "[rank1]" not in lost_err, f"rank 1 outlived its node:\n{lost_err[-3000:]}"
     # The survivor's agent restarted its workers after a collective failed, in a round of one.
     assert "Worker group FAILED. 2/2 attempts left; will restart worker group" in err, err[-5000:]
     assert "restart_count=1" in err and "group_world_size=1" in err, err[-5000:]
