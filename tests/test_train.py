@@ -99,8 +99,9 @@ def test_a_lost_node_leaves_the_job_to_the_survivor_which_resumes_resharded(tmp_
                "--rdzv-id=lost-node", "--max-restarts=2", "--monitor-interval=0.2",
                # A node silent for 3 heartbeats of 1 s is dead (with 2, a live node that
                # skips one beat is already taken for dead); a round with the minimum of
-               # nodes closes 3 s after it has them.
-               "--rdzv-conf=is_host=0,join_timeout=60,last_call_timeout=3,close_timeout=10,"
+               # nodes closes 5 s after it has them (so the first round waits up to 5 s for
+               # the second agent to start).
+               "--rdzv-conf=is_host=0,join_timeout=60,last_call_timeout=5,close_timeout=10,"
                "keep_alive_interval=1,keep_alive_max_attempt=3",
                "-m", "minidist.train", "--steps", "12", "--checkpoint-dir", str(directory),
                "--checkpoint-every", "5", "--token-noise", "0", "--collective-timeout", "20",
