@@ -182,3 +182,15 @@ def test_a_gradient_norm_spike_is_reported_and_clipped():
     assert report == "gradient norm 100 is 50.0x the mean of the last 3 steps; clipped to 10", \
         report
     assert guard.history == [1.0, 2.0, 3.0, pytest.approx(10.0)], guard.history
+
+
+def test_a_node_failure_needs_torchrun_and_a_known_scope(tmp_path, monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    config = TrainConfig(steps=2, checkpoint_dir=str(tmp_path), checkpoint_every=1,
+                         fail_at_step=[1], fail_scope="node")
+    with pytest.raises(ValueError, match="kills the torchrun agent that started this rank; "
+                                         "start the job with torchrun"):
+        train(0, 1, config)
+    with pytest.raises(ValueError, match=r"fail_scope='machine': choose one of 'rank', 'node'"):
+        TrainConfig(steps=2, checkpoint_dir=str(tmp_path), checkpoint_every=1,
+                    fail_scope="machine")
