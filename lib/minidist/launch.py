@@ -201,7 +201,13 @@ def _run_in_place(fn, world_size, args, kwargs, backend, timeout, rank, env_worl
         )
         atexit.register(_leave_group)
     torch.set_num_threads(1)
-    result = to_cpu(fn(rank, world_size, *args, **kwargs))
+    try:
+        result = to_cpu(fn(rank, world_size, *args, **kwargs))
+    except BaseException:
+        # The job failed: its peers may be gone or stuck, and a barrier would only add a
+        # second error (or wait for them). The launcher restarts or ends every rank.
+        atexit.unregister(_leave_group)
+        raise
     results: list[Any] = [None] * world_size
     dist.all_gather_object(results, result)
     return results

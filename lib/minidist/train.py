@@ -22,10 +22,31 @@ Guards, each with a message naming the rank and the step:
   group's timeout; inside `run(train, ...)` the launcher's `timeout` bounds the whole job and
   reports where each rank was stuck.
 
-Failures can be injected: `--fail-at-step` kills a rank abruptly (os._exit, as a crashed node
-would vanish), `--nan-at-step` turns a rank's loss into NaN, `--hang-at-step` stops a rank
-in its tracks. Each injected crash fires once: a marker file in the checkpoint directory
+Failures can be injected: `--fail-at-step` kills a rank abruptly (os._exit, as a crashed
+process would vanish), `--nan-at-step` turns a rank's loss into NaN, `--hang-at-step` stops a
+rank in its tracks. Each injected crash fires once: a marker file in the checkpoint directory
 remembers it, so the restarted job runs through.
+
+With `--fail-scope node` the failing rank takes its whole node down instead: its torchrun
+agent and every worker that agent started are killed (SIGKILL), as a machine losing power
+would. Started elastically, with one agent on each node and a rendezvous server at HOST:PORT
+that outlives them (a `torch.distributed.TCPStore(HOST, PORT, is_master=True)` kept by
+the job's launcher; a node that hosted the rendezvous would take it down with it),
+
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=1:2 --nproc-per-node=1 \\
+        --max-restarts=2 --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT --rdzv-id=run1 \\
+        --rdzv-conf=is_host=0 -m minidist.train --steps 12 --checkpoint-dir run1 \\
+        --checkpoint-every 5 --fail-at-step 7 --fail-rank 1 --fail-scope node
+
+the job goes on without the lost node: the survivors' collectives fail as soon as its sockets
+close, their agents restart them, the next rendezvous round closes with the nodes that are
+left (at least the minimum of `--nnodes`) once the lost one has missed its heartbeats, and the
+job resumes from the newest complete checkpoint, resharded onto the smaller world. Rank 0 says
+so: `resumed from <dir> at step 5 on 1 rank(s) (saved by 2)`. A node that joins later (up
+to the maximum of `--nnodes`) makes the agents restart the workers on the larger world the
+same way. (Without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, torch 2.13's agents keep the first
+round's worker store, and a node that joins a later round waits for the store's address,
+which nobody publishes again, until its rendezvous times out.)
 """
 
 from __future__ import annotations
@@ -34,6 +55,7 @@ import argparse
 import math
 import os
 import random
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -61,6 +83,7 @@ class TrainConfig:
     checkpoint_every: int
     fail_at_step: list[int] = field(default_factory=list)
     fail_rank: int = 0
+    fail_scope: str = "rank"
     nan_at_step: int | None = None
     nan_rank: int = 0
     hang_at_step: int | None = None
@@ -84,6 +107,7 @@ class TrainConfig:
         positive(collective_timeout=self.collective_timeout, spike_factor=self.spike_factor,
                  lr=self.lr)
         one_of("sharding", self.sharding, ("fsdp", "zero"))
+        one_of("fail_scope", self.fail_scope, ("rank", "node"))
         if not 0 <= self.token_noise < 1:
             raise ValueError(f"token_noise={self.token_noise!r}: a fraction in [0, 1)")
 
@@ -170,6 +194,10 @@ def train(rank: int, world_size: int, config: TrainConfig) -> dict[int, float]:
     if config.global_batch % world_size:
         raise ValueError(f"global_batch={config.global_batch} must be a multiple of the "
                          f"world size {world_size}")
+    if config.fail_at_step and config.fail_scope == "node" and "TORCHELASTIC_RUN_ID" not in \
+            os.environ:
+        raise ValueError("fail_scope='node' kills the torchrun agent that started this rank; "
+                         "start the job with torchrun, or use fail_scope='rank'")
     torch.set_num_threads(1)
     torch.manual_seed(config.seed)  # the same initial weights on every rank
     model: torch.nn.Module = TinyGPT(vocab=config.vocab, hidden=config.hidden, heads=2,
@@ -196,8 +224,10 @@ def train(rank: int, world_size: int, config: TrainConfig) -> dict[int, float]:
 
     latest = checkpoint.latest_checkpoint(config.checkpoint_dir)
     if latest is not None:
+        saved_by = checkpoint.read_metadata(latest)["world_size"]
         not_restored = checkpoint.load(state, latest)
-        say(f"resumed from {latest} at step {state['step']}", flush=True)
+        say(f"resumed from {latest} at step {state['step']} on {world_size} rank(s) (saved by "
+            f"{saved_by})", flush=True)
         if not_restored:
             say(f"the world size changed: {', '.join(not_restored)} start afresh from the "
                 f"seed on each rank", flush=True)
@@ -267,7 +297,8 @@ def _step(rank, world_size, step, config, model, optimizer, grads, data, sampler
 
 
 def _maybe_fail(rank: int, step: int, config: TrainConfig) -> None:
-    """Die abruptly, once per injected step, as a crashed process would: no cleanup at all."""
+    """Die abruptly, once per injected step, as a crashed process (or, with fail_scope "node",
+    a crashed machine) would: no cleanup at all."""
     if step not in config.fail_at_step or rank != config.fail_rank:
         return
     marker = Path(config.checkpoint_dir) / f"injected_failure_step_{step}_rank_{rank}"
@@ -275,8 +306,41 @@ def _maybe_fail(rank: int, step: int, config: TrainConfig) -> None:
         return
     marker.parent.mkdir(parents=True, exist_ok=True)
     marker.touch()
-    print(f"rank {rank}: injected failure at step {step}", file=sys.stderr, flush=True)
-    os._exit(1)
+    if config.fail_scope == "node":
+        print(f"rank {rank}: injected failure of its node (torchrun agent {os.getppid()} and "
+              f"its workers) at step {step}", file=sys.stderr, flush=True)
+        _kill_node()
+    else:
+        print(f"rank {rank}: injected failure at step {step}", file=sys.stderr, flush=True)
+        os._exit(1)
+
+
+def _kill_node() -> None:
+    """SIGKILL this worker's torchrun agent, then every worker it started, this one last.
+
+    Killing the agent alone is not a node failure: the agent starts each worker in a session
+    of its own, so its workers would train on, orphaned, and no survivor would notice."""
+    agent = os.getppid()
+    siblings = _children(agent) - {os.getpid()}  # listed first: the agent's death orphans them
+    os.kill(agent, signal.SIGKILL)
+    for sibling in siblings:
+        os.kill(sibling, signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _children(parent: int) -> set[int]:
+    """The ids of the processes whose parent is `parent` (Linux: read from /proc)."""
+    children = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:  # the process ended meanwhile
+                continue
+            # Fields after the command name, which is in parentheses and may hold spaces.
+            if int(stat.rsplit(")", 1)[1].split()[1]) == parent:
+                children.add(int(entry.name))
+    return children
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
@@ -287,10 +351,12 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     parser.add_argument("--checkpoint-dir", required=True)
     parser.add_argument("--checkpoint-every", type=int, required=True)
     parser.add_argument("--fail-at-step", type=int, nargs="+", default=[])
+    parser.add_argument("--fail-scope", choices=("rank", "node"), default=defaults.fail_scope)
     parser.add_argument("--sharding", choices=("fsdp", "zero"), default=defaults.sharding)
     for name, value in asdict(defaults).items():
         flag = "--" + name.replace("_", "-")
-        if name in ("steps", "checkpoint_dir", "checkpoint_every", "fail_at_step", "sharding"):
+        if name in ("steps", "checkpoint_dir", "checkpoint_every", "fail_at_step", "fail_scope",
+                    "sharding"):
             continue
         kind = float if isinstance(value, float) else int
         parser.add_argument(flag, type=kind, default=value)
