@@ -408,17 +408,17 @@ class Graded:
 @pytest.fixture(scope="module")
 @once_per_lab
 def graded(lab: str, course: Course) -> Graded:
-    """Collect, autograde, give feedback and export, as the instructor does.
+    """Collect and autograde, as the instructor does.
 
-    The solution is graded on its own, with the real limits: its run is also the lab's timed
-    run (test g). The untouched submission follows; the mistaken one is graded by `mistaken`."""
+    The solution and the untouched submission are graded by one autograde with the real
+    limits; nbgrader runs one notebook at a time, so the solution's run is also the lab's
+    timed run (test g). The mistaken submission is graded by `mistaken`."""
     course.submit(lab, "solution", answered(course.released, course.solution))
     course.submit(lab, "untouched", course.released)
     course.run(COLLECT, lab)
-    solution = course.run(f"{AUTOGRADE} --student solution", lab)
-    untouched = course.run(f"{AUTOGRADE} --student untouched", lab)
+    autograde = course.run(AUTOGRADE, lab)
     autograded = read_notebook(course.root / "autograded" / "solution" / lab / f"{lab}.ipynb")
-    return Graded(solution.output + untouched.output, execution_times(autograded))
+    return Graded(autograde.output, execution_times(autograded))
 
 
 @dataclass
