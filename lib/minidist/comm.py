@@ -40,7 +40,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -568,18 +568,21 @@ _FIT_SIZES = (2**12, 2**16, 2**18, 2**20, 2**22)
 _links: dict[dist.ProcessGroup, AlgorithmLinks] = {}
 
 
-def fit_links(group: dist.ProcessGroup | None = None, repeats: int = 3) -> AlgorithmLinks:
+def fit_links(group: dist.ProcessGroup | None = None, repeats: int = 5) -> AlgorithmLinks:
     """Each all-reduce algorithm's own link on `group`, as "auto" sees it: measured on the
     first call and kept per group.
 
-    Every algorithm is timed at 4 KiB .. 4 MiB (the fastest of `repeats` timings each, its
-    additions included) and fitted to its own a * alpha + b * S * beta (`cost.fit_all_reduce`).
-    One link fitted on the ring alone would say what the ring pays per step and per byte, but
-    where ranks share cores the tree's one-way sends and the exchanges of the others pay
-    differently. Timings are taken on the slowest rank, so every rank fits the same links and
-    "auto" makes the same choice everywhere. Under a second on 4 ranks of a 2-core laptop;
-    every member of the group must call it (as "auto" does), at the same time. What it sends
-    is not counted by `count_traffic`.
+    Every algorithm is timed at 4 KiB .. 4 MiB, its additions included, and fitted to its own
+    a * alpha + b * S * beta (`cost.fit_all_reduce`). One link fitted on the ring alone would
+    say what the ring pays per step and per byte, but where ranks share cores the tree's
+    one-way sends and the exchanges of the others pay differently. Each point is the median
+    of `repeats` timings, what a call typically costs: an algorithm whose calls are fast only
+    now and then is not the one to pick. The timings are taken in rounds in which every
+    algorithm and size has a turn, so that a moment when other processes had the CPU cannot
+    spoil one algorithm's every timing, and on the slowest rank, so that every rank fits the
+    same links and "auto" makes the same choice everywhere. About 0.6 s on 2 ranks of a
+    2-core laptop, 1.6 s on 4; every member of the group must call it (as "auto" does), at
+    the same time. What it sends is not counted by `count_traffic`.
     """
     ring = _ring(group, "fit_links")
     key = group or dist.group.WORLD
@@ -591,24 +594,28 @@ def fit_links(group: dist.ProcessGroup | None = None, repeats: int = 3) -> Algor
 def _fit_links(ring: _Ring, repeats: int) -> AlgorithmLinks:
     if ring.size == 1:  # nothing is ever sent
         return AlgorithmLinks(1, tuple((name, AlphaBeta(0.0, 0.0)) for name in _ALGORITHMS))
-
-    def fastest(algorithm: Callable, tensor: torch.Tensor) -> float:
-        algorithm(tensor, ring, False)  # warm-up: connections, buffers, pages
-        best = float("inf")
-        for _ in range(repeats):
-            dist.barrier(group=ring.group)  # start together, or we time the wait for late ranks
-            start = time.perf_counter()
-            algorithm(tensor, ring, False)
-            best = min(best, time.perf_counter() - start)
-        return best
-
     tensors = [torch.zeros(nbytes // 4) for nbytes in _FIT_SIZES]  # zeros never overflow
+    # A timing of a small size spans several calls: one call of 4 KiB lasts about as long as
+    # the timer's and the barrier's own jitter.
+    calls = [max(1, 2**14 // nbytes) for nbytes in _FIT_SIZES]
+    points = [(algorithm, tensor, count) for algorithm in _ALGORITHMS.values()
+              for tensor, count in zip(tensors, calls, strict=True)]
+    timings = torch.empty(repeats, len(points), dtype=torch.float64)
     with uncounted():
-        timings = [fastest(algorithm, tensor) for algorithm in _ALGORITHMS.values()
-                   for tensor in tensors]
-    agreed = torch.tensor(timings, dtype=torch.float64)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=ring.group)  # every rank: the same
-    per_algorithm = agreed.view(len(_ALGORITHMS), len(_FIT_SIZES)).tolist()
+        for round_ in range(-1, repeats):  # round -1 warms up: connections, buffers, pages
+            for i, (algorithm, tensor, count) in enumerate(points):
+                dist.barrier(group=ring.group)
+                # Ranks leave a barrier at different times, and a call right after one pays
+                # for that (up to a millisecond here): one untimed call lines them up.
+                algorithm(tensor, ring, False)
+                start = time.perf_counter()
+                for _ in range(count):
+                    algorithm(tensor, ring, False)
+                if round_ >= 0:
+                    timings[round_, i] = (time.perf_counter() - start) / count
+    # A call ends when its slowest rank does; every rank gets the same numbers.
+    dist.all_reduce(timings, op=dist.ReduceOp.MAX, group=ring.group)
+    per_algorithm = timings.median(dim=0).values.view(len(_ALGORITHMS), len(_FIT_SIZES)).tolist()
     return AlgorithmLinks(ring.size, tuple(
         (name, fit_all_reduce(name, ring.size, _FIT_SIZES, times))
         for name, times in zip(_ALGORITHMS, per_algorithm, strict=True)
