@@ -1,7 +1,7 @@
 """Bus bandwidth of minidist's all-reduce algorithms against torch.distributed.all_reduce.
 
     python bench/allreduce_busbw.py [--world-sizes 2 3 4] [--min-size 1024]
-                                    [--max-size 67108864] [--repeats 3] [--target-time 0.2]
+                                    [--max-size 67108864] [--repeats 5] [--target-time 0.1]
 
 Sweeps every power of two from 1 KiB to 64 MiB on each world size, timing the backend's own
 all-reduce (gloo on CPU), `comm.all_reduce(algorithm="auto")` and each algorithm in the same
@@ -55,8 +55,8 @@ def main() -> None:
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 3, 4])
     parser.add_argument("--min-size", type=int, default=2**10, help="bytes, a power of two")
     parser.add_argument("--max-size", type=int, default=2**26, help="bytes, a power of two")
-    parser.add_argument("--repeats", type=int, default=3, help="timings per point; best is kept")
-    parser.add_argument("--target-time", type=float, default=0.2, help="seconds per timing")
+    parser.add_argument("--repeats", type=int, default=5, help="timings per point; best is kept")
+    parser.add_argument("--target-time", type=float, default=0.1, help="seconds per timing")
     args = parser.parse_args()
     if args.min_size < 4 or args.max_size < args.min_size:
         parser.error(f"need 4 <= --min-size <= --max-size, got {args.min_size}, {args.max_size}")
