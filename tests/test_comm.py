@@ -135,13 +135,14 @@ def _check_auto(rank: int, world_size: int) -> list[str]:
     dist.all_gather_object(everyone, links)
     if any(other != links for other in everyone):
         failures.append(f"ranks fitted different links: {everyone}")
-    if world_size > 1 and any(link.alpha <= 0 and link.beta <= 0 for _, link in links.links):
-        failures.append(f"an algorithm fitted no cost at all: {links}")
+    if world_size > 1 and any(link.alpha <= 0 and link.beta <= 0
+                              for _, ranges in links.links for link in ranges):
+        failures.append(f"an algorithm fitted no cost at all on some range: {links.links}")
     # Links given explicitly decide: one AlphaBeta for all (latency-bound picks fewest steps,
     # bandwidth-bound fewest bytes), or each algorithm's own, where a cheap one must win. The
     # bytes sent show which algorithm ran (sizes that every chunking divides).
-    cheap_tree = AlgorithmLinks(world_size, tuple(
-        (name, AlphaBeta(1e-9, 1e-12) if name == "tree" else AlphaBeta(1e-3, 1e-6))
+    cheap_tree = AlgorithmLinks(world_size, (2**12, 2**22), tuple(
+        (name, (AlphaBeta(1e-9, 1e-12) if name == "tree" else AlphaBeta(1e-3, 1e-6),))
         for name in ALL_REDUCE_ALGORITHMS))
     for given, numel in ((AlphaBeta(alpha=1e-3, beta=1e-12), 3840),
                          (AlphaBeta(alpha=1e-9, beta=1e-6), 3840), (cheap_tree, 3840),

@@ -219,26 +219,42 @@ def test_additions_make_the_ring_win_large_tensors_on_two_ranks() -> None:
     assert str(link) == "alpha = 50.0 us, bandwidth = 1.00 GB/s, additions at 5.00 GB/s"
 
 
-def test_each_algorithm_fits_its_own_link_and_the_cheapest_prediction_wins() -> None:
+def test_each_algorithm_fits_its_own_links_and_the_cheapest_prediction_wins() -> None:
     # Where ranks share cores the tree's one-way sends cost less per byte than the others'
-    # exchanges: with each algorithm's own link it wins large tensors, though one shared link
+    # exchanges: with each algorithm's own links it wins large tensors, though one shared link
     # (the textbook model) says it never does.
     true = {"ring": AlphaBeta(60e-6, 1.0e-9), "recursive_doubling": AlphaBeta(30e-6, 1.2e-9),
             "tree": AlphaBeta(40e-6, 0.3e-9), "rabenseifner": AlphaBeta(50e-6, 1.1e-9)}
     sizes = [4**k for k in range(5, 12)]
-    fitted = AlgorithmLinks(4, tuple(
-        (name, fit_all_reduce(name, 4, sizes, [
-            all_reduce_time(name, s, 4, true[name].alpha, true[name].beta) for s in sizes]))
-        for name in ALL_REDUCE_ALGORITHMS))
+    fitted = AlgorithmLinks.fit(4, sizes, {
+        name: [all_reduce_time(name, s, 4, true[name].alpha, true[name].beta) for s in sizes]
+        for name in ALL_REDUCE_ALGORITHMS})
     for name in ALL_REDUCE_ALGORITHMS:
-        assert fitted[name].alpha == pytest.approx(true[name].alpha, rel=1e-6), name
-        assert fitted[name].beta == pytest.approx(true[name].beta, rel=1e-6), name
+        for nbytes in (1, 5000, 4**8, 10**9):  # below, inside, on, above the measured sizes
+            assert fitted.link(name, nbytes).alpha == pytest.approx(true[name].alpha, rel=1e-6)
+            assert fitted.link(name, nbytes).beta == pytest.approx(true[name].beta, rel=1e-6)
     assert fitted.predict("tree", MB) == pytest.approx(4 * 40e-6 + 4 * MB * 0.3e-9)
     assert fitted.best_all_reduce(1024, 4) == "recursive_doubling"
     assert fitted.best_all_reduce(64 * MB, 4) == "tree"
     assert best_all_reduce(64 * MB, 4, 60e-6, 1.0e-9) == "rabenseifner"
-    assert str(fitted).splitlines()[2] == (
-        "tree                alpha = 40.0 us, bandwidth = 3.33 GB/s")
+    table = str(fitted).splitlines()
+    assert table[0].split() == ["1", "KiB", "4", "KiB", "16", "KiB", "64", "KiB", "256", "KiB",
+                                "1", "MiB", "4", "MiB"], table
+    assert table[-1].split()[-1] == "tree", table
+
+
+def test_links_bend_with_size_one_range_at_a_time() -> None:
+    # Above 1 MiB the ring pays 20% more per byte (a protocol change). Each range has its own
+    # line, so the predictions on each side of the bend follow their own slope.
+    sizes = [2**12, 2**20, 2**22]
+    times = {name: [all_reduce_time(name, s, 2, 500e-6, 1e-9) for s in sizes]
+             for name in ALL_REDUCE_ALGORITHMS}
+    times["ring"][2] = times["ring"][1] + 1.2e-9 * (2**22 - 2**20)
+    links = AlgorithmLinks.fit(2, sizes, times)
+    assert links.link("ring", 2**16).beta == pytest.approx(1e-9, rel=1e-6)
+    assert links.link("ring", 2**21).beta == pytest.approx(1.2e-9, rel=1e-6)
+    for nbytes, seconds in zip(sizes, times["ring"], strict=True):
+        assert links.predict("ring", nbytes) == pytest.approx(seconds, rel=1e-9)
 
 
 def test_fits_weigh_every_size_alike_and_bad_links_are_clear() -> None:
@@ -251,9 +267,13 @@ def test_fits_weigh_every_size_alike_and_bad_links_are_clear() -> None:
         fit_all_reduce("ring", 2, [1, 2], [0.0, 1.0])
     with pytest.raises(ValueError, match="'butterfly'"):
         fit_all_reduce("butterfly", 2, [1, 2], [1.0, 1.0])
+    link = AlphaBeta(1e-5, 1e-9)
     with pytest.raises(ValueError, match="links must name each of"):
-        AlgorithmLinks(2, (("ring", AlphaBeta(1e-5, 1e-9)),))
-    links = AlgorithmLinks(2, tuple((name, AlphaBeta(1e-5, 1e-9))
-                                    for name in ALL_REDUCE_ALGORITHMS))
+        AlgorithmLinks(2, (1, 2), (("ring", (link,)),))
+    with pytest.raises(ValueError, match="sizes must be at least 2 increasing"):
+        AlgorithmLinks(2, (2, 1), tuple((name, (link,)) for name in ALL_REDUCE_ALGORITHMS))
+    with pytest.raises(ValueError, match="one link per range"):
+        AlgorithmLinks(2, (1, 2, 3), tuple((name, (link,)) for name in ALL_REDUCE_ALGORITHMS))
+    links = AlgorithmLinks(2, (1, 2), tuple((name, (link,)) for name in ALL_REDUCE_ALGORITHMS))
     with pytest.raises(ValueError, match="fitted on 2 ranks, not world_size=4"):
         links.best_all_reduce(1024, 4)

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from minidist._checks import require_process_group
-from minidist.cost import ALL_REDUCE_ALGORITHMS, AlgorithmLinks, AlphaBeta, fit_all_reduce
+from minidist.cost import ALL_REDUCE_ALGORITHMS, AlgorithmLinks, AlphaBeta
 from minidist.traffic import Collective, Traffic
 
 _TORCH_OP_NAMES = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg"}
@@ -572,17 +572,18 @@ def fit_links(group: dist.ProcessGroup | None = None, repeats: int = 5) -> Algor
     """Each all-reduce algorithm's own link on `group`, as "auto" sees it: measured on the
     first call and kept per group.
 
-    Every algorithm is timed at 4 KiB .. 4 MiB, its additions included, and fitted to its own
-    a * alpha + b * S * beta (`cost.fit_all_reduce`). One link fitted on the ring alone would
-    say what the ring pays per step and per byte, but where ranks share cores the tree's
-    one-way sends and the exchanges of the others pay differently. Each point is the median
-    of `repeats` timings, what a call typically costs: an algorithm whose calls are fast only
-    now and then is not the one to pick. The timings are taken in rounds in which every
-    algorithm and size has a turn, so that a moment when other processes had the CPU cannot
-    spoil one algorithm's every timing, and on the slowest rank, so that every rank fits the
-    same links and "auto" makes the same choice everywhere. About 0.6 s on 2 ranks of a
-    2-core laptop, 1.6 s on 4; every member of the group must call it (as "auto" does), at
-    the same time. What it sends is not counted by `count_traffic`.
+    Every algorithm is timed at five sizes from 4 KiB to 4 MiB, its additions included, and
+    fitted to its own a * alpha + b * S * beta on each range between two of them
+    (`cost.AlgorithmLinks`). One link fitted on the ring alone would say what the ring pays
+    per step and per byte, but where ranks share cores the tree's one-way sends and the
+    exchanges of the others pay differently, and differently at different sizes. Each point
+    is the median of `repeats` timings, what a call typically costs: an algorithm whose calls
+    are fast only now and then is not the one to pick. The timings are taken in rounds in
+    which every algorithm and size has a turn, so that a moment when other processes had the
+    CPU cannot spoil one algorithm's every timing, and on the slowest rank, so that every rank
+    fits the same links and "auto" makes the same choice everywhere. About 0.6 s on 2 ranks
+    of a 2-core laptop, 1.6 s on 4; every member of the group must call it (as "auto" does),
+    at the same time. What it sends is not counted by `count_traffic`.
     """
     ring = _ring(group, "fit_links")
     key = group or dist.group.WORLD
@@ -593,7 +594,8 @@ def fit_links(group: dist.ProcessGroup | None = None, repeats: int = 5) -> Algor
 
 def _fit_links(ring: _Ring, repeats: int) -> AlgorithmLinks:
     if ring.size == 1:  # nothing is ever sent
-        return AlgorithmLinks(1, tuple((name, AlphaBeta(0.0, 0.0)) for name in _ALGORITHMS))
+        free = (AlphaBeta(0.0, 0.0),) * (len(_FIT_SIZES) - 1)
+        return AlgorithmLinks(1, _FIT_SIZES, tuple((name, free) for name in _ALGORITHMS))
     tensors = [torch.zeros(nbytes // 4) for nbytes in _FIT_SIZES]  # zeros never overflow
     # A timing of a small size spans several calls: one call of 4 KiB lasts about as long as
     # the timer's and the barrier's own jitter.
@@ -615,11 +617,9 @@ def _fit_links(ring: _Ring, repeats: int) -> AlgorithmLinks:
                     timings[round_, i] = (time.perf_counter() - start) / count
     # A call ends when its slowest rank does; every rank gets the same numbers.
     dist.all_reduce(timings, op=dist.ReduceOp.MAX, group=ring.group)
-    per_algorithm = timings.median(dim=0).values.view(len(_ALGORITHMS), len(_FIT_SIZES)).tolist()
-    return AlgorithmLinks(ring.size, tuple(
-        (name, fit_all_reduce(name, ring.size, _FIT_SIZES, times))
-        for name, times in zip(_ALGORITHMS, per_algorithm, strict=True)
-    ))
+    per_algorithm = timings.median(dim=0).values.view(len(_ALGORITHMS), len(_FIT_SIZES))
+    return AlgorithmLinks.fit(ring.size, _FIT_SIZES,
+                              dict(zip(_ALGORITHMS, per_algorithm.tolist(), strict=True)))
 
 
 # --- Counting what is sent ----------------------------------------------------------------------

@@ -34,8 +34,8 @@ that share a CPU break both assumptions: a rank waits for a core before each ste
 copies of a send and a receive compete for the same cores, so an exchange (ring, recursive
 doubling, Rabenseifner) costs more per byte than the tree's one-way sends. One alpha and beta
 then no longer fit every algorithm, so `AlgorithmLinks` gives each its own, fitted on its own
-timings, as NCCL's tuner keeps a latency and a bandwidth per algorithm; on a 2-core laptop
-the tree often wins.
+timings over each range of sizes, as NCCL's tuner keeps a latency and a bandwidth per
+algorithm and protocol; on a 2-core laptop the tree often wins.
 
 Recursive doubling: in step k every rank swaps its whole tensor with rank XOR 2^k and adds.
 Tree: a binomial-tree reduce to rank 0, then a binomial-tree broadcast. Rabenseifner:
@@ -55,6 +55,7 @@ all-reduce and its optimality); NVIDIA nccl-tests, doc/PERFORMANCE.md (bus bandw
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -335,16 +336,21 @@ def _fit(a: float, b: float, sizes: Sequence[float], times: Sequence[float],
 
 @dataclass(frozen=True)
 class AlgorithmLinks:
-    """Each all-reduce algorithm's own fitted link on a group of `world_size` ranks.
+    """Each all-reduce algorithm's own fitted links on a group of `world_size` ranks.
 
-    `links` pairs every name in ALL_REDUCE_ALGORITHMS with the alpha and beta fitted on that
-    algorithm's timings (`fit_all_reduce`; its additions are in its beta). Where ranks share
-    cores, an algorithm's steps and bytes cost what its own traffic pattern costs there, not
-    what the ring's do: one link fitted on the ring would mislead the choice.
+    `sizes` are the tensor sizes (bytes, ascending) the algorithms were timed at; `links` pairs
+    every name in ALL_REDUCE_ALGORITHMS with its links, one per range between neighbouring
+    sizes: the alpha and beta through its two timings there (`fit_all_reduce`; the additions
+    are in beta). A size below the first range uses the first, above the last the last.
+    Where ranks share cores, an algorithm's steps and bytes cost what its own traffic pattern
+    costs there, not what the ring's do, and the cost per byte changes with size (messages
+    of 512 KiB or more travel in segments; large messages outgrow the caches): one line
+    fitted on the ring alone misleads the choice.
     """
 
     world_size: int
-    links: tuple[tuple[str, AlphaBeta], ...]
+    sizes: tuple[int, ...]
+    links: tuple[tuple[str, tuple[AlphaBeta, ...]], ...]
 
     def __post_init__(self) -> None:
         names = tuple(name for name, _ in self.links)
@@ -352,14 +358,32 @@ class AlgorithmLinks:
             raise ValueError(
                 f"links must name each of {', '.join(ALL_REDUCE_ALGORITHMS)} once, got {names}"
             )
+        if len(self.sizes) < 2 or list(self.sizes) != sorted(set(self.sizes)):
+            raise ValueError(f"sizes must be at least 2 increasing sizes, got {self.sizes}")
+        ranges = len(self.sizes) - 1
+        if any(len(links) != ranges for _, links in self.links):
+            raise ValueError(f"{len(self.sizes)} sizes make {ranges} ranges: give each "
+                             f"algorithm one link per range, got {self.links}")
 
-    def __getitem__(self, algorithm: str) -> AlphaBeta:
+    @classmethod
+    def fit(cls, world_size: int, sizes: Sequence[int],
+            times: dict[str, Sequence[float]]) -> AlgorithmLinks:
+        """The links through each algorithm's measured `times` (s) at `sizes` (B)."""
+        return cls(world_size, tuple(sizes), tuple(
+            (name, tuple(fit_all_reduce(name, world_size, sizes[i:i + 2], times[name][i:i + 2])
+                         for i in range(len(sizes) - 1)))
+            for name in ALL_REDUCE_ALGORITHMS
+        ))
+
+    def link(self, algorithm: str, nbytes: float) -> AlphaBeta:
+        """`algorithm`'s link for an `nbytes` tensor: the one fitted on the range holding it."""
         _check_algorithm(algorithm, self.world_size)
-        return dict(self.links)[algorithm]
+        index = max(0, min(bisect.bisect_right(self.sizes, nbytes) - 1, len(self.sizes) - 2))
+        return dict(self.links)[algorithm][index]
 
     def predict(self, algorithm: str, nbytes: float) -> float:
         """Seconds all-reduce of `nbytes` with `algorithm` should take, on its own link."""
-        link = self[algorithm]
+        link = self.link(algorithm, nbytes)
         return all_reduce_time(algorithm, nbytes, self.world_size, link.alpha, link.beta)
 
     def best_all_reduce(self, nbytes: float, world_size: int) -> str:
@@ -373,8 +397,19 @@ class AlgorithmLinks:
         return min(ALL_REDUCE_ALGORITHMS, key=lambda name: self.predict(name, nbytes))
 
     def __str__(self) -> str:
+        """Each algorithm's predicted time at each measured size, and its choice."""
         width = max(map(len, ALL_REDUCE_ALGORITHMS))
-        return "\n".join(f"{name:<{width}}  {link}" for name, link in self.links)
+        header = f"{'':<{width}}" + "".join(f"{_size_label(s):>10}" for s in self.sizes)
+        rows = [f"{name:<{width}}" + "".join(f"{self.predict(name, s) * 1e6:>8.0f}us"
+                                             for s in self.sizes)
+                for name in ALL_REDUCE_ALGORITHMS]
+        chosen = f"{'fastest':<{width}}" + "".join(
+            f"{self.best_all_reduce(s, self.world_size)[:9]:>10}" for s in self.sizes)
+        return "\n".join([header, *rows, chosen])
+
+
+def _size_label(nbytes: float) -> str:
+    return f"{nbytes / 2**20:g} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:g} KiB"
 
 
 def parameter_server_time(nbytes: float, workers: int, servers: int, alpha: float,
