@@ -397,15 +397,16 @@ class AlgorithmLinks:
         return min(ALL_REDUCE_ALGORITHMS, key=lambda name: self.predict(name, nbytes))
 
     def __str__(self) -> str:
-        """Each algorithm's predicted time at each measured size, and its choice."""
-        width = max(map(len, ALL_REDUCE_ALGORITHMS))
-        header = f"{'':<{width}}" + "".join(f"{_size_label(s):>10}" for s in self.sizes)
-        rows = [f"{name:<{width}}" + "".join(f"{self.predict(name, s) * 1e6:>8.0f}us"
-                                             for s in self.sizes)
-                for name in ALL_REDUCE_ALGORITHMS]
-        chosen = f"{'fastest':<{width}}" + "".join(
-            f"{self.best_all_reduce(s, self.world_size)[:9]:>10}" for s in self.sizes)
-        return "\n".join([header, *rows, chosen])
+        """A table: at each measured size, each algorithm's predicted time and the fastest."""
+        widths = {name: max(len(name), 10) for name in ALL_REDUCE_ALGORITHMS}
+        lines = [f"{'size':>8}" + "".join(f"  {name:>{width}}" for name, width in widths.items())
+                 + "  fastest"]
+        for nbytes in self.sizes:
+            times = "".join(f"  {f'{self.predict(name, nbytes) * 1e6:.0f} us':>{width}}"
+                            for name, width in widths.items())
+            lines.append(f"{_size_label(nbytes):>8}{times}  "
+                         f"{self.best_all_reduce(nbytes, self.world_size)}")
+        return "\n".join(lines)
 
 
 def _size_label(nbytes: float) -> str:
