@@ -134,9 +134,13 @@ def test_asynchronous_server_converges_and_records_staleness(results):
         assert len(staleness) == 60 * len(WORKERS) and min(staleness) >= 0, (
             f"server {server}: expected {60 * len(WORKERS)} staleness entries >= 0, got "
             f"{len(staleness)} (min {min(staleness)})")
-        assert max(staleness) <= 3 * len(WORKERS), (
-            f"server {server}: expected no update more than {3 * len(WORKERS)} versions "
-            f"stale with {len(WORKERS)} workers, got {max(staleness)}")
+        # No bound holds for one update (a worker the OS parks may miss any number of them),
+        # but one does for the mean: every update a worker misses is another worker's, made
+        # while it computed, so each worker's staleness adds up to at most the others' updates.
+        mean = sum(staleness) / len(staleness)
+        assert mean <= len(WORKERS) - 1, (
+            f"server {server}: expected a mean staleness of at most {len(WORKERS) - 1} "
+            f"(workers - 1) with {len(WORKERS)} workers, got {mean:.2f}")
 
 
 def test_one_server_link_is_the_bottleneck_as_n_grows():
