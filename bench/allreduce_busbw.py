@@ -1,13 +1,16 @@
 """Bus bandwidth of minidist's all-reduce algorithms against torch.distributed.all_reduce.
 
     python bench/allreduce_busbw.py [--world-sizes 2 3 4] [--min-size 1024]
-                                    [--max-size 67108864] [--repeats 5] [--target-time 0.1]
+                                    [--max-size 67108864] [--repeats 15] [--target-time 0.04]
 
 Sweeps every power of two from 1 KiB to 64 MiB on each world size, timing the backend's own
 all-reduce (gloo on CPU), `comm.all_reduce(algorithm="auto")` and each algorithm in the same
 ranks, taking turns, and prints each one's busbw as a ratio of the backend's. It checks the
 course's target: "auto" reaches at least 0.8x the backend's bus bandwidth at every size, at
-N = 2 and N = 4; the last line says PASS or FAIL. Time it on an otherwise idle machine: other
+N = 2 and N = 4; the last line says PASS or FAIL. Each point is the median of 15 timings of
+about 40 ms, every implementation taking its turn in each round, so that a slow spell of the
+machine falls on all of them alike; "auto" decides with links fitted once per world size, as
+a process group fits them once and keeps them. Time it on an otherwise idle machine: other
 processes on the cores make the numbers meaningless.
 """
 
@@ -55,8 +58,9 @@ def main() -> None:
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 3, 4])
     parser.add_argument("--min-size", type=int, default=2**10, help="bytes, a power of two")
     parser.add_argument("--max-size", type=int, default=2**26, help="bytes, a power of two")
-    parser.add_argument("--repeats", type=int, default=5, help="timings per point; best is kept")
-    parser.add_argument("--target-time", type=float, default=0.1, help="seconds per timing")
+    parser.add_argument("--repeats", type=int, default=15,
+                        help="timings per point, taken in turns; the median is kept")
+    parser.add_argument("--target-time", type=float, default=0.04, help="seconds per timing")
     args = parser.parse_args()
     if args.min_size < 4 or args.max_size < args.min_size:
         parser.error(f"need 4 <= --min-size <= --max-size, got {args.min_size}, {args.max_size}")

@@ -7,8 +7,9 @@ import functools
 import matplotlib
 import pytest
 
-from minidist.bandwidth import BENCH_COLLECTIVES, Row, format_table, measure, plot
-from minidist.cost import busbw_factor
+from minidist.bandwidth import BENCH_COLLECTIVES, Row, fit_links, format_table, measure, plot
+from minidist.cost import ALL_REDUCE_ALGORITHMS, AlgorithmLinks, AlphaBeta, busbw_factor
+from minidist.launch import RankError
 
 matplotlib.use("Agg")
 
@@ -39,6 +40,19 @@ def test_adaptive_iterations_and_rounding() -> None:
     rows = measure(3, [1001], collective="all_gather", implementations=("minidist",),
                    target_time=0.005, repeats=2)
     assert [(r.implementation, r.nbytes) for r in rows] == [("minidist", 249 * 4)]
+
+
+def test_auto_is_timed_with_the_links_given_or_fitted_once() -> None:
+    links = fit_links(2)
+    assert isinstance(links, AlgorithmLinks) and links.world_size == 2
+    rows = measure(2, SIZES, implementations=("auto",), iters=2, warmup=1, repeats=1, link=links)
+    assert [(r.implementation, r.nbytes) for r in rows] == [("auto", size) for size in SIZES]
+    # The ranks decide with the very links passed in: ones fitted on 3 ranks are refused there.
+    three_ranks = AlgorithmLinks(3, (2**12, 2**22), tuple(
+        (name, (AlphaBeta(1e-5, 1e-9),)) for name in ALL_REDUCE_ALGORITHMS))
+    with pytest.raises(RankError, match="fitted on 3 ranks"):
+        measure(2, SIZES, implementations=("auto",), iters=1, warmup=0, repeats=1,
+                link=three_ranks)
 
 
 def test_format_table_and_plot() -> None:

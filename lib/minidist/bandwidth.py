@@ -14,6 +14,7 @@ Like nccl-tests (doc/PERFORMANCE.md) each point reports
 from __future__ import annotations
 
 import math
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -25,7 +26,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from minidist import comm
-from minidist.cost import ALL_REDUCE_ALGORITHMS, busbw_factor
+from minidist.cost import ALL_REDUCE_ALGORITHMS, AlgorithmLinks, busbw_factor
 from minidist.launch import device, run
 
 if TYPE_CHECKING:
@@ -62,19 +63,25 @@ def measure(
     timeout: float | None = None,
     target_time: float = 0.01,
     repeats: int = 3,
+    link: AlgorithmLinks | None = None,
 ) -> list[Row]:
     """Time `collective` at each size in `sizes` (bytes) on `world_size` ranks.
 
     implementations: "minidist" (this library's ring/tree, minidist.comm) and/or "torch"
     (torch.distributed's own collective on the same backend), timed in the same ranks; for
     all_reduce also "auto" or any of cost.ALL_REDUCE_ALGORITHMS ("recursive_doubling", ...),
-    run by minidist.comm.all_reduce(tensor, algorithm=name).
+    run by minidist.comm.all_reduce(tensor, algorithm=name). "auto" decides with `link`, by
+    default the links `fit_links(world_size)` measures once, before the first size: what
+    one process group fits once and keeps (sizes run in fresh ranks, which would otherwise
+    each fit their own).
 
     Each point is `warmup` untimed calls, a barrier, then `iters` timed calls; when `iters` is
     None it is chosen per point so the timed block lasts about `target_time` seconds. A timing
     is the slowest rank's mean time per call. Every point is timed `repeats` times, the
-    implementations taking turns, and the fastest timing is kept: that filters out moments
-    when other processes had the CPU.
+    implementations taking turns, and the median timing is kept: a moment when other
+    processes had the CPU spoils one timing, not the result, and, unlike the fastest timing,
+    the median does not reward one implementation's lucky moment either (on shared cores
+    the two are about as common).
     Sizes are rounded down to whole elements (and, for reduce_scatter and all_gather, to a
     multiple of world_size elements); `Row.nbytes` is the size actually used.
     """
@@ -93,6 +100,8 @@ def measure(
         raise ValueError(f"iters must be >= 1 (or None to adapt to size), got {iters}")
     if warmup < 0 or repeats < 1:
         raise ValueError(f"need warmup >= 0 and repeats >= 1, got {warmup} and {repeats}")
+    if "auto" in implementations and link is None:
+        link = fit_links(world_size, timeout=timeout)
     factor = busbw_factor(collective, world_size)
     element_size = torch.empty(0, dtype=dtype).element_size()
     rows = []
@@ -103,15 +112,27 @@ def measure(
     for numel in tqdm(numels, desc=label, unit="size", file=sys.stdout):
         per_rank = run(
             _time_on_rank, world_size, collective, tuple(implementations), numel, dtype, iters,
-            warmup, target_time, repeats, timeout=timeout,
+            warmup, target_time, repeats, link, timeout=timeout,
         )
         nbytes = numel * element_size
         for i, name in enumerate(implementations):
             # A call ends when its last rank does: the slowest rank's time, for each repeat.
-            seconds = min(max(timings[i][r] for timings in per_rank) for r in range(repeats))
+            seconds = statistics.median(max(timings[i][r] for timings in per_rank)
+                                        for r in range(repeats))
             algbw = nbytes / seconds
             rows.append(Row(name, collective, world_size, nbytes, seconds, algbw, algbw * factor))
     return rows
+
+
+def fit_links(world_size: int, timeout: float | None = None) -> AlgorithmLinks:
+    """`minidist.comm.fit_links` on `world_size` fresh ranks: each all-reduce algorithm's own
+    links, the ones `comm.all_reduce(algorithm="auto")` decides with (every rank fits the
+    same ones)."""
+    return run(_fit_links_on_rank, world_size, timeout=timeout)[0]
+
+
+def _fit_links_on_rank(rank: int, world_size: int) -> AlgorithmLinks:
+    return comm.fit_links()
 
 
 def _numel(nbytes: int, collective: str, world_size: int, dtype: torch.dtype) -> int:
@@ -122,7 +143,8 @@ def _numel(nbytes: int, collective: str, world_size: int, dtype: torch.dtype) ->
 
 
 def _step(
-    implementation: str, collective: str, numel: int, dtype: torch.dtype, world_size: int
+    implementation: str, collective: str, numel: int, dtype: torch.dtype, world_size: int,
+    link: AlgorithmLinks | None,
 ) -> Callable[[], object]:
     """A no-argument function that runs one call of the collective on preallocated tensors."""
     # Zeros stay zeros however often they are summed: no overflow to inf along the way.
@@ -134,7 +156,7 @@ def _step(
             return lambda: dist.all_reduce(full)
         if ours:
             return lambda: comm.ring_all_reduce(full)
-        return lambda: comm.all_reduce(full, algorithm=implementation)
+        return lambda: comm.all_reduce(full, algorithm=implementation, link=link)
     if collective == "reduce_scatter":
         if ours:
             return lambda: comm.ring_reduce_scatter(full)
@@ -157,9 +179,10 @@ def _time_on_rank(
     warmup: int,
     target_time: float,
     repeats: int,
+    link: AlgorithmLinks | None,
 ) -> list[list[float]]:
     """This rank's mean seconds per call in each repeat, for each implementation."""
-    steps = [_step(name, collective, numel, dtype, world_size) for name in implementations]
+    steps = [_step(name, collective, numel, dtype, world_size, link) for name in implementations]
     counts = [iters or _iters_for(step, warmup, target_time) for step in steps]
     timings: list[list[float]] = [[] for _ in steps]
     for _ in range(repeats):
