@@ -381,19 +381,6 @@ def _binomial_broadcast(flat: torch.Tensor, ring: _Ring, root: int) -> None:
         distance *= 2
 
 
-def _binomial_reduce(flat: torch.Tensor, ring: _Ring) -> None:
-    """Sum every rank's `flat` into rank 0's: the broadcast's tree walked backwards."""
-    buffer = _recv_buffer(flat.numel(), flat)
-    distance = 1 << max(0, (ring.size - 1).bit_length() - 1)  # the broadcast's last round first
-    while distance >= 1:
-        if distance <= ring.rank < 2 * distance:
-            dist.send(flat, ring.peer(ring.rank - distance), group=ring.group)
-        elif ring.rank < distance and ring.rank + distance < ring.size:
-            dist.recv(buffer, ring.peer(ring.rank + distance), group=ring.group)
-            flat.add_(buffer)
-        distance //= 2
-
-
 # --- Latency-optimal all-reduce algorithms ------------------------------------------------------
 #
 # Recursive doubling and Rabenseifner's algorithm pair rank c with rank c XOR 2^k, so they need
@@ -496,10 +483,44 @@ def _rabenseifner(flat: torch.Tensor, ring: _Ring, average: bool) -> None:
 
 
 def _tree(flat: torch.Tensor, ring: _Ring, average: bool) -> None:
-    _binomial_reduce(flat, ring)
-    if average and ring.rank == 0:
-        flat.div_(ring.size)
-    _binomial_broadcast(flat, ring, root=0)
+    """A binomial-tree reduce to rank 0, then the broadcast's tree from rank 0, both pipelined.
+
+    Rank r's parent is r minus its highest set bit; its children are r + 2^k for every 2^k > r
+    (`tree_broadcast`'s tree). The tensor travels in `segment_count` segments: a rank adds a
+    segment from each child and sends the sum up at once, while the next segments are still
+    arriving, and rank 0 starts sending each finished segment back down while later ones are
+    still being reduced, as NCCL pipelines its trees. Whole messages left the link idle
+    during every addition: on 2 ranks the unpipelined tree fell to ~0.75x gloo at 64 MiB.
+    """
+    rank, size = ring.rank, ring.size
+    parent = rank - (1 << (rank.bit_length() - 1)) if rank else None
+    children = [rank + (1 << k) for k in range(size.bit_length())
+                if (1 << k) > rank and rank + (1 << k) < size]
+    segments = _segments(flat.numel(), flat.element_size())
+    buffers = [_recv_buffer(flat.numel(), flat, slot) for slot in range(len(children))]
+    from_children = [[ring.irecv(buffer[a:b], ring.peer(child)) for a, b in segments]
+                     for child, buffer in zip(children, buffers, strict=True)]
+    # The result lands in place: segment i comes down only after the parent has received this
+    # rank's partial sum of segment i, so the receive never overwrites what is still to leave.
+    from_parent = ([] if parent is None else
+                   [ring.irecv(flat[a:b], ring.peer(parent)) for a, b in segments])
+    sends = []
+    for i, (a, b) in enumerate(segments):  # reduce, segment by segment
+        for receives, buffer in zip(from_children, buffers, strict=True):
+            receives[i].wait()
+            flat[a:b].add_(buffer[a:b])  # in the tensor's own dtype, as gloo does
+        if parent is not None:
+            sends.append(ring.isend(flat[a:b], ring.peer(parent)))
+        else:  # rank 0 holds the sum of this segment: it goes down at once
+            if average:
+                flat[a:b].div_(size)
+            sends += [ring.isend(flat[a:b], ring.peer(child)) for child in children]
+    if parent is not None:  # broadcast, each segment as it arrives
+        for (a, b), receive in zip(segments, from_parent, strict=True):
+            receive.wait()
+            sends += [ring.isend(flat[a:b], ring.peer(child)) for child in children]
+    for send in sends:
+        send.wait()
 
 
 def _ring_algorithm(flat: torch.Tensor, ring: _Ring, average: bool) -> None:

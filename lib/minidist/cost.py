@@ -25,9 +25,13 @@ c(N) is Thakur's third term: the bytes the busiest rank adds up per byte of tens
 seconds per byte, so all-reduce takes a * alpha + b * S * beta + c * S * gamma. On a fast
 network gamma is negligible beside beta; between processes on one CPU it is not, and it is
 what makes recursive doubling, which adds the whole tensor log2 N times, lose to the ring
-for large tensors even on 2 ranks, where both send S. (NCCL's trees beat rings on many
-nodes because they pipeline small chunks; on a network of full-duplex links this unpipelined
-tree never wins.)
+for large tensors even on 2 ranks, where both send S.
+
+The tree's row is its textbook schedule, each round waiting for the whole tensor; on a
+network of full-duplex links it never wins. `minidist.comm` pipelines it in segments, as NCCL
+pipelines its trees: the rounds and the reduce and broadcast overlap, so for large S it takes
+about ceil(log2 N) * S * beta (rank 0 receiving from and sending to its children at once),
+half the row's bandwidth term, for a few more latencies.
 
 The table assumes each rank has a link of its own that sends and receives at once. Ranks
 that share a CPU break both assumptions: a rank waits for a core before each step, and the
