@@ -482,21 +482,28 @@ def _rabenseifner(flat: torch.Tensor, ring: _Ring, average: bool) -> None:
     _fold_out(flat, ring, core)
 
 
+_TREE_SEGMENT_BYTES = 1 << 21
+
+
 def _tree(flat: torch.Tensor, ring: _Ring, average: bool) -> None:
     """A binomial-tree reduce to rank 0, then the broadcast's tree from rank 0, both pipelined.
 
     Rank r's parent is r minus its highest set bit; its children are r + 2^k for every 2^k > r
-    (`tree_broadcast`'s tree). The tensor travels in `segment_count` segments: a rank adds a
-    segment from each child and sends the sum up at once, while the next segments are still
-    arriving, and rank 0 starts sending each finished segment back down while later ones are
-    still being reduced, as NCCL pipelines its trees. Whole messages left the link idle
-    during every addition: on 2 ranks the unpipelined tree fell to ~0.75x gloo at 64 MiB.
+    (`tree_broadcast`'s tree). A tensor of 4 MiB or more travels in segments of 2 to 4 MiB:
+    a rank adds a segment from each child and sends the sum up at once, while the next
+    segments are still arriving, and rank 0 starts sending each finished segment back down
+    while later ones are still being reduced, as NCCL pipelines its trees. Measured on 2
+    ranks sharing 2 cores: whole messages left the link idle during every addition (~0.8x
+    gloo at 32-64 MiB, ~1.0x pipelined), but pipelining turns the tree's one-way sends into
+    two-way traffic, which costs more on shared cores: with the ring's segments (256 KiB
+    from 512 KiB up) the tree lost half its speed at 512 KiB to 1 MiB.
     """
     rank, size = ring.rank, ring.size
     parent = rank - (1 << (rank.bit_length() - 1)) if rank else None
     children = [rank + (1 << k) for k in range(size.bit_length())
                 if (1 << k) > rank and rank + (1 << k) < size]
-    segments = _segments(flat.numel(), flat.element_size())
+    nbytes = flat.numel() * flat.element_size()
+    segments = chunk_bounds(flat.numel(), max(1, nbytes // _TREE_SEGMENT_BYTES))
     buffers = [_recv_buffer(flat.numel(), flat, slot) for slot in range(len(children))]
     from_children = [[ring.irecv(buffer[a:b], ring.peer(child)) for a, b in segments]
                      for child, buffer in zip(children, buffers, strict=True)]
