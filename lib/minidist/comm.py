@@ -596,7 +596,7 @@ _FIT_SIZES = (2**12, 2**16, 2**18, 2**20, 2**22)
 _links: dict[dist.ProcessGroup, AlgorithmLinks] = {}
 
 
-def fit_links(group: dist.ProcessGroup | None = None, repeats: int = 5) -> AlgorithmLinks:
+def fit_links(group: dist.ProcessGroup | None = None, repeats: int = 9) -> AlgorithmLinks:
     """Each all-reduce algorithm's own link on `group`, as "auto" sees it: measured on the
     first call and kept per group.
 
@@ -609,9 +609,11 @@ def fit_links(group: dist.ProcessGroup | None = None, repeats: int = 5) -> Algor
     are fast only now and then is not the one to pick. The timings are taken in rounds in
     which every algorithm and size has a turn, so that a moment when other processes had the
     CPU cannot spoil one algorithm's every timing, and on the slowest rank, so that every rank
-    fits the same links and "auto" makes the same choice everywhere. Under a second on 2 ranks
-    of a 2-core laptop, 2 to 3 s on 4; every member of the group must call it (as "auto"
-    does), at the same time. What it sends is not counted by `count_traffic`.
+    fits the same links and "auto" makes the same choice everywhere. Nine rounds, not five:
+    with five, one of three bench runs picked the ring at 1 MiB on 2 ranks, at about half the
+    tree's speed. About 1.5 s on 2 ranks of a 2-core laptop, 4 s on 4; every member of the
+    group must call it (as "auto" does), at the same time. What it sends is not counted by
+    `count_traffic`.
     """
     ring = _ring(group, "fit_links")
     key = group or dist.group.WORLD
