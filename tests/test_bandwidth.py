@@ -42,11 +42,13 @@ def test_adaptive_iterations_and_rounding() -> None:
     assert [(r.implementation, r.nbytes) for r in rows] == [("minidist", 249 * 4)]
 
 
-def test_auto_is_timed_with_the_links_given_or_fitted_once() -> None:
+def test_auto_is_timed_with_the_links_given_or_its_own_fit() -> None:
     links = fit_links(2)
     assert isinstance(links, AlgorithmLinks) and links.world_size == 2
-    rows = measure(2, SIZES, implementations=("auto",), iters=2, warmup=1, repeats=1, link=links)
-    assert [(r.implementation, r.nbytes) for r in rows] == [("auto", size) for size in SIZES]
+    for given in (links, None):  # None: measure fits before the first size
+        rows = measure(2, SIZES, implementations=("auto",), iters=2, warmup=1, repeats=1,
+                       link=given)
+        assert [(r.implementation, r.nbytes) for r in rows] == [("auto", size) for size in SIZES]
     # The ranks decide with the very links passed in: ones fitted on 3 ranks are refused there.
     three_ranks = AlgorithmLinks(3, (2**12, 2**22), tuple(
         (name, (AlphaBeta(1e-5, 1e-9),)) for name in ALL_REDUCE_ALGORITHMS))
