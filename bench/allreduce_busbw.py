@@ -1,24 +1,33 @@
 """Bus bandwidth of minidist's all-reduce algorithms against torch.distributed.all_reduce.
 
     python bench/allreduce_busbw.py [--world-sizes 2 3 4] [--min-size 1024]
-                                    [--max-size 67108864] [--repeats 15] [--target-time 0.04]
+                                    [--max-size 67108864] [--sweeps 3] [--repeats 5]
+                                    [--target-time 0.04]
 
 Sweeps every power of two from 1 KiB to 64 MiB on each world size, timing the backend's own
 all-reduce (gloo on CPU), `comm.all_reduce(algorithm="auto")` and each algorithm in the same
 ranks, taking turns, and prints each one's busbw as a ratio of the backend's. It checks the
 course's target: "auto" reaches at least 0.8x the backend's bus bandwidth at every size, at
-N = 2 and N = 4; the last line says PASS or FAIL. Each point is the median of 15 timings of
-about 40 ms, every implementation taking its turn in each round, so that a slow spell of the
-machine falls on all of them alike; "auto" decides with links fitted once per world size, as
-a process group fits them once and keeps them. Time it on an otherwise idle machine: other
-processes on the cores make the numbers meaningless.
+N = 2 and N = 4; the last line says PASS or FAIL. "auto" decides with links fitted once per
+world size, as a process group fits them once and keeps them.
+
+Each point is timed in 3 sweeps over all sizes, each size in fresh ranks, and the median of
+the sweeps is kept. Within a sweep a point is the median of 5 timings of about 40 ms, every
+implementation taking its turn in each round, so that a slow spell of the machine falls on
+all of them alike. The sweeps are there because ranks started afresh do not run alike where
+they share cores: on 2 ranks of a 2-core VM, gloo's all-reduce of 512 KiB ran at 0.34 to
+0.60 GB/s in six launches, each the median of 9 timings, and ours varied as much, though not
+in the same launches. A launch is one sample, and one bad one at one of 17 sizes would
+decide the verdict. Time it on an otherwise idle machine: other processes on the cores make the numbers
+meaningless.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 
-from minidist.bandwidth import Row, measure
+from minidist.bandwidth import Row, fit_links, measure
 from minidist.cost import ALL_REDUCE_ALGORITHMS
 
 TARGET_RATIO = 0.8
@@ -47,10 +56,20 @@ def ratio_table(rows: list[Row], world_size: int) -> tuple[str, list[float]]:
         ratios = [by_point[name, nbytes].busbw / gloo.busbw for name in OURS]
         auto_ratios.append(ratios[0])
         lines.append(
-            f"{_size(nbytes):>8} | {gloo.busbw / 1e9:>10.3f} | "
+            f"{_size(nbytes):>8} | {gloo.busbw / 1e9:>10.3g} | "
             + " ".join(f"{ratio:>18.2f}" for ratio in ratios)
         )
     return "\n".join(lines), auto_ratios
+
+
+def median_of_sweeps(sweeps: list[list[Row]]) -> list[Row]:
+    """Each point's row from the sweep with its median time (the sweeps' median, for an odd
+    number of sweeps)."""
+    rows = []
+    for point in zip(*sweeps, strict=True):
+        seconds = statistics.median_low(row.seconds for row in point)
+        rows.append(next(row for row in point if row.seconds == seconds))
+    return rows
 
 
 def main() -> None:
@@ -58,20 +77,28 @@ def main() -> None:
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 3, 4])
     parser.add_argument("--min-size", type=int, default=2**10, help="bytes, a power of two")
     parser.add_argument("--max-size", type=int, default=2**26, help="bytes, a power of two")
-    parser.add_argument("--repeats", type=int, default=15,
-                        help="timings per point, taken in turns; the median is kept")
+    parser.add_argument("--sweeps", type=int, default=3,
+                        help="sweeps over all sizes, each size in fresh ranks; the median is kept")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timings per point in a sweep, taken in turns; the median is kept")
     parser.add_argument("--target-time", type=float, default=0.04, help="seconds per timing")
     args = parser.parse_args()
+    if args.sweeps < 1:
+        parser.error(f"need --sweeps >= 1, got {args.sweeps}")
     if args.min_size < 4 or args.max_size < args.min_size:
         parser.error(f"need 4 <= --min-size <= --max-size, got {args.min_size}, {args.max_size}")
     sizes = [2**k for k in range(args.min_size.bit_length() - 1, args.max_size.bit_length())]
 
     verdicts, missed = [], []
     for world_size in args.world_sizes:
-        rows = measure(
-            world_size, sizes, implementations=("torch", *OURS), repeats=args.repeats,
-            target_time=args.target_time, timeout=600,
-        )
+        links = fit_links(world_size, timeout=600)
+        rows = median_of_sweeps([
+            measure(
+                world_size, sizes, implementations=("torch", *OURS), repeats=args.repeats,
+                target_time=args.target_time, timeout=600, link=links,
+            )
+            for _ in range(args.sweeps)
+        ])
         table, auto_ratios = ratio_table(rows, world_size)
         print(table, end="\n\n", flush=True)
         worst = min(auto_ratios)
