@@ -18,8 +18,8 @@ all of them alike. The sweeps are there because ranks started afresh do not run 
 they share cores: on 2 ranks of a 2-core VM, gloo's all-reduce of 512 KiB ran at 0.34 to
 0.60 GB/s in six launches, each the median of 9 timings, and ours varied as much, though not
 in the same launches. A launch is one sample, and one bad one at one of 17 sizes would
-decide the verdict. Time it on an otherwise idle machine: other processes on the cores make the numbers
-meaningless.
+decide the verdict. Time it on an otherwise idle machine: other processes on the cores make
+the numbers meaningless.
 """
 
 from __future__ import annotations
