@@ -8,18 +8,21 @@ Sweeps every power of two from 1 KiB to 64 MiB on each world size, timing the ba
 all-reduce (gloo on CPU), `comm.all_reduce(algorithm="auto")` and each algorithm in the same
 ranks, taking turns, and prints each one's busbw as a ratio of the backend's. It checks the
 course's target: "auto" reaches at least 0.8x the backend's bus bandwidth at every size, at
-N = 2 and N = 4; the last line says PASS or FAIL. "auto" decides with links fitted once per
-world size, as a process group fits them once and keeps them.
+N = 2 and N = 4; the last line says PASS or FAIL.
 
 Each point is timed in 3 sweeps over all sizes, each size in fresh ranks, and the median of
-the sweeps is kept. Within a sweep a point is the median of 5 timings of about 40 ms, every
-implementation taking its turn in each round, so that a slow spell of the machine falls on
-all of them alike. The sweeps are there because ranks started afresh do not run alike where
-they share cores: on 2 ranks of a 2-core VM, gloo's all-reduce of 512 KiB ran at 0.34 to
-0.60 GB/s in six launches, each the median of 9 timings, and ours varied as much, though not
-in the same launches. A launch is one sample, and one bad one at one of 17 sizes would
-decide the verdict. Time it on an otherwise idle machine: other processes on the cores make
-the numbers meaningless.
+the sweeps is kept. Each sweep fits its own links for "auto", once for all its sizes, as a
+process group fits them once and keeps them; the table shows what "auto" picked in each.
+Within a sweep a point is the median of 5 timings of about 40 ms, every implementation
+taking its turn in each round, so that a slow spell of the machine falls on all of them
+alike. The sweeps are there because ranks started afresh do not run alike where they share
+cores: on 2 ranks of a 2-core VM, gloo's all-reduce of 512 KiB ran at 0.34 to 0.60 GB/s in
+six launches, each the median of 9 timings, and ours varied as much, though not in the same
+launches. A launch is one sample, and one bad one at one of 17 sizes would decide the
+verdict. The fit is a measurement in one launch too: where algorithms are within a few
+percent of each other (at 4 MiB and up on 2 ranks), what it picks changes from fit to fit.
+Time it on an otherwise idle machine: other processes on the cores make the numbers
+meaningless.
 """
 
 from __future__ import annotations
@@ -33,20 +36,26 @@ from minidist.cost import ALL_REDUCE_ALGORITHMS
 TARGET_RATIO = 0.8
 TARGET_WORLD_SIZES = (2, 4)
 OURS = ("auto", *ALL_REDUCE_ALGORITHMS)
+SHORT = {"ring": "ring", "recursive_doubling": "rd", "tree": "tree", "rabenseifner": "rab"}
 
 
 def _size(nbytes: int) -> str:
     return f"{nbytes // 2**20} MiB" if nbytes >= 2**20 else f"{nbytes // 2**10} KiB"
 
 
-def ratio_table(rows: list[Row], world_size: int) -> tuple[str, list[float]]:
-    """The table of busbw ratios against "torch", and auto's ratio at each size."""
+def ratio_table(
+    rows: list[Row], world_size: int, picks: dict[int, list[str]]
+) -> tuple[str, list[float]]:
+    """The table of busbw ratios against "torch" with the algorithm "auto" picked at each size
+    in each sweep (`picks`), and auto's ratio at each size."""
     by_point = {(r.implementation, r.nbytes): r for r in rows}
     sizes = sorted({r.nbytes for r in rows})
-    header = f"{'size':>8} | {'gloo busbw':>10} | " + " ".join(f"{name:>18}" for name in OURS)
+    header = (f"{'size':>8} | {'gloo busbw':>10} | " + " ".join(f"{name:>18}" for name in OURS)
+              + " | auto picked")
     lines = [
         f"all_reduce, N={world_size}: busbw of each minidist algorithm / gloo's busbw "
-        f"(gloo's in GB/s), measured in the same run",
+        f"(gloo's in GB/s), measured in the same run; auto's pick in each sweep "
+        f"(rd = recursive_doubling, rab = rabenseifner)",
         header,
         "-" * len(header),
     ]
@@ -58,6 +67,7 @@ def ratio_table(rows: list[Row], world_size: int) -> tuple[str, list[float]]:
         lines.append(
             f"{_size(nbytes):>8} | {gloo.busbw / 1e9:>10.3g} | "
             + " ".join(f"{ratio:>18.2f}" for ratio in ratios)
+            + " | " + " ".join(SHORT[name] for name in picks[nbytes])
         )
     return "\n".join(lines), auto_ratios
 
@@ -91,15 +101,18 @@ def main() -> None:
 
     verdicts, missed = [], []
     for world_size in args.world_sizes:
-        links = fit_links(world_size, timeout=600)
-        rows = median_of_sweeps([
-            measure(
+        sweeps, picks = [], {}
+        for _ in range(args.sweeps):
+            links = fit_links(world_size, timeout=600)
+            sweeps.append(measure(
                 world_size, sizes, implementations=("torch", *OURS), repeats=args.repeats,
                 target_time=args.target_time, timeout=600, link=links,
-            )
-            for _ in range(args.sweeps)
-        ])
-        table, auto_ratios = ratio_table(rows, world_size)
+            ))
+            for row in sweeps[-1]:
+                if row.implementation == "auto":
+                    picks.setdefault(row.nbytes, []).append(
+                        links.best_all_reduce(row.nbytes, world_size))
+        table, auto_ratios = ratio_table(median_of_sweeps(sweeps), world_size, picks)
         print(table, end="\n\n", flush=True)
         worst = min(auto_ratios)
         if world_size in TARGET_WORLD_SIZES:
