@@ -64,7 +64,9 @@ MARKER = "SCALING_LAB_GRADING_TEST"  # env var tagging every process a command s
 SOLUTION = ("BEGIN SOLUTION", "END SOLUTION")
 HIDDEN_TESTS = ("BEGIN HIDDEN TESTS", "END HIDDEN TESTS")
 WRONG_ANSWER = "object()  # a value no check accepts"
-INFINITE_LOOP = ["while True:", "    pass"]
+# It waits rather than spins: a spinning loop would take a core from the rest of the suite
+# for the whole cell timeout, and nbgrader interrupts both alike.
+INFINITE_LOOP = ["import time", "", "while True:", "    time.sleep(1)"]
 DEADLOCK = [
     "import torch",
     "import torch.distributed as dist",
