@@ -60,7 +60,9 @@ os.environ.setdefault("MINIDIST_TIMEOUT", str(CELL_TIMEOUT_S // 2))
 c.GenerateFeedback.preprocessors = [
     GetGrades, HideHiddenTests, MathToMathML, CSSHTMLHeaderPreprocessor
 ]
-NBGRADER_TEMPLATES = Path(nbgrader.__file__).parent / "server_extensions" / "formgrader" / "templates"
+NBGRADER_TEMPLATES = (
+    Path(nbgrader.__file__).parent / "server_extensions" / "formgrader" / "templates"
+)
 c.HTMLExporter.template_name = FEEDBACK_TEMPLATE
 c.HTMLExporter.extra_template_basedirs = [str(TEMPLATES), str(NBGRADER_TEMPLATES)]
 

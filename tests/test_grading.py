@@ -447,9 +447,10 @@ def mistaken(lab: str, course: Course, graded: Graded) -> Mistaken:
     }
     course.submit(lab, "mistaken", answered(course.released, course.solution, replaced))
     course.run(COLLECT, lab)
-    # Never above the real per-cell limit: one cell slowed by a busy machine must not turn
-    # this run into minutes of waiting on the two hangs.
-    cell_timeout = min(LAB_BUDGET_S, max(20, math.ceil(4 * graded.executed.slowest_cell_s)))
+    # Three times the slowest cell of the solution's run, which ran under the same load, and
+    # minidist's half of that, still 1.5 times it. Never above the real per-cell limit: one
+    # cell slowed by a busy machine must not turn this run into minutes of waiting on the hangs.
+    cell_timeout = min(LAB_BUDGET_S, max(15, math.ceil(3 * graded.executed.slowest_cell_s)))
     minidist_timeout = cell_timeout // 2
     # Autograde skips the submissions already graded: this grades "mistaken" only.
     ran = course.run(
