@@ -108,6 +108,14 @@ def test_chrome_trace_is_valid_and_holds_every_rank(timelines, tmp_path):
     assert len(figure.axes[0].get_yticklabels()) == 2
 
 
+def test_profiled_ranks_print_nothing_of_their_own(capfd):
+    """Kineto logs each profile's start and stop; in a notebook that was a line per rank and
+    profile under every profiled cell."""
+    profiling.profile_ranks(one_step, 2, "flat", warmup=0, steps=1)
+    printed = "".join(capfd.readouterr())
+    assert "profiler_st" not in printed, f"expected no profiler log lines, got {printed[-2000:]}"
+
+
 def test_peak_flops_and_mfu_from_it():
     torch.set_num_threads(1)
     peak = profiling.measure_peak_flops(torch.float32, "cpu", size=256, repeats=3)

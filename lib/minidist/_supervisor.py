@@ -388,6 +388,10 @@ def _rank_main(spec: _RankSpec, stdout_w, stderr_w, control, lifeline) -> None:
         OMP_NUM_THREADS="1",
     )
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo" if sys.platform.startswith("linux") else "lo0")
+    # Kineto (torch.profiler's engine) prints a "USDT: ... profiler_start" line for every
+    # profile it starts and stops, into the rank's output; level 6 is the first above those
+    # lines. It reads the variable when a profiler first starts, so after this.
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     torch.set_num_threads(1)
     try:
         fn, args, kwargs = cloudpickle.loads(spec.payload)
