@@ -19,8 +19,8 @@ alike. The sweeps are there because ranks started afresh do not run alike where 
 cores: on 2 ranks of a 2-core VM, gloo's all-reduce of 512 KiB ran at 0.34 to 0.60 GB/s in
 six launches, each the median of 9 timings, and ours varied as much, though not in the same
 launches. A launch is one sample, and one bad one at one of 17 sizes would decide the
-verdict. The fit is a measurement in one launch too: where algorithms are within a few
-percent of each other (at 4 MiB and up on 2 ranks), what it picks changes from fit to fit.
+verdict. The fit is a measurement in one launch too: where algorithms are close (within
+10-25% of each other at 4 MiB and up on 2 ranks), what it picks changes from fit to fit.
 Time it on an otherwise idle machine: other processes on the cores make the numbers
 meaningless.
 """
