@@ -1,4 +1,6 @@
-"""minidist.comm against torch.distributed's own collectives, on 1 to 5 gloo ranks.
+"""minidist.comm (the algorithms as Lab 01 writes them), minidist.streaming (the same, fast) and
+minidist.collectives (the one layer the library calls) against torch.distributed's own
+collectives, on 1 to 5 gloo ranks.
 
 Starting ranks costs about a second, so each world size runs every check in one
 `minidist.launch.run`; each rank returns {check name: [failure descriptions]}, and the tests
@@ -13,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minidist import comm, sharding
+from minidist import collectives, comm, streaming
 from minidist.cost import (
     ALL_REDUCE_ALGORITHMS,
     AlgorithmLinks,
@@ -22,7 +24,7 @@ from minidist.cost import (
     ring_bytes_sent,
 )
 from minidist.launch import RankError, run
-from minidist.traffic import Collective
+from minidist.traffic import Collective, count_traffic
 
 WORLD_SIZES = (1, 2, 3, 4, 5)
 SIZES = (1, 7, 1000, 2**20 + 3)
@@ -47,7 +49,7 @@ def _check_all_reduce(rank: int, world_size: int) -> list[str]:
             if returned is not ours or not torch.equal(ours, expected):
                 failures.append(f"sum, numel={numel}, {dtype}")
     sum_, avg = dist.ReduceOp.SUM, dist.ReduceOp.AVG
-    for op, torch_op in (("sum", sum_), ("avg", avg), (sum_, sum_), (avg, avg)):
+    for op, torch_op in (("sum", sum_), ("avg", avg)):
         ours = torch.randn(1003, generator=torch.Generator().manual_seed(rank))
         expected = ours.clone()
         dist.all_reduce(expected, op=torch_op)
@@ -63,26 +65,40 @@ def _check_all_reduce(rank: int, world_size: int) -> list[str]:
 
 
 def _check_all_reduce_algorithms(rank: int, world_size: int) -> list[str]:
+    """Every implementation through the layer (minidist's streamed ones and torch's), and every
+    plain algorithm of comm, equals torch's all-reduce."""
     failures = []
-    for algorithm in (*ALL_REDUCE_ALGORITHMS, "auto"):
+    plain = {f"plain {name}": algorithm for name, algorithm in comm.ALGORITHMS.items()}
+    for impl in (*collectives.IMPLS["all_reduce"], *plain):
         for numel in SIZES:
             for dtype in DTYPES:
-                for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+                for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG, "sum", "avg"):
                     ours = _integers(numel, 1000 * rank + numel, dtype)
                     expected = ours.clone()
-                    dist.all_reduce(expected, op=op)
-                    returned = comm.all_reduce(ours, op=op, algorithm=algorithm)
+                    averaged = op in ("avg", dist.ReduceOp.AVG)
+                    dist.all_reduce(expected, op=dist.ReduceOp.AVG if averaged
+                                    else dist.ReduceOp.SUM)
+                    if impl in plain:
+                        if not isinstance(op, str):
+                            continue
+                        plain[impl](ours, comm.ring_of(), op == "avg")
+                        returned = ours
+                    else:
+                        returned = collectives.all_reduce(ours, op=op, impl=impl)
                     # Sums of small integers are exact in any order; an average is that sum
                     # divided once, so it matches too, up to how gloo rounds the division.
-                    close = torch.equal(ours, expected) if op == dist.ReduceOp.SUM else (
+                    close = torch.equal(ours, expected) if op in ("sum", dist.ReduceOp.SUM) else (
                         torch.allclose(ours.float(), expected.float(), rtol=1e-2, atol=0))
                     if returned is not ours or not close:
-                        failures.append(f"{algorithm}, {op}, numel={numel}, {dtype}")
+                        failures.append(f"{impl}, {op}, numel={numel}, {dtype}")
     matrix = _integers(12 * 5, rank, torch.float32).view(12, 5)
     expected = matrix.clone()
     dist.all_reduce(expected)
-    if not torch.equal(comm.all_reduce(matrix, algorithm="rabenseifner"), expected):
+    if not torch.equal(collectives.all_reduce(matrix, impl="rabenseifner"), expected):
         failures.append("2-D tensor")
+    maxima = torch.full((3,), float(rank))
+    if not torch.equal(collectives.all_reduce(maxima, "max"), torch.full((3,), world_size - 1.0)):
+        failures.append("max, impl='torch'")
     return failures
 
 
@@ -102,32 +118,42 @@ def _all_reduce_messages(algorithm: str, rank: int, world_size: int) -> int:
 
 def _check_all_reduce_bytes(rank: int, world_size: int) -> list[str]:
     failures = []
+    everyone = tuple(range(world_size))
     for algorithm in ALL_REDUCE_ALGORITHMS:
         for numel in (240, *SIZES):  # 240: every N in 1..5 and every p in 1, 2, 4 divide it
-            with comm.count_traffic() as counter:
-                comm.all_reduce(torch.zeros(numel), algorithm=algorithm)
             expected = all_reduce_bytes_sent(algorithm, numel * 4, world_size, rank)
             messages = _all_reduce_messages(algorithm, rank, world_size)
             slack = 0 if numel % 240 == 0 else messages * 4  # one element per uneven chunk
-            # A large tensor goes in several segments per step (the ring's exact count is
-            # checked in _check_ring_bytes); a small one in one message per step.
-            fits = comm.segment_count(numel * 4) == 1
+            # Streamed: a large tensor goes in several segments per step (the ring's exact
+            # count is checked in _check_ring_bytes); a small one in one message per step.
+            # Plain (comm): one message per step whatever the size, and no record.
+            fits = streaming.segment_count(numel * 4) == 1
+            with count_traffic() as counter:
+                collectives.all_reduce(torch.zeros(numel), impl=algorithm)
+            with count_traffic() as plain:
+                comm.ALGORITHMS[algorithm](torch.zeros(numel), comm.ring_of(), False)
+            record = counter.collectives[0] if len(counter.collectives) == 1 else None
             if (abs(counter.bytes_sent - expected) > slack
                     or (counter.messages != messages if fits else counter.messages < messages)
-                    or counter.collectives != [Collective("all_reduce", numel * 4, world_size)]):
+                    or counter.collectives != [Collective("all_reduce", numel * 4, world_size)]
+                    or record.ranks != everyone):
                 failures.append(
                     f"{algorithm} numel={numel}: sent {counter.bytes_sent} B in "
                     f"{counter.messages} messages, expected {expected:g} B (+-{slack}) in "
                     f"{messages}; records {counter.collectives}"
                 )
+            if (abs(plain.bytes_sent - expected) > slack or plain.messages != messages
+                    or plain.collectives):
+                failures.append(f"plain {algorithm} numel={numel}: sent {plain.bytes_sent} B in "
+                                f"{plain.messages} messages, expected {expected:g} in {messages}")
     return failures
 
 
 def _check_auto(rank: int, world_size: int) -> list[str]:
     failures = []
-    with comm.count_traffic() as fitting:
-        links = comm.fit_links()
-    if comm.fit_links() is not links:
+    with count_traffic() as fitting:
+        links = streaming.fit_links()
+    if streaming.fit_links() is not links:
         failures.append("fit_links measured again instead of keeping the group's links")
     if fitting.bytes_sent or fitting.collectives:
         failures.append(f"fit_links' own timings were counted: {fitting}")
@@ -150,9 +176,9 @@ def _check_auto(rank: int, world_size: int) -> list[str]:
         chosen = given.best_all_reduce(numel * 4, world_size)
         if given is cheap_tree and world_size > 1 and chosen != "tree":
             failures.append(f"links where the tree costs least chose {chosen}")
-        with comm.count_traffic() as counter:
-            comm.all_reduce(torch.zeros(numel), algorithm="auto", link=None if given is links
-                            else given)
+        with count_traffic() as counter:
+            collectives.all_reduce(torch.zeros(numel), impl="auto",
+                                   link=None if given is links else given)
         expected = all_reduce_bytes_sent(chosen, numel * 4, world_size, rank)
         if counter.bytes_sent != expected:
             failures.append(f"auto with {given}, numel={numel}: sent {counter.bytes_sent} B, "
@@ -194,10 +220,36 @@ def _check_reduce_scatter_and_all_gather(rank: int, world_size: int) -> list[str
             if not torch.equal(ours, theirs):
                 failures.append(f"all_gather numel={numel}: differs from torch's")
 
+        # The layer: a new tensor, this rank's shard, from either implementation.
+        for impl in collectives.IMPLS["reduce_scatter"]:
+            shard = collectives.reduce_scatter(data, impl=impl)
+            if not torch.equal(shard, total[start:end]) or shard.data_ptr() == data.data_ptr():
+                failures.append(f"collectives.reduce_scatter impl={impl} numel={numel}")
+            for async_op in (False, True):
+                gathered = collectives.all_gather(full[start:end].clone(), numel, impl=impl,
+                                                  async_op=async_op)
+                gathered = gathered.wait() if async_op else gathered
+                if not torch.equal(gathered, full):
+                    failures.append(f"collectives.all_gather impl={impl} async={async_op} "
+                                    f"numel={numel}")
+
     start, end = comm.chunk_bounds(10, world_size)[rank]
     mean = torch.full((end - start,), (world_size - 1) / 2)  # the mean of the ranks 0..N-1
     if not torch.allclose(comm.ring_reduce_scatter(torch.full((10,), float(rank)), "avg"), mean):
         failures.append("reduce_scatter avg")
+    for impl in collectives.IMPLS["reduce_scatter"]:
+        shard = collectives.reduce_scatter(torch.full((10,), float(rank)), impl=impl, op="avg")
+        if not torch.allclose(shard, mean):
+            failures.append(f"collectives.reduce_scatter avg, impl={impl}")
+    pieces = torch.full((2, 3 * world_size, 5), float(rank))
+    along = collectives.reduce_scatter_along(pieces, 1)
+    if along.shape != (2, 3, 5) or not torch.equal(along, torch.full((2, 3, 5), float(
+            sum(range(world_size))))):
+        failures.append(f"reduce_scatter_along: shape {tuple(along.shape)}")
+    gathered = collectives.all_gather_along(torch.full((2, 3, 5), float(rank)), 1)
+    expected = torch.cat([torch.full((2, 3, 5), float(r)) for r in range(world_size)], dim=1)
+    if not torch.equal(gathered, expected):
+        failures.append("all_gather_along")
     return failures
 
 
@@ -210,13 +262,26 @@ def _check_broadcast(rank: int, world_size: int) -> list[str]:
             dist.broadcast(theirs, src)
             if comm.tree_broadcast(ours, src) is not ours or not torch.equal(ours, theirs):
                 failures.append(f"src={src}, numel={numel}")
-    with comm.count_traffic() as counter:
-        comm.tree_broadcast(torch.zeros(100), src=world_size - 1)
-    # Every rank but src receives the tensor exactly once, so the sends add up to (N-1) * S.
-    total = torch.tensor([counter.bytes_sent])
-    dist.all_reduce(total)
-    if total.item() != (world_size - 1) * 400:
-        failures.append(f"broadcast sent {total.item()} bytes in all, not (N-1) * S")
+            for impl in collectives.IMPLS["broadcast"]:
+                ours = torch.full((numel,), float(rank))
+                if not torch.equal(collectives.broadcast(ours, src, impl=impl), theirs):
+                    failures.append(f"collectives.broadcast impl={impl} src={src}")
+    for broadcast in (lambda t: comm.tree_broadcast(t, src=world_size - 1),
+                      lambda t: collectives.broadcast(t, world_size - 1, impl="tree")):
+        with count_traffic() as counter:
+            broadcast(torch.zeros(100))
+        # Every rank but src receives the tensor exactly once, so the sends add up to (N-1) * S.
+        total = torch.tensor([counter.bytes_sent])
+        dist.all_reduce(total)
+        if total.item() != (world_size - 1) * 400:
+            failures.append(f"broadcast sent {total.item()} bytes in all, not (N-1) * S")
+    tensors = [torch.full((3,), float(rank)), torch.full((2, 2), rank, dtype=torch.int64)]
+    with count_traffic() as log:
+        collectives.broadcast_tensors(tensors)
+    if not (torch.equal(tensors[0], torch.zeros(3)) and torch.equal(tensors[1], torch.zeros(
+            2, 2, dtype=torch.int64))) or [(c.op, c.nbytes) for c in log.collectives] != [
+            ("broadcast", 12), ("broadcast", 32)]:
+        failures.append(f"broadcast_tensors: one broadcast per dtype, got {log.collectives}")
     return failures
 
 
@@ -224,26 +289,37 @@ def _check_ring_bytes(rank: int, world_size: int) -> list[str]:
     failures = []
     for numel in (24 * world_size, *SIZES):
         nbytes = numel * 4
-        # segment_count messages per chunk sent. Rank r sends every chunk but r in the
-        # reduce-scatter, every chunk but r+1 in the all-gather.
-        segments = [comm.segment_count((end - start) * 4)
+        # streaming.segment_count messages per chunk sent. Rank r sends every chunk but r in
+        # the reduce-scatter, every chunk but r+1 in the all-gather; comm sends each whole.
+        segments = [streaming.segment_count((end - start) * 4)
                     for start, end in comm.chunk_bounds(numel, world_size)]
         scattered = sum(segments) - segments[rank]
         gathered = sum(segments) - segments[(rank + 1) % world_size]
+        shard = torch.zeros(comm.chunk_bounds(numel, world_size)[rank][1]
+                            - comm.chunk_bounds(numel, world_size)[rank][0])
         for name, collective, steps, messages in (
-            ("all_reduce", comm.ring_all_reduce, 2 * (world_size - 1), scattered + gathered),
-            ("reduce_scatter", comm.ring_reduce_scatter, world_size - 1, scattered),
-            ("all_gather", comm.ring_all_gather, world_size - 1, gathered),
+            ("all_reduce", lambda t: collectives.all_reduce(t, impl="ring"),
+             2 * (world_size - 1), scattered + gathered),
+            ("reduce_scatter", lambda t: collectives.reduce_scatter(t, impl="ring"),
+             world_size - 1, scattered),
+            ("all_gather", lambda t, s=shard: collectives.all_gather(s, t.numel(), impl="ring"),
+             world_size - 1, gathered),
+            ("all_reduce", comm.ring_all_reduce, 2 * (world_size - 1), 2 * (world_size - 1)),
+            ("reduce_scatter", comm.ring_reduce_scatter, world_size - 1, world_size - 1),
+            ("all_gather", comm.ring_all_gather, world_size - 1, world_size - 1),
         ):
-            with comm.count_traffic() as counter:
+            with count_traffic() as counter:
                 collective(torch.zeros(numel))
             expected = ring_bytes_sent(name, nbytes, world_size)
             # Chunks differ by at most one element, so each step may be off by one element.
             slack = 0 if numel % world_size == 0 else steps * 4
-            if abs(counter.bytes_sent - expected) > slack or counter.messages != messages:
+            right = {comm.ring_of().right} if world_size > 1 else set()
+            if (abs(counter.bytes_sent - expected) > slack or counter.messages != messages
+                    or set(counter.bytes_to()) != right):
                 failures.append(
-                    f"{name} numel={numel}: sent {counter.bytes_sent} B in {counter.messages} "
-                    f"messages, expected {expected:g} B (+-{slack}) in {messages}"
+                    f"{name} numel={numel}: sent {counter.bytes_to()} (B per rank) in "
+                    f"{counter.messages} messages, expected {expected:g} B (+-{slack}) to the "
+                    f"right neighbour in {messages}"
                 )
     return failures
 
@@ -257,7 +333,7 @@ def _check_counting_plain_sends(rank: int, world_size: int) -> list[str]:
     payload, inbox = torch.zeros(10), torch.empty(10)  # 40 bytes
     made_before = [dist.P2POp(dist.isend, payload, right), dist.P2POp(dist.irecv, inbox, left)]
 
-    with comm.count_traffic() as outer:
+    with count_traffic() as outer:
         # dist.send / dist.recv, ordered so the ring cannot deadlock: even ranks send first.
         for sending in (rank % 2 == 0, rank % 2 == 1):
             if sending:
@@ -267,7 +343,7 @@ def _check_counting_plain_sends(rank: int, world_size: int) -> list[str]:
         requests = [dist.isend(payload, right), dist.irecv(inbox, left)]  # gloo's isend waits
         for request in requests:  # for the matching recv, so post both before waiting
             request.wait()
-        with comm.count_traffic() as inner:
+        with count_traffic() as inner:
             for request in dist.batch_isend_irecv(made_before):  # P2POps made outside the block
                 request.wait()
             made_inside = [
@@ -276,8 +352,8 @@ def _check_counting_plain_sends(rank: int, world_size: int) -> list[str]:
             ]
             for request in dist.batch_isend_irecv(made_inside):
                 request.wait()
-    if (outer.bytes_sent, outer.messages) != (160, 4):
-        failures.append(f"outer block counted {outer.bytes_sent} B in {outer.messages} messages")
+    if (outer.bytes_sent, outer.messages) != (160, 4) or outer.bytes_to() != {right: 160}:
+        failures.append(f"outer block counted {outer.bytes_to()} B in {outer.messages} messages")
     if (inner.bytes_sent, inner.messages) != (80, 2):
         failures.append(f"inner block counted {inner.bytes_sent} B in {inner.messages} messages")
 
@@ -291,7 +367,7 @@ def _check_counting_plain_sends(rank: int, world_size: int) -> list[str]:
         failures.append("ProcessGroup.send was not restored")
 
     # An exception inside the block restores it too.
-    with pytest.raises(RuntimeError), comm.count_traffic():
+    with pytest.raises(RuntimeError), count_traffic():
         raise RuntimeError("boom")
     if vars(dist.ProcessGroup)["send"] is not original:
         failures.append("ProcessGroup.send was not restored after an exception")
@@ -303,15 +379,21 @@ def _check_errors(rank: int, world_size: int) -> list[str]:
     cases = [
         ("non-contiguous", lambda: comm.ring_all_reduce(torch.zeros(4, 6).t()), "contiguous"),
         ("op max", lambda: comm.ring_all_reduce(torch.zeros(4), op="max"), "'sum' or 'avg'"),
-        ("ReduceOp.MAX", lambda: comm.ring_all_reduce(torch.zeros(4), op=dist.ReduceOp.MAX), "op"),
+        ("ReduceOp.MAX, ring", lambda: collectives.all_reduce(
+            torch.zeros(4), op=dist.ReduceOp.MAX, impl="ring"), "op"),
+        ("op min", lambda: collectives.all_reduce(torch.zeros(4), op="min"), "'max'"),
         ("avg on ints", lambda: comm.ring_all_reduce(torch.zeros(4, dtype=torch.int64), "avg"),
          "floating-point"),
         ("bad src", lambda: comm.tree_broadcast(torch.zeros(4), src=world_size), "src"),
         # Raised before any send: only this rank calls, so a blocked call would hang the run.
-        ("unknown algorithm", lambda: comm.all_reduce(torch.zeros(4), algorithm="butterfly"),
+        ("unknown algorithm", lambda: collectives.all_reduce(torch.zeros(4), impl="butterfly"),
          "'recursive_doubling'"),
-        ("avg on ints, tree", lambda: comm.all_reduce(torch.zeros(4, dtype=torch.int64), "avg",
-                                                      algorithm="tree"), "floating-point"),
+        ("unknown impl", lambda: collectives.all_gather(torch.zeros(4), 4, impl="tree"),
+         "'ring'"),
+        ("avg on ints, tree", lambda: collectives.all_reduce(
+            torch.zeros(4, dtype=torch.int64), "avg", impl="tree"), "floating-point"),
+        ("wrong shard", lambda: collectives.all_gather(torch.zeros(5), 4 * world_size),
+         "shard_bounds"),
     ]
     for name, call, phrase in cases:
         try:
@@ -330,7 +412,7 @@ def _check_subgroup(rank: int, world_size: int) -> list[str]:
     group = dist.new_group(members)  # every rank must call new_group, members or not
     if rank not in members:
         try:
-            comm.all_reduce(torch.zeros(4), group=group, algorithm="recursive_doubling")
+            collectives.all_reduce(torch.zeros(4), group=group, impl="recursive_doubling")
         except ValueError as error:
             return [] if "not a member" in str(error) else [f"unclear message: {error}"]
         return ["all_reduce on a group this rank is not in: no error"]
@@ -339,27 +421,29 @@ def _check_subgroup(rank: int, world_size: int) -> list[str]:
         ours = _integers(1001, rank, torch.float32)
         theirs = ours.clone()
         dist.all_reduce(theirs, group=group)
-        if not torch.equal(comm.all_reduce(ours, group=group, algorithm=algorithm), theirs):
+        if not torch.equal(collectives.all_reduce(ours, group=group, impl=algorithm), theirs):
             failures.append(f"{algorithm} all_reduce on a subgroup")
     ours = _integers(1001, rank, torch.float32)
     theirs = ours.clone()
     dist.all_reduce(theirs, group=group)
-    with comm.count_traffic() as counter:
+    with count_traffic() as counter:
         comm.ring_all_reduce(ours, group=group)
     if not torch.equal(ours, theirs):
         failures.append("all_reduce on a subgroup")
     if abs(counter.bytes_sent - ring_bytes_sent("all_reduce", 1001 * 4, 2)) > 2 * 4:
         failures.append(f"subgroup all_reduce sent {counter.bytes_sent} B")
-    # One record per collective, per group: the ring's and the backend's collectives alike.
-    with comm.count_traffic() as log:
-        comm.ring_all_reduce(torch.ones(10), group=group)
-        comm.ring_all_gather(torch.ones(6), group=group)
-        sharding.reduce_scatter(torch.ones(8), group=group)
-        sharding.all_gather(torch.ones(3), 6, group=group)
+    # One record per collective, per group: minidist's and the backend's collectives alike.
+    with count_traffic() as log:
+        collectives.all_reduce(torch.ones(10), group=group, impl="ring")
+        collectives.all_gather(torch.ones(3), 6, group=group, impl="ring")
+        collectives.reduce_scatter(torch.ones(8), group=group)
+        collectives.all_gather(torch.ones(3), 6, group=group)
     expected = {("all_reduce", 2): (1, 40), ("all_gather", 2): (2, 48),
                 ("reduce_scatter", 2): (1, 32)}
     if log.per_collective() != expected:
         failures.append(f"per collective and group: {log.per_collective()}, not {expected}")
+    if {c.ranks for c in log.collectives} != {tuple(members)}:
+        failures.append(f"records name the group's ranks {members}: {log.collectives}")
     gathers = (log.calls("all_gather"), log.nbytes("all_gather"))
     if gathers != (2, 48):
         failures.append(f"all_gather: (calls, bytes) = {gathers}, not (2, 48)")
@@ -409,7 +493,7 @@ def test_against_torch(check: str, world_size: int) -> None:
 
 def _all_reduce_sizes_differ(rank: int, world_size: int, algorithm: str) -> list[float]:
     tensor = torch.ones(1000 + rank)
-    comm.all_reduce(tensor, algorithm=algorithm)
+    collectives.all_reduce(tensor, impl=algorithm)
     return tensor[:2].tolist()
 
 
@@ -438,6 +522,6 @@ def test_needs_a_process_group() -> None:
 
 
 def test_count_traffic_outside_ranks_counts_nothing() -> None:
-    with comm.count_traffic() as counter:
+    with count_traffic() as counter:
         pass
     assert (counter.bytes_sent, counter.messages) == (0, 0)

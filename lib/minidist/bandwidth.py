@@ -16,26 +16,28 @@ from __future__ import annotations
 import math
 import statistics
 import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 from tqdm import tqdm
 
-from minidist import comm
-from minidist.cost import ALL_REDUCE_ALGORITHMS, AlgorithmLinks, busbw_factor
+from minidist import collectives, streaming
+from minidist.cost import AlgorithmLinks, busbw_factor
 from minidist.launch import device, run
+from minidist.timing import time_in_turns
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-IMPLEMENTATIONS = ("minidist", "torch")
-# all_reduce can also be timed with each of minidist.comm.all_reduce's algorithms by name.
-ALL_REDUCE_IMPLEMENTATIONS = (*IMPLEMENTATIONS, "auto", *ALL_REDUCE_ALGORITHMS)
+__all__ = ["BENCH_COLLECTIVES", "OURS", "Row", "measure", "measure_links", "format_table",
+           "plot"]
+
 BENCH_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+OURS = {"all_reduce": "ring", "reduce_scatter": "ring", "all_gather": "ring",
+        "broadcast": "tree"}
+"""minidist's own implementation of each collective, timed by default beside torch's."""
 _MAX_ITERS = 10_000
 
 
@@ -56,9 +58,8 @@ def measure(
     world_size: int,
     sizes: Sequence[int],
     collective: str = "all_reduce",
-    implementations: Sequence[str] = IMPLEMENTATIONS,
+    implementations: Sequence[str] | None = None,
     iters: int | None = None,
-    warmup: int = 2,
     dtype: torch.dtype = torch.float32,
     timeout: float | None = None,
     target_time: float = 0.01,
@@ -67,21 +68,16 @@ def measure(
 ) -> list[Row]:
     """Time `collective` at each size in `sizes` (bytes) on `world_size` ranks.
 
-    implementations: "minidist" (this library's ring/tree, minidist.comm) and/or "torch"
-    (torch.distributed's own collective on the same backend), timed in the same ranks; for
-    all_reduce also "auto" or any of cost.ALL_REDUCE_ALGORITHMS ("recursive_doubling", ...),
-    run by minidist.comm.all_reduce(tensor, algorithm=name). "auto" decides with `link`, by
-    default the links `fit_links(world_size)` measures once, before the first size: what
-    one process group fits once and keeps (sizes run in fresh ranks, which would otherwise
-    each fit their own).
+    implementations: names of `minidist.collectives.IMPLS[collective]`, "torch" for
+    torch.distributed's own on the same backend; by default torch and minidist's own
+    (`OURS`). Every call goes through `minidist.collectives`, so each pays the same small cost
+    of recording it. "auto" decides with `link`, by default the links `measure_links`
+    measures once, before the first size: what one process group fits once and keeps (sizes
+    run in fresh ranks, which would otherwise each fit their own).
 
-    Each point is `warmup` untimed calls, a barrier, then `iters` timed calls; when `iters` is
-    None it is chosen per point so the timed block lasts about `target_time` seconds. A timing
-    is the slowest rank's mean time per call. Every point is timed `repeats` times, the
-    implementations taking turns, and the median timing is kept: a moment when other
-    processes had the CPU spoils one timing, not the result, and, unlike the fastest timing,
-    the median does not reward one implementation's lucky moment either (on shared cores
-    the two are about as common).
+    Each point is timed `repeats` times with `timing.time_in_turns` (the implementations in
+    turns, the slowest rank's time, after one untimed round), each timing `iters` calls, or
+    when `iters` is None as many as last about `target_time` seconds; the median is kept.
     Sizes are rounded down to whole elements (and, for reduce_scatter and all_gather, to a
     multiple of world_size elements); `Row.nbytes` is the size actually used.
     """
@@ -89,19 +85,20 @@ def measure(
         raise ValueError(
             f"unknown collective {collective!r}; valid ones are {', '.join(BENCH_COLLECTIVES)}"
         )
-    valid = ALL_REDUCE_IMPLEMENTATIONS if collective == "all_reduce" else IMPLEMENTATIONS
+    implementations = tuple(implementations or ("torch", OURS[collective]))
+    valid = collectives.IMPLS[collective]
     unknown = [name for name in implementations if name not in valid]
     if unknown or not implementations:
         raise ValueError(
             f"implementations for {collective} must be a non-empty subset of {valid}, got "
-            f"{tuple(implementations)!r}"
+            f"{implementations!r}"
         )
     if iters is not None and iters < 1:
         raise ValueError(f"iters must be >= 1 (or None to adapt to size), got {iters}")
-    if warmup < 0 or repeats < 1:
-        raise ValueError(f"need warmup >= 0 and repeats >= 1, got {warmup} and {repeats}")
+    if repeats < 1:
+        raise ValueError(f"need repeats >= 1, got {repeats}")
     if "auto" in implementations and link is None:
-        link = fit_links(world_size, timeout=timeout)
+        link = measure_links(world_size, timeout=timeout)
     factor = busbw_factor(collective, world_size)
     element_size = torch.empty(0, dtype=dtype).element_size()
     rows = []
@@ -110,29 +107,25 @@ def measure(
     # a widget bar leaves "Error displaying widget: model not found" in a reopened notebook.
     label = f"{collective} on {world_size} ranks"
     for numel in tqdm(numels, desc=label, unit="size", file=sys.stdout):
-        per_rank = run(
-            _time_on_rank, world_size, collective, tuple(implementations), numel, dtype, iters,
-            warmup, target_time, repeats, link, timeout=timeout,
-        )
+        times = run(_time_on_rank, world_size, collective, implementations, numel, dtype, iters,
+                    target_time, repeats, link, timeout=timeout)[0]
         nbytes = numel * element_size
-        for i, name in enumerate(implementations):
-            # A call ends when its last rank does: the slowest rank's time, for each repeat.
-            seconds = statistics.median(max(timings[i][r] for timings in per_rank)
-                                        for r in range(repeats))
+        for name in implementations:
+            seconds = statistics.median(times[name])
             algbw = nbytes / seconds
             rows.append(Row(name, collective, world_size, nbytes, seconds, algbw, algbw * factor))
     return rows
 
 
-def fit_links(world_size: int, timeout: float | None = None) -> AlgorithmLinks:
-    """`minidist.comm.fit_links` on `world_size` fresh ranks: each all-reduce algorithm's own
-    links, the ones `comm.all_reduce(algorithm="auto")` decides with (every rank fits the
-    same ones)."""
+def measure_links(world_size: int, timeout: float | None = None) -> AlgorithmLinks:
+    """`minidist.streaming.fit_links` on `world_size` fresh ranks: each all-reduce algorithm's
+    own links, the ones `collectives.all_reduce(impl="auto")` decides with (every rank fits
+    the same ones)."""
     return run(_fit_links_on_rank, world_size, timeout=timeout)[0]
 
 
 def _fit_links_on_rank(rank: int, world_size: int) -> AlgorithmLinks:
-    return comm.fit_links()
+    return streaming.fit_links()
 
 
 def _numel(nbytes: int, collective: str, world_size: int, dtype: torch.dtype) -> int:
@@ -142,73 +135,33 @@ def _numel(nbytes: int, collective: str, world_size: int, dtype: torch.dtype) ->
     return numel
 
 
-def _step(
-    implementation: str, collective: str, numel: int, dtype: torch.dtype, world_size: int,
-    link: AlgorithmLinks | None,
-) -> Callable[[], object]:
+def _step(impl: str, collective: str, numel: int, dtype: torch.dtype, world_size: int,
+          link: AlgorithmLinks | None) -> Callable[[], object]:
     """A no-argument function that runs one call of the collective on preallocated tensors."""
     # Zeros stay zeros however often they are summed: no overflow to inf along the way.
     full = torch.zeros(numel, dtype=dtype, device=device())
     shard = torch.zeros(numel // world_size, dtype=dtype, device=device())
-    ours = implementation == "minidist"
     if collective == "all_reduce":
-        if implementation == "torch":
-            return lambda: dist.all_reduce(full)
-        if ours:
-            return lambda: comm.ring_all_reduce(full)
-        return lambda: comm.all_reduce(full, algorithm=implementation, link=link)
+        return lambda: collectives.all_reduce(full, impl=impl, link=link)
     if collective == "reduce_scatter":
-        if ours:
-            return lambda: comm.ring_reduce_scatter(full)
-        return lambda: dist.reduce_scatter_single(shard, full)
+        return lambda: collectives.reduce_scatter(full, impl=impl)
     if collective == "all_gather":
-        if ours:
-            return lambda: comm.ring_all_gather(full)
-        return lambda: dist.all_gather_single(full, shard)
-    return (lambda: comm.tree_broadcast(full, 0)) if ours else (lambda: dist.broadcast(full, 0))
+        return lambda: collectives.all_gather(shard, numel, impl=impl)
+    return lambda: collectives.broadcast(full, impl=impl)
 
 
-def _time_on_rank(
-    rank: int,
-    world_size: int,
-    collective: str,
-    implementations: tuple[str, ...],
-    numel: int,
-    dtype: torch.dtype,
-    iters: int | None,
-    warmup: int,
-    target_time: float,
-    repeats: int,
-    link: AlgorithmLinks | None,
-) -> list[list[float]]:
-    """This rank's mean seconds per call in each repeat, for each implementation."""
-    steps = [_step(name, collective, numel, dtype, world_size, link) for name in implementations]
-    counts = [iters or _iters_for(step, warmup, target_time) for step in steps]
-    timings: list[list[float]] = [[] for _ in steps]
-    for _ in range(repeats):
-        for i, (step, count) in enumerate(zip(steps, counts, strict=True)):
-            for _ in range(warmup):
-                step()
-            dist.barrier()  # start together, or we would time the wait for late ranks
-            start = time.perf_counter()
-            for _ in range(count):
-                step()
-            _synchronize()
-            timings[i].append((time.perf_counter() - start) / count)
-    return timings
-
-
-def _iters_for(step: Callable[[], object], warmup: int, target_time: float) -> int:
-    """Calls needed for the timed block to last `target_time`; the same on every rank."""
-    for _ in range(warmup):
-        step()
-    start = time.perf_counter()
-    step()
-    _synchronize()
-    # Every rank must run the same number of calls, so agree on the slowest rank's estimate.
-    estimate = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device())
-    dist.all_reduce(estimate, op=dist.ReduceOp.MAX)
-    return max(1, min(_MAX_ITERS, math.ceil(target_time / max(estimate.item(), 1e-9))))
+def _time_on_rank(rank: int, world_size: int, collective: str, implementations: tuple[str, ...],
+                  numel: int, dtype: torch.dtype, iters: int | None, target_time: float,
+                  repeats: int, link: AlgorithmLinks | None) -> dict[str, list[float]]:
+    """Seconds per call of each implementation in each repeat, the slowest rank's."""
+    steps = {name: _step(name, collective, numel, dtype, world_size, link)
+             for name in implementations}
+    counts: dict[str, int] | int = iters or 1
+    if iters is None:  # one call of each, to see how many last `target_time`
+        once = time_in_turns(steps, 1, synchronize=_synchronize, device=device())
+        counts = {name: max(1, min(_MAX_ITERS, math.ceil(target_time / max(t[0], 1e-9))))
+                  for name, t in once.items()}
+    return time_in_turns(steps, repeats, counts, synchronize=_synchronize, device=device())
 
 
 def _synchronize() -> None:
@@ -234,14 +187,15 @@ def _time(seconds: float) -> str:
 def format_table(rows: Sequence[Row]) -> str:
     """The rows as a text table: one line per size, implementations side by side.
 
-    Bandwidths are in GB/s (1e9 bytes/s, as nccl-tests prints them); "ratio" is
-    busbw(minidist) / busbw(torch), shown when both were measured.
+    Bandwidths are in GB/s (1e9 bytes/s, as nccl-tests prints them); "ratio" is the busbw of
+    the first implementation other than torch over torch's, shown when both were measured.
     """
     blocks = []
     for collective, world_size in dict.fromkeys((r.collective, r.world_size) for r in rows):
         block = [r for r in rows if (r.collective, r.world_size) == (collective, world_size)]
         names = list(dict.fromkeys(r.implementation for r in block))
-        with_ratio = "minidist" in names and "torch" in names
+        ours = next((name for name in names if name != "torch"), None)
+        with_ratio = ours is not None and "torch" in names
         header = f"{'size':>10}" + "".join(
             f" | {name + ' time':>14} {'algbw':>7} {'busbw':>7}" for name in names
         )
@@ -257,8 +211,8 @@ def format_table(rows: Sequence[Row]) -> str:
                     if r
                     else f" | {'':>14} {'':>7} {'':>7}"
                 )
-            if with_ratio and "minidist" in by_name and "torch" in by_name:
-                line += f" | {by_name['torch'].seconds / by_name['minidist'].seconds:5.2f}"
+            if with_ratio and ours in by_name and "torch" in by_name:
+                line += f" | {by_name['torch'].seconds / by_name[ours].seconds:5.2f}"
             lines.append(line)
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)

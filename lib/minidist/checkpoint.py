@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minidist import sharding
+from minidist import collectives
 from minidist.fsdp import FullyShardedDataParallel
 from minidist.zero import ZeroOptimizer
 
@@ -139,8 +139,7 @@ def save(state: dict[str, Any], path: str | Path,
     mine["sha256"] = _write_atomically(path / mine["file"], buffer.getvalue())
     everyone: list[Any] = [mine]
     if world_size > 1:
-        everyone = [None] * world_size
-        dist.all_gather_object(everyone, mine, group=group)
+        everyone = collectives.all_gather_object(mine, group, when="checkpoint metadata")
     for key, entry in described.items():
         if entry["kind"] == "sharded":
             lacking = [r for r in range(world_size) if key not in everyone[r]["shards"]]
@@ -408,7 +407,7 @@ def _rank_and_world(group: dist.ProcessGroup | None) -> tuple[int, int]:
 
 def _barrier(group: dist.ProcessGroup | None, world_size: int) -> None:
     if world_size > 1:
-        dist.barrier(group=group)
+        collectives.barrier(group, when="checkpoint")
 
 
 # --- model, optimizer and RNG state ----------------------------------------------------------
@@ -419,7 +418,7 @@ def _fsdp_slices(model: FullyShardedDataParallel) -> Iterator[tuple[list[str], A
     (or a tensor shaped like it, e.g. Adam's m) into this rank's Shard of that parameter."""
     for unit in model.units:
         for flat in unit.flats:
-            start, end = sharding.shard_bounds(flat.numel, model.group)
+            start, end = collectives.shard_bounds(flat.numel, model.group)
             offset = 0
             for slot in flat.slots:
                 low = min(max(start, offset), end)
@@ -476,7 +475,7 @@ class OptimizerState:
         if isinstance(self.optimizer, ZeroOptimizer):
             entries = []
             for param, master in zip(self.optimizer.params, self.optimizer.shards, strict=True):
-                start, _ = sharding.shard_bounds(param.numel(), self.optimizer.group)
+                start, _ = collectives.shard_bounds(param.numel(), self.optimizer.group)
                 entries.append((names[param], master,
                                 lambda t, shape=tuple(param.shape), s=start: Shard(t, shape, s)))
             return entries

@@ -2,8 +2,8 @@
 
 `DistributedDataParallel(model, compression=PowerSGD(rank=2))` hands each full bucket to the
 compression instead of all-reducing it, as PyTorch's DDP communication hooks do
-(`register_comm_hook`). Every byte goes through `minidist.comm`'s send/recv, so
-`comm.count_traffic()` counts what compression saves. For a bucket of S bytes (fp32) on N
+(`register_comm_hook`). Every byte goes through minidist's own collectives (send/recv), so
+`traffic.count_traffic()` counts what compression saves. For a bucket of S bytes (fp32) on N
 ranks, the ring all-reduce sends 2(N-1)/N·S per rank; here:
 
     TopK(ratio)     each rank keeps its k = ratio·numel largest entries and all-gathers k values
@@ -31,8 +31,12 @@ from abc import ABC, abstractmethod
 import torch
 import torch.distributed as dist
 
-from minidist import comm
+from minidist import collectives
 from minidist._checks import positive_int
+from minidist.comm import chunk_bounds
+from minidist.flat import copy_back, flatten, views
+
+__all__ = ["Compression", "top_k", "TopK", "PowerSGD", "Int8"]
 
 
 class Compression(ABC):
@@ -63,17 +67,16 @@ class TopK(Compression):
 
     def all_reduce(self, bucket: int, buffer: torch.Tensor, shapes: list[torch.Size],
                    group: dist.ProcessGroup | None = None) -> None:
-        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        size = dist.get_world_size(group)
         corrected = buffer + self.residuals.get(bucket, 0)
         k = max(1, int(self.ratio * buffer.numel()))
         values, indices = top_k(corrected, k)
         self.residuals[bucket] = corrected.index_fill_(0, indices.long(), 0)  # not sent
-        # Rank r's k entries sit at [r·k, (r+1)·k): the ring all-gather's chunk r.
-        all_values = torch.empty(size * k, dtype=buffer.dtype)
-        all_indices = torch.empty(size * k, dtype=torch.int32)
-        all_values[rank * k:(rank + 1) * k], all_indices[rank * k:(rank + 1) * k] = values, indices
-        comm.ring_all_gather(all_values, group)
-        comm.ring_all_gather(all_indices, group)
+        # Rank r's k entries land at [r·k, (r+1)·k): the ring all-gather's chunk r.
+        all_values = collectives.all_gather(values, size * k, group, "ring",
+                                            "compressed gradients")
+        all_indices = collectives.all_gather(indices, size * k, group, "ring",
+                                             "compressed gradients")
         buffer.zero_().index_add_(0, all_indices, all_values)
 
 
@@ -99,12 +102,9 @@ class PowerSGD(Compression):
 
     def all_reduce(self, bucket: int, buffer: torch.Tensor, shapes: list[torch.Size],
                    group: dist.ProcessGroup | None = None) -> None:
-        views, offset = [], 0
-        for shape in shapes:
-            views.append(buffer[offset:offset + shape.numel()])
-            offset += shape.numel()
-        plain = [v for v, shape in zip(views, shapes, strict=True) if not self.compresses(shape)]
-        matrices = [v.view(shape[0], -1) for v, shape in zip(views, shapes, strict=True)
+        pieces = views(buffer, shapes)
+        plain = [v for v, shape in zip(pieces, shapes, strict=True) if not self.compresses(shape)]
+        matrices = [v.view(shape[0], -1) for v, shape in zip(pieces, shapes, strict=True)
                     if self.compresses(shape)]
         if plain:
             _all_reduce_together(plain, group)
@@ -142,22 +142,16 @@ class Int8(Compression):
     def all_reduce(self, bucket: int, buffer: torch.Tensor, shapes: list[torch.Size],
                    group: dist.ProcessGroup | None = None) -> None:
         size, rank = dist.get_world_size(group), dist.get_rank(group)
-        members = dist.get_process_group_ranks(group or dist.group.WORLD)
-        bounds = comm.chunk_bounds(buffer.numel(), size)
+        bounds = chunk_bounds(buffer.numel(), size)
         slot = 4 + bounds[0][1] - bounds[0][0]  # scale + the largest chunk
-        outgoing = [_quantize(buffer[start:end], slot) for start, end in bounds]
-        incoming = [torch.empty(slot, dtype=torch.int8) for _ in range(size)]
-        incoming[rank] = outgoing[rank]
-        requests = [request for peer in range(size) if peer != rank for request in (
-            dist.isend(outgoing[peer], members[peer], group=group),
-            dist.irecv(incoming[peer], members[peer], group=group))]
-        for request in requests:
-            request.wait()
+        outgoing = torch.stack([_quantize(buffer[start:end], slot) for start, end in bounds])
+        ones = [1] * size
+        incoming = collectives.all_to_all(outgoing, ones, ones, group, "pairwise",
+                                          "compressed gradients")
         start, end = bounds[rank]
         mine = sum(_dequantize(message, end - start) for message in incoming)
-        gathered = torch.zeros(size * slot, dtype=torch.int8)
-        gathered[rank * slot:(rank + 1) * slot] = _quantize(mine, slot)
-        comm.ring_all_gather(gathered, group)
+        gathered = collectives.all_gather(_quantize(mine, slot), size * slot, group, "ring",
+                                          "compressed gradients")
         for peer, (start, end) in enumerate(bounds):
             buffer[start:end] = _dequantize(gathered[peer * slot:(peer + 1) * slot], end - start)
 
@@ -179,9 +173,6 @@ def _dequantize(message: torch.Tensor, numel: int) -> torch.Tensor:
 
 def _all_reduce_together(tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
     """Sum the tensors over ranks in place with one ring all-reduce of their concatenation."""
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    comm.ring_all_reduce(flat, group=group)
-    offset = 0
-    for t in tensors:
-        t.copy_(flat[offset:offset + t.numel()].view_as(t))
-        offset += t.numel()
+    flat = flatten(tensors)
+    collectives.all_reduce(flat, group=group, impl="ring", when="compressed gradients")
+    copy_back(flat, tensors)

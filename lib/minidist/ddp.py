@@ -18,19 +18,19 @@ faster than the last (lab 03 builds them in this order):
     optimizer.step()
 
 Each rank sends 2(N-1)/N * Psi * bytes-per-element per step with a ring all-reduce: the "2 Psi
-elements" data-parallel volume of ZeRO §7 (Rajbhandari et al. 2020) as N grows.
-`all_reduce="ring"` uses minidist's own `comm.ring_all_reduce`, built from send/recv, so that
-`comm.count_traffic()` can count those bytes; the default uses the backend's all-reduce (gloo or
-NCCL), which runs in C++: `count_traffic()` then sees each call but not its bytes on the wire.
+elements" data-parallel volume of ZeRO §7 (Rajbhandari et al. 2020) as N grows. `impl` picks
+the all-reduce (`minidist.collectives`): "torch", the backend's own (gloo or NCCL, which runs in
+C++: `traffic.count_traffic()` sees each call but not its bytes on the wire), or one of
+minidist's algorithms from send/recv ("ring", "auto", ...), whose bytes it counts.
 `compression=` (a `minidist.compression.Compression`) sends each bucket compressed instead,
 through minidist's send/recv, as PyTorch's DDP communication hooks do.
+
+`group` is the data-parallel process group (e.g. `mesh.group("dp")`); None: every rank.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,74 +39,100 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minidist import comm
-from minidist._checks import check_same_model, first_rank, require_process_group
+from minidist import collectives
+from minidist._checks import require_process_group
 from minidist.compression import Compression
+from minidist.flat import copy_back, flatten
+from minidist.timeline import Event, clock, plot_events
 
-ALL_REDUCES = ("torch", "ring")
+__all__ = [
+    "check_same_model", "broadcast_parameters", "all_reduce_gradients",
+    "all_reduce_gradients_flat", "assign_buckets", "Bucket", "make_buckets",
+    "DistributedDataParallel", "plot_timeline",
+]
 
 
-def _check_all_reduce(all_reduce: str) -> None:
-    if all_reduce not in ALL_REDUCES:
+def _check_impl(impl: str) -> None:
+    if impl not in collectives.IMPLS["all_reduce"]:
         raise ValueError(
-            f"all_reduce={all_reduce!r}: choose 'torch' (the backend's own all-reduce) or "
-            f"'ring' (minidist.comm.ring_all_reduce, whose bytes comm.count_traffic counts)"
+            f"impl={impl!r}: choose 'torch' (the backend's own all-reduce) or one of minidist's "
+            f"({', '.join(collectives.IMPLS['all_reduce'][1:])}), whose bytes count_traffic "
+            f"counts")
+
+
+# --- The same model on every rank ----------------------------------------------------------------
+
+
+def check_same_model(module: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """Raise on every rank if the ranks' models differ in names, shapes, dtypes or which
+    parameters are trainable: flat buffers and shards would not line up, and collectives
+    would mix unrelated tensors or hang."""
+    mine = [(f"parameter {name}", tuple(p.shape), str(p.dtype), p.requires_grad)
+            for name, p in module.named_parameters()]
+    mine += [(f"buffer {name}", tuple(b.shape), str(b.dtype), False)
+             for name, b in module.named_buffers()]
+    everyone = collectives.all_gather_object(mine, group, when="model check")
+    reference = everyone[0]
+    for rank, theirs in enumerate(everyone[1:], start=1):
+        if theirs == reference:
+            continue
+        for ours, other in zip(reference, theirs, strict=False):  # lengths may differ
+            if ours != other:
+                raise ValueError(
+                    f"the ranks' models differ: rank 0 has {_describe(ours)} where rank {rank} "
+                    f"has {_describe(other)}. Build the same model on every rank (the values "
+                    f"may differ: rank 0's are copied to all)"
+                )
+        raise ValueError(
+            f"the ranks' models differ: rank 0 has {len(reference)} parameters and buffers, "
+            f"rank {rank} has {len(theirs)}. Build the same model on every rank"
         )
 
 
-def _all_reduce_sum(tensor: torch.Tensor, all_reduce: str, group: dist.ProcessGroup | None):
-    if all_reduce == "ring":
-        comm.ring_all_reduce(tensor, group=group)
-    else:
-        comm.record("all_reduce", tensor, group)
-        dist.all_reduce(tensor, group=group)
+def _describe(entry: tuple) -> str:
+    name, shape, dtype, requires_grad = entry
+    frozen = "" if requires_grad or name.startswith("buffer") else ", frozen"
+    return f"{name} of shape {list(shape)}, {dtype}{frozen}"
+
+
+def broadcast_parameters(module: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """Copy the group's first rank's parameters and buffers to every rank, in place: one
+    broadcast per dtype of all of them at once."""
+    require_process_group("broadcast_parameters")
+    collectives.broadcast_tensors([t.data for t in [*module.parameters(), *module.buffers()]],
+                                  group=group, when="parameters and buffers")
 
 
 # --- The simple versions -------------------------------------------------------------------------
 
 
-def broadcast_parameters(module: nn.Module, group: dist.ProcessGroup | None = None) -> None:
-    """Copy the group's first rank's parameters and buffers to every rank, in place."""
-    require_process_group("broadcast_parameters")
-    src = first_rank(group)
-    with torch.no_grad():
-        for tensor in [*module.parameters(), *module.buffers()]:
-            dist.broadcast(tensor, src=src, group=group)
-
-
-def all_reduce_gradients(module: nn.Module, all_reduce: str = "torch",
+def all_reduce_gradients(module: nn.Module, impl: str = "torch",
                          group: dist.ProcessGroup | None = None) -> None:
     """Average every parameter's gradient across ranks, one all-reduce per parameter.
 
     Call it after backward. Parameters without a gradient (frozen or unused) are skipped, so
     every rank must have the same ones."""
     require_process_group("all_reduce_gradients")
-    _check_all_reduce(all_reduce)
-    world_size = dist.get_world_size(group)
+    _check_impl(impl)
     for param in module.parameters():
         if param.grad is not None:
-            _all_reduce_sum(param.grad, all_reduce, group)
-            param.grad.div_(world_size)
+            collectives.all_reduce(param.grad, "avg", group, impl, when="gradients")
 
 
-def all_reduce_gradients_flat(module: nn.Module, all_reduce: str = "torch",
+def all_reduce_gradients_flat(module: nn.Module, impl: str = "torch",
                               group: dist.ProcessGroup | None = None) -> None:
     """Average every gradient across ranks with a single all-reduce of one flat buffer.
 
     All gradients must have one dtype. One collective pays the latency once, but it can only
     start when backward has finished."""
     require_process_group("all_reduce_gradients_flat")
-    _check_all_reduce(all_reduce)
+    _check_impl(impl)
     grads = [param.grad for param in module.parameters() if param.grad is not None]
     if not grads:
         return
-    flat = torch.cat([grad.reshape(-1) for grad in grads])
-    _all_reduce_sum(flat, all_reduce, group)
-    flat.div_(dist.get_world_size(group))
-    offset = 0
-    for grad in grads:
-        grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
-        offset += grad.numel()
+    flat = flatten(grads)
+    collectives.all_reduce(flat, "avg", group, impl, when="gradients")
+    copy_back(flat, grads)
 
 
 # --- Buckets -------------------------------------------------------------------------------------
@@ -150,17 +176,41 @@ class Bucket:
     def nbytes(self) -> int:
         return self.buffer.numel() * self.buffer.element_size()
 
+    def copy_in(self, position: int, grad: torch.Tensor | None) -> None:
+        """Copy parameter `position`'s gradient into its place in the buffer (None: zeros)."""
+        start = self.offsets[position]
+        end = start + self.params[position].numel()
+        if grad is None:
+            self.buffer[start:end].zero_()
+        else:
+            self.buffer[start:end].copy_(grad.reshape(-1))
 
-@dataclass
-class Event:
-    """Something that happened in the last backward, in `time.perf_counter()` seconds:
-    "gradient" (a parameter's gradient was ready; start == end) or "all_reduce" (a bucket's,
-    from launch to completion; `end` is None until it completes)."""
+    def copy_out(self) -> None:
+        """Write the buffer back into every parameter's `.grad`."""
+        for param in self.params:
+            if param.grad is None:
+                param.grad = torch.empty_like(param)
+        copy_back(self.buffer, [param.grad for param in self.params])
 
-    kind: str
-    name: str
-    start: float
-    end: float | None
+
+def make_buckets(module: nn.Module, cap_bytes: int) -> list[Bucket]:
+    """The buckets of `module`'s trainable parameters: in reverse `parameters()` order (the
+    order backward produces gradients), at most `cap_bytes` each (`assign_buckets`), one
+    dtype and device per bucket."""
+    trainable = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+    trainable.reverse()
+    buckets: list[Bucket] = []
+    for kind in dict.fromkeys((p.dtype, p.device) for _, p in trainable):
+        of_kind = [(name, p) for name, p in trainable if (p.dtype, p.device) == kind]
+        sizes = [p.numel() * p.element_size() for _, p in of_kind]
+        for indices in assign_buckets(sizes, cap_bytes):
+            names = [of_kind[i][0] for i in indices]
+            params = [of_kind[i][1] for i in indices]
+            offsets = [sum(p.numel() for p in params[:k]) for k in range(len(params))]
+            buffer = torch.zeros(offsets[-1] + params[-1].numel(), dtype=kind[0],
+                                 device=kind[1])
+            buckets.append(Bucket(len(buckets), names, params, offsets, buffer))
+    return buckets
 
 
 @dataclass
@@ -170,7 +220,7 @@ class _Step:
     pending: list[int]  # per bucket: gradients not yet copied in
     arrived: set[int] = field(default_factory=set)  # ids of parameters whose gradient came
     next_launch: int = 0  # buckets launch in order, so every rank issues the same sequence
-    handles: list[Any] = field(default_factory=list)
+    handles: list[collectives.Handle] = field(default_factory=list)
 
 
 # --- The wrapper ---------------------------------------------------------------------------------
@@ -179,105 +229,72 @@ class _Step:
 class DistributedDataParallel(nn.Module):
     """Data parallelism with bucketed all-reduces that overlap backward.
 
-    At wrap time, checks that every rank's model has the same parameter and buffer names,
-    shapes and dtypes (values may differ) and copies rank 0's values to every rank. Then a
-    post-accumulate-grad hook on each trainable parameter copies its gradient into a bucket
-    as soon as backward produces it; buckets hold at most `bucket_cap_mb` MiB (a bigger
-    parameter gets one to itself) and are filled in reverse `parameters()` order. A full
-    bucket starts an asynchronous all-reduce at once, in bucket order, while backward goes on.
-    At the end of backward, `finish_gradient_synchronization()` runs by itself: it waits for
-    every all-reduce and writes the averaged gradients back into `.grad`. So, as with
-    PyTorch's DDP, `.grad` is averaged when `loss.backward()` returns; calling it yourself
-    afterwards does nothing.
+        model = DistributedDataParallel(model, bucket_cap_mb=25)
+        loss_fn(model(x), y).backward()     # gradients are averaged when backward returns
 
-    - `no_sync()`: backward inside it only accumulates local gradients (no communication);
-      the first backward after it averages the sum. Run forward and backward both inside.
-    - Frozen parameters (`requires_grad=False`) are broadcast at wrap time, then left alone.
-    - Shared (tied) parameters are one parameter: `parameters()` yields them once.
-    - Buffers are broadcast from rank 0 at wrap time and, with `broadcast_buffers=True`, before
-      every forward (BatchNorm's running statistics stay equal across ranks, as in PyTorch).
-    - A trainable parameter that gets no gradient in a backward raises an error naming it at
-      the end of that backward; with `find_unused_parameters=True` it counts as a zero
-      gradient instead (its rank contributes 0 to the average), so ranks may use different
-      parameters.
-    - `all_reduce="ring"` runs minidist's ring all-reduce on a background thread, so
-      `comm.count_traffic()` sees the bytes sent: 2(N-1)/N times each bucket per rank.
+    At wrap time every rank's model must have the same parameter and buffer names, shapes and
+    dtypes (values may differ: rank 0's are copied to all). A post-accumulate-grad hook on each
+    trainable parameter copies its gradient into a bucket as soon as backward produces it;
+    buckets hold at most `bucket_cap_mb` MiB (a bigger parameter gets one to itself), filled in
+    reverse `parameters()` order. A full bucket starts an asynchronous all-reduce at once, in
+    bucket order, while backward goes on. When backward ends, `finish_gradient_synchronization`
+    runs by itself: it waits for every all-reduce and writes the averaged gradients back into
+    `.grad`, as PyTorch's DDP has them when `loss.backward()` returns.
+
+    - `impl` picks the all-reduce (`minidist.collectives`): "torch" is the backend's; the
+      others are minidist's own, whose bytes `traffic.count_traffic()` counts: 2(N-1)/N times
+      each bucket per rank for "ring".
     - `compression` (TopK, PowerSGD, Int8 from `minidist.compression`) replaces each
-      bucket's all-reduce with a compressed sum, run like `all_reduce="ring"` on the
-      background thread through minidist's send/recv, whatever `all_reduce` says.
-    - `events` records the last synchronized backward: when each gradient arrived and when
-      each bucket's all-reduce started and ended (`plot_timeline` draws them).
+      bucket's all-reduce with a compressed sum through minidist's send/recv.
+    - `no_sync()`: backward inside it only accumulates local gradients; the first backward
+      after it averages the sum. Run forward and backward both inside.
+    - Frozen parameters are broadcast at wrap time, then left alone; tied parameters are one.
+    - Buffers are broadcast from rank 0 at wrap time and, with `broadcast_buffers=True`, before
+      every forward (BatchNorm's running statistics stay equal across ranks).
+    - A trainable parameter that gets no gradient raises an error naming it at the end of that
+      backward; with `find_unused_parameters=True` it counts as a zero gradient instead.
+    - `events` records the last synchronized backward (`timeline.Event`s): "gradient" when
+      each gradient arrived, "all_reduce" from each bucket's launch to its completion;
+      `plot_timeline` draws them.
 
-    Differences from torch.nn.parallel.DistributedDataParallel: no smaller first bucket and
-    no rebuilding of the buckets in gradient-arrival order after the first step; gradients
-    are copied into buckets and back (its default, gradient_as_bucket_view=False); a
-    parameter unused on every rank gets a zero gradient under find_unused_parameters (it
-    leaves it None).
+    Differences from torch.nn.parallel.DistributedDataParallel: no smaller first bucket and no
+    rebuilding of the buckets in gradient-arrival order after the first step; gradients are
+    copied into buckets and back (its default, gradient_as_bucket_view=False); a parameter
+    unused on every rank gets a zero gradient under find_unused_parameters (it leaves it None).
     """
 
-    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, *,
-                 all_reduce: str = "torch", find_unused_parameters: bool = False,
-                 broadcast_buffers: bool = True, group: dist.ProcessGroup | None = None,
+    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, *, impl: str = "torch",
+                 find_unused_parameters: bool = False, broadcast_buffers: bool = True,
+                 group: dist.ProcessGroup | None = None,
                  compression: Compression | None = None):
         super().__init__()
-        require_process_group("DistributedDataParallel")
-        _check_all_reduce(all_reduce)
-        if compression is not None and not isinstance(compression, Compression):
-            raise ValueError(f"compression={compression!r}: pass a minidist.compression object "
-                             f"(TopK(ratio), PowerSGD(rank), Int8()) or None")
-        if isinstance(bucket_cap_mb, bool) or not (
-            isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0
-        ):
-            raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r}: must be a positive number of MiB")
-        self.module = module
-        self.group = group
-        self.world_size = dist.get_world_size(group)
-        self.all_reduce = all_reduce
-        self.compression = compression
+        _check_arguments(bucket_cap_mb, impl, compression)
+        self.module, self.group = module, group
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size(group)
+        self.impl, self.compression = impl, compression
         self.find_unused_parameters = find_unused_parameters
         self.broadcast_buffers = broadcast_buffers
         self.events: list[Event] = []
         self._sync = True  # False inside no_sync()
+        self._check_forwards = True  # a forward and its backward both in no_sync(), or not
         self._forward_synced: bool | None = None  # was the last training forward synced?
         self._step: _Step | None = None  # the synchronized backward in progress, if any
-        self._ring_thread = (concurrent.futures.ThreadPoolExecutor(1, "minidist-ddp-ring")
-                             if all_reduce == "ring" or compression else None)
 
         check_same_model(module, group)
         broadcast_parameters(module, group)
-        self.buckets = self._make_buckets(int(bucket_cap_mb * 2**20))
+        self.buckets = make_buckets(module, int(bucket_cap_mb * 2**20))
         self._where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
-        self._names = {id(p): b.names[i] for b in self.buckets for i, p in enumerate(b.params)}
         for bucket in self.buckets:
             for param in bucket.params:
                 param.register_post_accumulate_grad_hook(self._on_gradient_ready)
 
-    def _make_buckets(self, cap_bytes: int) -> list[Bucket]:
-        trainable = [(name, p) for name, p in self.module.named_parameters() if p.requires_grad]
-        trainable.reverse()  # backward produces the last layers' gradients first
-        buckets: list[Bucket] = []
-        # A buffer holds one dtype on one device: bucket each kind separately.
-        for kind in dict.fromkeys((p.dtype, p.device) for _, p in trainable):
-            of_kind = [(name, p) for name, p in trainable if (p.dtype, p.device) == kind]
-            sizes = [p.numel() * p.element_size() for _, p in of_kind]
-            for indices in assign_buckets(sizes, cap_bytes):
-                names = [of_kind[i][0] for i in indices]
-                params = [of_kind[i][1] for i in indices]
-                offsets = [sum(p.numel() for p in params[:k]) for k in range(len(params))]
-                numel = offsets[-1] + params[-1].numel()
-                buffer = torch.zeros(numel, dtype=kind[0], device=kind[1])
-                buckets.append(Bucket(len(buckets), names, params, offsets, buffer))
-        return buckets
-
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and self._check_forwards:
             self._forward_synced = self._sync
             self._step = None  # left over only if the last backward raised before its end
         if self.broadcast_buffers and self.world_size > 1:
-            src = first_rank(self.group)
-            with torch.no_grad():
-                for buffer in self.module.buffers():
-                    dist.broadcast(buffer, src=src, group=self.group)
+            collectives.broadcast_tensors(list(self.module.buffers()), group=self.group,
+                                          when="buffers")
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
@@ -289,34 +306,32 @@ class DistributedDataParallel(nn.Module):
         finally:
             self._sync = previous
 
+    def set_requires_gradient_sync(self, sync: bool) -> None:
+        """Whether the following backwards all-reduce (FSDP2's name for it): a pipeline turns
+        it off for all but a stage's last backward of the step, whose forwards ran long
+        before. Unlike no_sync(), the forwards are then not checked against it."""
+        self._sync, self._check_forwards = sync, False
+
     # --- During backward ---------------------------------------------------------------------
 
     def _on_gradient_ready(self, param: nn.Parameter) -> None:
-        if self._forward_synced is not None and self._forward_synced != self._sync:
-            backward, forward = ("inside", "outside") if self._sync is False else (
-                "outside", "inside")
-            raise RuntimeError(
-                f"backward ran {backward} no_sync() but its forward ran {forward}: put both "
-                f"the forward and the backward of each microbatch inside "
-                f"`with model.no_sync():`, or both outside it"
-            )
+        _check_no_sync_matches(self._forward_synced, self._sync)
         if not self._sync:
             return
-        now = time.perf_counter()
         if self._step is None:
             self._start_step()
-        step = self._step
+        step, (bucket, position) = self._step, self._where[id(param)]
+        name = bucket.names[position]
         if id(param) in step.arrived:
             self._step = None
             raise RuntimeError(
-                f"the gradient of {self._names[id(param)]!r} arrived twice in one backward "
-                f"(reentrant checkpointing, or a second backward through part of the graph); "
-                f"DistributedDataParallel all-reduces each gradient once per backward"
-            )
+                f"the gradient of {name!r} arrived twice in one backward (reentrant "
+                f"checkpointing, or a second backward through part of the graph); "
+                f"DistributedDataParallel all-reduces each gradient once per backward")
         step.arrived.add(id(param))
-        self.events.append(Event("gradient", self._names[id(param)], now, now))
-        bucket, position = self._where[id(param)]
-        self._copy_in(bucket, position, param.grad)
+        now = clock()
+        self.events.append(Event(self.rank, "gradient", name, now, now))
+        bucket.copy_in(position, param.grad)
         step.pending[bucket.index] -= 1
         self._launch_full_buckets()
 
@@ -326,42 +341,26 @@ class DistributedDataParallel(nn.Module):
         # Runs once the whole backward has finished: the engine calls it before returning.
         torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
 
-    @staticmethod
-    def _copy_in(bucket: Bucket, position: int, grad: torch.Tensor | None) -> None:
-        start = bucket.offsets[position]
-        end = start + bucket.params[position].numel()
-        if grad is None:
-            bucket.buffer[start:end].zero_()
-        else:
-            bucket.buffer[start:end].copy_(grad.reshape(-1))
-
     def _launch_full_buckets(self) -> None:
         step = self._step
         while step.next_launch < len(self.buckets) and step.pending[step.next_launch] == 0:
             step.handles.append(self._launch(self.buckets[step.next_launch]))
             step.next_launch += 1
 
-    def _launch(self, bucket: Bucket) -> Any:
-        event = Event("all_reduce", f"bucket {bucket.index}", time.perf_counter(), None)
+    def _launch(self, bucket: Bucket) -> collectives.Handle:
+        """Start the bucket's all-reduce (sum; the average is taken when it is written back)."""
+        event = Event(self.rank, "all_reduce", f"bucket {bucket.index}", clock())
         self.events.append(event)
-
-        def finished(_: Any = None) -> None:
-            event.end = time.perf_counter()
-
-        if self._ring_thread is not None:
-            def ring() -> None:
-                if self.compression is None:
-                    comm.ring_all_reduce(bucket.buffer, group=self.group)
-                else:
-                    self.compression.all_reduce(bucket.index, bucket.buffer,
-                                                [p.shape for p in bucket.params], self.group)
-                finished()
-
-            return self._ring_thread.submit(ring)
-        comm.record("all_reduce", bucket.buffer, self.group)
-        work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
-        work.get_future().then(finished)
-        return work
+        if self.compression is None:
+            handle = collectives.all_reduce(bucket.buffer, "sum", self.group, self.impl,
+                                            when="gradients", async_op=True)
+        else:
+            shapes = [p.shape for p in bucket.params]
+            handle = collectives.Handle(collectives.in_background(
+                lambda: self.compression.all_reduce(bucket.index, bucket.buffer, shapes,
+                                                    self.group)), lambda: bucket.buffer)
+        handle.on_done(lambda: setattr(event, "end", clock()))
+        return handle
 
     def _on_backward_end(self) -> None:
         step = self._step
@@ -369,14 +368,9 @@ class DistributedDataParallel(nn.Module):
                    if id(p) not in step.arrived]
         if missing and not self.find_unused_parameters:
             self._step = None
-            names = ", ".join(bucket.names[i] for bucket, i in missing)
-            raise RuntimeError(
-                f"rank {dist.get_rank()}: parameters got no gradient in this backward: {names}. "
-                f"Make every trainable parameter take part in the loss, freeze the unused ones "
-                f"(requires_grad=False) before wrapping, or pass find_unused_parameters=True"
-            )
+            _raise_unused(self.rank, [bucket.names[i] for bucket, i in missing])
         for bucket, position in missing:  # count them as zero (or their accumulated gradient)
-            self._copy_in(bucket, position, bucket.params[position].grad)
+            bucket.copy_in(position, bucket.params[position].grad)
             step.pending[bucket.index] -= 1
         self._launch_full_buckets()
         self.finish_gradient_synchronization()
@@ -385,35 +379,56 @@ class DistributedDataParallel(nn.Module):
         """Wait for every bucket's all-reduce, divide by the world size and write the averages
         into `.grad`. Runs by itself at the end of each synchronized backward; calling it
         again does nothing."""
-        if not self._sync:
-            raise RuntimeError(
-                "finish_gradient_synchronization() inside no_sync(): nothing was sent; the "
-                "first backward after leaving no_sync() averages the accumulated gradients"
-            )
+        _check_finish(self._sync, self._step, len(self.buckets))
         step, self._step = self._step, None
         if step is None:
             return
-        if step.next_launch < len(self.buckets):
-            raise RuntimeError(
-                f"finish_gradient_synchronization() before backward finished: buckets "
-                f"{step.next_launch}..{len(self.buckets) - 1} have not been sent"
-            )
         for bucket, handle in zip(self.buckets, step.handles, strict=True):
-            _wait(handle)
+            handle.wait()
             bucket.buffer.div_(self.world_size)
-            for param, offset in zip(bucket.params, bucket.offsets, strict=True):
-                averaged = bucket.buffer[offset:offset + param.numel()].view_as(param)
-                if param.grad is None:
-                    param.grad = averaged.clone()
-                else:
-                    param.grad.copy_(averaged)
+            bucket.copy_out()
 
 
-def _wait(handle: Any) -> None:
-    if isinstance(handle, concurrent.futures.Future):
-        handle.result()
-    else:
-        handle.wait()
+# --- What PyTorch's DDP refuses, refused here too ------------------------------------------------
+
+
+def _check_arguments(bucket_cap_mb: float, impl: str, compression: Compression | None) -> None:
+    require_process_group("DistributedDataParallel")
+    _check_impl(impl)
+    if compression is not None and not isinstance(compression, Compression):
+        raise ValueError(f"compression={compression!r}: pass a minidist.compression object "
+                         f"(TopK(ratio), PowerSGD(rank), Int8()) or None")
+    if isinstance(bucket_cap_mb, bool) or not (
+        isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0
+    ):
+        raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r}: must be a positive number of MiB")
+
+
+def _check_no_sync_matches(forward_synced: bool | None, synced: bool) -> None:
+    if forward_synced is not None and forward_synced != synced:
+        backward, forward = ("outside", "inside") if synced else ("inside", "outside")
+        raise RuntimeError(
+            f"backward ran {backward} no_sync() but its forward ran {forward}: put both the "
+            f"forward and the backward of each microbatch inside `with model.no_sync():`, or "
+            f"both outside it")
+
+
+def _raise_unused(rank: int, names: list[str]) -> None:
+    raise RuntimeError(
+        f"rank {rank}: parameters got no gradient in this backward: {', '.join(names)}. Make "
+        f"every trainable parameter take part in the loss, freeze the unused ones "
+        f"(requires_grad=False) before wrapping, or pass find_unused_parameters=True")
+
+
+def _check_finish(synced: bool, step: _Step | None, buckets: int) -> None:
+    if not synced:
+        raise RuntimeError(
+            "finish_gradient_synchronization() inside no_sync(): nothing was sent; the first "
+            "backward after leaving no_sync() averages the accumulated gradients")
+    if step is not None and step.next_launch < buckets:
+        raise RuntimeError(
+            f"finish_gradient_synchronization() before backward finished: buckets "
+            f"{step.next_launch}..{buckets - 1} have not been sent")
 
 
 # --- Looking at it -------------------------------------------------------------------------------
@@ -421,27 +436,19 @@ def _wait(handle: Any) -> None:
 
 def plot_timeline(events: list[Event], ax: Any = None, title: str = "") -> Any:
     """Draw one backward's events, in milliseconds from the first: gradient arrivals as ticks
-    on the top row, and below it one row per bucket with a bar from the launch of its
-    all-reduce to its completion. A dashed line marks the last gradient, the end of backward's
-    compute. Returns the axes."""
-    import matplotlib.pyplot as plt
-
-    all_reduces = [event for event in events if event.kind == "all_reduce"]
-    if ax is None:
-        _, ax = plt.subplots(figsize=(8, 1.2 + 0.3 * len(all_reduces)))
-    t0 = min(event.start for event in events)
-    grads = [(event.start - t0) * 1e3 for event in events if event.kind == "gradient"]
-    ax.vlines(grads, -0.35, 0.35, color="tab:blue", linewidth=1)
-    for row, event in enumerate(all_reduces, start=1):
-        end = event.start if event.end is None else event.end
-        ax.barh(row, (end - event.start) * 1e3, left=(event.start - t0) * 1e3, height=0.6,
-                color="tab:orange")
-    if grads:
-        ax.axvline(max(grads), color="gray", linestyle="--", linewidth=1)
-    ax.set_yticks(range(len(all_reduces) + 1),
-                  ["gradients"] + [event.name for event in all_reduces])
-    ax.set_ylim(len(all_reduces) + 0.6, -0.6)
-    ax.set_xlabel("ms since the first gradient (dashed: the last gradient)")
-    if title:
-        ax.set_title(title)
+    on the top lane, and below it one lane per bucket with a bar from the launch of its
+    all-reduce to its completion. A dashed line marks the last gradient, the end of
+    backward's compute. Returns the axes."""
+    gradients = [e for e in events if e.kind == "gradient"]
+    all_reduces = [e for e in events if e.kind == "all_reduce"]
+    lanes = ["gradients"] + [e.name for e in all_reduces]
+    ax = plot_events(events, lane=lambda e: "gradients" if e.kind == "gradient" else e.name,
+              style=lambda e: {"facecolor": "tab:blue" if e.kind == "gradient"
+                               else "tab:orange"},
+              lanes=lanes, ax=ax, title=title,
+              unit="ms since the first gradient (dashed: the last gradient)")
+    if gradients:
+        origin = min(e.start for e in events)
+        ax.axvline((gradients[-1].start - origin) * 1e3, color="gray", linestyle="--",
+                   linewidth=1)
     return ax

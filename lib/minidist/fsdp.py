@@ -3,7 +3,7 @@
 The model is cut into **units** (by default each child module that owns parameters, looking
 inside ModuleList/Sequential containers, e.g. each transformer block). Each unit's parameters
 are flattened into one fp32 vector (two if some are frozen); rank r keeps only its slice
-(`sharding.shard_bounds`), which is the nn.Parameter the optimizer sees. Around each unit:
+(`collectives.shard_bounds`), which is the nn.Parameter the optimizer sees. Around each unit:
 
     forward  all-gather the unit's parameters (in `compute_dtype`), run it, free them;
              meanwhile the next unit's all-gather is already in flight (prefetch);
@@ -28,7 +28,7 @@ comes last:
   the root unit for an embedding and a head that are children of the model. FSDP2 requires one
   group per parameter too (it raises otherwise), and this is the placement its users choose by
   hand (wrapping neither the embedding nor the head).
-  `gather_full_params()` returns it under every name `state_dict()` uses.
+  `full_state_dict()` returns it under every name `state_dict()` uses.
 - **Frozen parameters** (requires_grad=False) are sharded and gathered like the others, in a
   flat vector of their own, but have no gradient to reduce-scatter. Backward still reads them
   (a frozen layer passes gradients through), so they are freed once backward has produced the
@@ -50,8 +50,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from minidist import sharding
-from minidist._checks import check_same_model, first_rank, require_process_group
+from minidist import collectives
+from minidist._checks import require_process_group
+from minidist.ddp import broadcast_parameters, check_same_model
+from minidist.flat import flatten, views
+
+__all__ = ["default_units", "FullyShardedDataParallel"]
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
@@ -85,11 +89,11 @@ class _Flat:
                  group: dist.ProcessGroup | None, trainable: bool):
         self.slots = slots
         self.numel = sum(slot.shape.numel() for slot in slots)
-        flat = torch.cat([param.detach().reshape(-1).float() for param in params])
-        start, end = sharding.shard_bounds(self.numel, group)
+        flat = flatten(params, torch.float32)
+        start, end = collectives.shard_bounds(self.numel, group)
         self.shard = nn.Parameter(flat[start:end].clone(), requires_grad=trainable)
         self.full: torch.Tensor | None = None  # the gathered parameters, while they exist
-        self.pending: sharding.PendingGather | None = None
+        self.pending: collectives.Handle | None = None
 
     def holds_memory(self) -> bool:
         return self.full is not None and self.full.untyped_storage().nbytes() > 0
@@ -106,8 +110,9 @@ class _Unit:
         for flat in self.flats:
             if flat.pending is None:
                 shard = flat.shard.detach().to(self.owner.compute_dtype)
-                flat.pending = sharding.start_all_gather(shard, flat.numel, self.owner.group,
-                                                         self.owner.ring)
+                flat.pending = collectives.all_gather(shard, flat.numel, self.owner.group,
+                                                      self.owner.impl, when="parameters",
+                                                      async_op=True)
 
     def gather_for_forward(self) -> None:
         """Bring the parameters in (waiting for a prefetch if one is in flight), in a new
@@ -116,9 +121,9 @@ class _Unit:
         for flat in self.flats:
             flat.full = self._wait(flat)
             shapes = [slot.shape for slot in flat.slots]
-            views = (_GatheredParams.apply(flat.shard, flat.full, self, flat, *shapes)
-                     if flat.shard.requires_grad else _views(flat.full, shapes))
-            for slot, view in zip(flat.slots, views, strict=True):
+            params = (_GatheredParams.apply(flat.shard, flat.full, self, flat, *shapes)
+                      if flat.shard.requires_grad else views(flat.full, shapes))
+            for slot, view in zip(flat.slots, params, strict=True):
                 for module, attribute in slot.users:
                     setattr(module, attribute, view)
         self._mark_gathered()
@@ -159,15 +164,6 @@ class _Unit:
         return [flat for flat in self.flats if not flat.shard.requires_grad]
 
 
-def _views(full: torch.Tensor, shapes: list[torch.Size]) -> tuple[torch.Tensor, ...]:
-    """One view of `full` per parameter, in order."""
-    views, offset = [], 0
-    for shape in shapes:
-        views.append(full[offset: offset + shape.numel()].view(shape))
-        offset += shape.numel()
-    return tuple(views)
-
-
 class _GatheredParams(torch.autograd.Function):
     """shard → one view of the gathered parameters per parameter; backward reduce-scatters
     their gradients into the shard.
@@ -182,14 +178,14 @@ class _GatheredParams(torch.autograd.Function):
     @staticmethod
     def forward(ctx, shard, full, unit, flat, *shapes):
         ctx.unit, ctx.flat = unit, flat
-        return _views(full, list(shapes))
+        return views(full, list(shapes))
 
     @staticmethod
     def backward(ctx, *grads):
         unit, flat = ctx.unit, ctx.flat
         owner = unit.owner
-        grad_full = torch.cat([grad.reshape(-1) for grad in grads])
-        grad = sharding.reduce_scatter(grad_full, owner.group, owner.ring)
+        grad_full = flatten(grads)
+        grad = collectives.reduce_scatter(grad_full, owner.group, owner.impl, when="gradients")
         unit.free([flat], drop=True)
         return grad.float().div_(owner.world_size), None, None, None, *(None for _ in grads)
 
@@ -230,27 +226,28 @@ class FullyShardedDataParallel(nn.Module):
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)   # the fp32 shards
         model.loss(ids, targets).backward(); optimizer.step()
 
-    Gradients arrive averaged over the group when backward returns. `units` picks the modules
-    to shard together (default `default_units`); parameters outside them form the root unit,
-    and tied parameters go to the unit of the closest module containing all their users.
-    `ring=True` uses minidist's send/recv rings (countable by `comm.count_traffic()`, no
-    prefetch) instead of PyTorch's collectives.
+    Gradients arrive averaged over the group (None: every rank) when backward returns.
+    `units` picks the modules to shard together (default `default_units`); parameters outside
+    them form the root unit, and tied parameters go to the unit of the closest module
+    containing all their users. `impl="ring"` runs minidist's own all-gathers and
+    reduce-scatters (`minidist.collectives`), whose bytes `traffic.count_traffic()` counts.
     """
 
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None,
                  units: Callable[[nn.Module], list[nn.Module]] = default_units,
-                 group: dist.ProcessGroup | None = None, ring: bool = False,
+                 group: dist.ProcessGroup | None = None, impl: str = "torch",
                  prefetch: bool = True):
         super().__init__()
         require_process_group("FullyShardedDataParallel")
-        self.group, self.ring, self.prefetch = group, ring, prefetch and not ring
+        if impl not in collectives.IMPLS["all_gather"]:
+            raise ValueError(f"impl={impl!r}: choose one of {collectives.IMPLS['all_gather']}")
+        self.group, self.impl, self.prefetch = group, impl, prefetch
         self.world_size = dist.get_world_size(group)
         self.compute_dtype = compute_dtype or torch.float32
         check_same_model(module, group)
-        for tensor in [*module.parameters(), *module.buffers()]:
-            dist.broadcast(tensor.data, first_rank(group), group)
+        broadcast_parameters(module, group)
         self.module = module
-        self._state_keys = list(module.state_dict())  # gather_full_params returns these
+        self._state_keys = list(module.state_dict())  # full_state_dict returns these
         self.gathered: set[str] = set()  # names of the units whose parameters are in memory
         self.peak_gathered = 0
         self.units = self._make_units(self._unit_paths(units(module)))
@@ -373,9 +370,9 @@ class FullyShardedDataParallel(nn.Module):
                 raise
             return getattr(self.module, name)
 
-    def finish_gradient_synchronization(self) -> None:
-        """Gradients are reduce-scattered during backward; this drops any prefetched
-        parameters that were not used, so that between steps only the shards remain."""
+    def reshard(self) -> None:
+        """Drop every gathered parameter, prefetched and unused ones included, so that only
+        the shards remain (FSDP2's `reshard()`); backward leaves nothing else gathered."""
         for unit in self.units:
             for flat in unit.flats:
                 if flat.pending is not None:
@@ -384,15 +381,15 @@ class FullyShardedDataParallel(nn.Module):
             unit.free(drop=True)
 
     @torch.no_grad()
-    def gather_full_params(self) -> dict[str, torch.Tensor]:
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The unsharded model's state dict (the keys and order of `module.state_dict()`),
         fp32; a tied parameter appears under each of its names, as one tensor."""
         state = {name: buffer.clone() for name, buffer in self.module.state_dict().items()}
         for unit in self.units:
             for flat in unit.flats:
-                full = sharding.all_gather(flat.shard.detach(), flat.numel, self.group,
-                                           self.ring)
-                for slot, view in zip(flat.slots, _views(full, [s.shape for s in flat.slots]),
+                full = collectives.all_gather(flat.shard.detach(), flat.numel, self.group,
+                                              self.impl, when="full state dict")
+                for slot, view in zip(flat.slots, views(full, [s.shape for s in flat.slots]),
                                       strict=True):
                     state.update(dict.fromkeys(slot.names, view.clone()))
         return {key: state[key] for key in self._state_keys}

@@ -16,13 +16,15 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from minidist.pipeline import Timeline
+from minidist.timeline import IDLE_COLOR, Event, plot_events
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
+__all__ = ["HATCHES", "draw_on", "draw", "draw_all"]
+
 HATCHES = {"F": "", "B": "///", "W": "..."}
-IDLE_COLOR = "#f2f2f2"
 
 
 def _title(timeline: Timeline, name: str | None) -> str:
@@ -35,58 +37,37 @@ def _title(timeline: Timeline, name: str | None) -> str:
 
 
 def draw_on(ax: Axes, timeline: Timeline, title: str | None = None) -> None:
-    """Draw `timeline` on the matplotlib axes `ax`. The title is `title` (default: the
-    schedule's name, p, m, and whether it was simulated or measured), then the bubble."""
+    """Draw `timeline` on the matplotlib axes `ax` with `minidist.timeline.draw`. The title is
+    `title` (default: the schedule's name, p, m, and whether it was simulated or measured),
+    then the bubble."""
     import matplotlib.pyplot as plt
-    from matplotlib.collections import PatchCollection
     from matplotlib.colors import to_rgba
-    from matplotlib.patches import Patch, Rectangle
 
     schedule = timeline.schedule
     scale, unit = (1000.0, "ms") if timeline.measured else (1.0, "time units")
-    start, makespan = timeline.start, timeline.makespan * scale
     colors = plt.get_cmap("tab10" if schedule.microbatches <= 10 else "tab20")
-    # One collection per kind of box: drawing is then fast even with hundreds of actions.
-    boxes: dict[str, tuple[list[Rectangle], list]] = {kind: ([], []) for kind in HATCHES}
-    idle = []
-    for rank, spans in enumerate(timeline.spans):
-        y = schedule.ranks - 1 - rank
-        idle.append(Rectangle((0, y + 0.1), makespan, 0.8))
-        for span in spans:
-            left, width = (span.start - start) * scale, (span.end - span.start) * scale
-            action = span.action
-            chunk = action.stage // schedule.ranks
-            shade = 1.0 - 0.35 * chunk / max(schedule.chunks - 1, 1)  # paler: later chunk
-            rectangles, faces = boxes[action.kind]
-            rectangles.append(Rectangle((left, y + 0.1), width, 0.8))
-            faces.append(to_rgba(colors(action.microbatch % colors.N), shade))
-            label = action.label(show_stage=False)
-            if width >= len(label) * makespan / 120:  # room for the label at fontsize 7
-                ax.text(left + width / 2, y + 0.5, label, ha="center", va="center", fontsize=7)
-        ax.text(makespan * 1.01, y + 0.5, f"peak {timeline.peak_inflight[rank]}",
-                va="center", fontsize=8)
-    ax.add_collection(PatchCollection(idle, facecolor=IDLE_COLOR, edgecolor="#bbbbbb",
-                                      hatch="xx", linewidth=0.0))
-    for kind, (rectangles, faces) in boxes.items():
-        if rectangles:
-            ax.add_collection(PatchCollection(rectangles, facecolors=faces, edgecolor="black",
-                                              linewidth=0.6, hatch=HATCHES[kind] or None))
-    ax.set_xlim(0, makespan * 1.12)
-    ax.set_ylim(0, schedule.ranks)
-    ax.set_yticks([schedule.ranks - 0.5 - r for r in range(schedule.ranks)])
-    ax.set_yticklabels([f"rank {r}" for r in range(schedule.ranks)])
-    ax.set_xlabel(unit)
-    ax.set_title(_title(timeline, title), fontsize=10, loc="left")
+
+    def style(event: Event) -> dict:
+        action = event.detail
+        chunk = action.stage // schedule.ranks
+        shade = 1.0 - 0.35 * chunk / max(schedule.chunks - 1, 1)  # paler: later chunk
+        return {"facecolor": to_rgba(colors(action.microbatch % colors.N), shade),
+                "edgecolor": "black", "linewidth": 0.6, "hatch": HATCHES[action.kind] or None}
+
+    lanes = [f"rank {r}" for r in range(schedule.ranks)]
+    end = timeline.start + timeline.makespan
     kinds = ["F", "B", "W"] if schedule.split_backward else ["F", "B"]
     names = {"F": "forward", "B": "input grad." if schedule.split_backward else "backward",
              "W": "weight grad."}
-    handles = [Patch(facecolor="white", edgecolor="black", hatch=HATCHES[k], label=names[k])
-               for k in kinds]
-    handles.append(Patch(facecolor=IDLE_COLOR, edgecolor="#bbbbbb", hatch="xx", label="idle"))
-    ax.legend(handles=handles, loc="upper right", fontsize=7, ncol=len(handles),
-              bbox_to_anchor=(1.0, 1.18), frameon=False)
-    for side in ("top", "right"):
-        ax.spines[side].set_visible(False)
+    legend = [(names[k], {"hatch": HATCHES[k]}) for k in kinds]
+    legend.append(("idle", {"facecolor": IDLE_COLOR, "edgecolor": "#bbbbbb", "hatch": "xx"}))
+    plot_events([e for events in timeline.events for e in events], style=style,
+         label=lambda e: e.detail.label(show_stage=False), lanes=lanes,
+         spans={lane: [(timeline.start, end)] for lane in lanes},
+         notes={lane: f"peak {peak}" for lane, peak in zip(lanes, timeline.peak_inflight,
+                                                           strict=True)},
+         origin=timeline.start, scale=scale, unit=unit, right=timeline.makespan * scale,
+         ax=ax, title=_title(timeline, title), legend=legend)
 
 
 def draw(timeline: Timeline, title: str | None = None) -> Figure:

@@ -1,15 +1,23 @@
-"""A process mesh: dp·pp·tp ranks arranged so that each parallelism has its own groups.
+"""A process mesh: the job's ranks arranged along named dimensions, one process group each.
 
-    mesh = Mesh(dp=2, pp=2, tp=2)           # inside a process group of 8 ranks
-    mesh.coord("tp"), mesh.size("pp")       # where this rank sits, how long each dimension is
+    mesh = Mesh(pp=2, dp=2, tp=2)           # 8 ranks; dimensions slowest-varying first
+    mesh.size("tp"), mesh.coord("pp")       # how long a dimension is, where this rank sits
     mesh.ranks("dp")                        # this rank's data-parallel group, global ranks
-    dist.all_reduce(x, group=mesh.group("tp"))
+    collectives.all_reduce(x, group=mesh.group("tp"))
 
-Rank order is Megatron-LM's: TP varies fastest, then DP, then PP (REFERENCE.md, "mesh rank
-order"). A TP group is therefore t consecutive ranks, which a launcher puts on one node: the
-dimension that communicates most stays on the fastest links. With dimensions listed slowest
-first, ("pp", "dp", "tp"), the rank is the row-major index of its coordinates, as in PyTorch's
-`init_device_mesh`, so `mesh.to_torch()` is the same layout as a `DeviceMesh`.
+Dimensions are named, and ordered as you list them, slowest first: a rank is the row-major
+index of its coordinates, exactly as in PyTorch's `init_device_mesh(device, (2, 2, 2),
+mesh_dim_names=("pp", "dp", "tp"))`, so `mesh.to_torch()` is the same layout as a
+`DeviceMesh`. The course lists parallel dimensions in Megatron-LM's order, `ORDER`: pp slowest,
+then dp, ep, cp, and tp fastest (REFERENCES.md#megatron-lm). A TP group is then t consecutive
+ranks, which a launcher puts on one node: the dimension that communicates most stays on the
+fastest links. Any names work, for any purpose: `Mesh(node=2, gpu=4)` for a hierarchical
+all-reduce, `Mesh(replicate=2, shard=4)` for HSDP.
+
+A dimension the mesh does not have has size 1 and coordinate 0, so code written for
+`Mesh(pp=2, dp=2, tp=2)` runs on `Mesh(dp=8)`; asking for its group is an error. Creating
+groups is collective: build a mesh on every rank, in the same order. This module is the only
+place minidist creates process groups.
 """
 
 from __future__ import annotations
@@ -21,8 +29,10 @@ import torch.distributed as dist
 
 from minidist._checks import positive_int, require_process_group
 
-DIMS = ("pp", "dp", "tp")
-"""The mesh's dimensions, slowest-varying first."""
+__all__ = ["ORDER", "group_ranks", "Mesh"]
+
+ORDER = ("pp", "dp", "ep", "cp", "tp")
+"""The course's order of parallel dimensions, slowest-varying first (Megatron-LM's)."""
 
 
 def group_ranks(sizes: dict[str, int], dim: str) -> list[list[int]]:
@@ -49,25 +59,26 @@ def group_ranks(sizes: dict[str, int], dim: str) -> list[list[int]]:
 
 
 class Mesh:
-    """dp·pp·tp ranks with one process group per dimension per rank (see the module doc).
+    """The job's ranks along named dimensions (see the module doc), with this rank's process
+    group along each. Build it on every rank of a job of exactly prod(sizes) ranks."""
 
-    Build it on every rank of a process group of exactly dp·pp·tp ranks: creating the groups
-    is collective. A dimension of size 1 still has groups (of one rank each)."""
-
-    def __init__(self, dp: int = 1, pp: int = 1, tp: int = 1):
-        positive_int(dp=dp, pp=pp, tp=tp)
+    def __init__(self, **sizes: int):
+        if not sizes:
+            raise ValueError("a Mesh needs at least one dimension, e.g. Mesh(dp=4) or "
+                             "Mesh(pp=2, dp=2, tp=2)")
+        positive_int(**sizes)
         require_process_group("Mesh")
-        self.sizes = {"pp": pp, "dp": dp, "tp": tp}
-        world = dist.get_world_size()
-        if dp * pp * tp != world:
+        self.sizes = dict(sizes)
+        world, product = dist.get_world_size(), math.prod(sizes.values())
+        if product != world:
+            shape = "·".join(f"{name}={size}" for name, size in sizes.items())
             raise ValueError(
-                f"dp·pp·tp = {dp}·{pp}·{tp} = {dp * pp * tp} but the process group has "
-                f"{world} ranks: choose sizes whose product is {world}, or start "
-                f"{dp * pp * tp} ranks")
+                f"{shape} makes {product} ranks but the job has {world}: choose sizes whose "
+                f"product is {world}, or start {product} ranks")
         self.rank = dist.get_rank()
         self._groups: dict[str, dist.ProcessGroup] = {}
         self._ranks: dict[str, list[int]] = {}
-        for dim in DIMS:
+        for dim in self.sizes:
             # every rank creates every group, in the same order (dist.new_group is collective)
             for ranks in group_ranks(self.sizes, dim):
                 group = dist.new_group(ranks)
@@ -75,19 +86,18 @@ class Mesh:
                     self._groups[dim], self._ranks[dim] = group, ranks
         self._torch_mesh = None
 
-    def _check(self, dim: str) -> None:
-        if dim not in DIMS:
-            raise ValueError(f"dim={dim!r}: choose one of {', '.join(map(repr, DIMS))}")
+    @property
+    def dims(self) -> tuple[str, ...]:
+        """The dimensions' names, slowest-varying first."""
+        return tuple(self.sizes)
 
     def size(self, dim: str) -> int:
-        """How many ranks the dimension has."""
-        self._check(dim)
-        return self.sizes[dim]
+        """How many ranks the dimension has (1 for a dimension the mesh does not have)."""
+        return self.sizes.get(dim, 1)
 
     def ranks(self, dim: str) -> list[int]:
         """This rank's group along `dim`: global ranks, in order of their coordinate."""
-        self._check(dim)
-        return list(self._ranks[dim])
+        return list(self._ranks[dim]) if dim in self.sizes else [self.rank]
 
     def coord(self, dim: str) -> int:
         """This rank's coordinate along `dim` (its rank inside that group)."""
@@ -95,29 +105,37 @@ class Mesh:
 
     def group(self, dim: str) -> dist.ProcessGroup:
         """The process group of this rank's `dim` group, for any collective on it."""
-        self._check(dim)
+        if dim not in self.sizes:
+            raise ValueError(f"dim={dim!r}: this mesh has dimensions "
+                             f"{', '.join(map(repr, self.sizes))}; add {dim}=... to the Mesh")
         return self._groups[dim]
 
-    def rank_at(self, pp: int, dp: int, tp: int) -> int:
-        """The global rank at coordinates (pp, dp, tp)."""
-        for dim, coord in (("pp", pp), ("dp", dp), ("tp", tp)):
-            if not 0 <= coord < self.sizes[dim]:
-                raise ValueError(f"{dim}={coord}: must be in 0..{self.sizes[dim] - 1}")
-        return (pp * self.sizes["dp"] + dp) * self.sizes["tp"] + tp
+    def rank_at(self, **coords: int) -> int:
+        """The global rank at the given coordinates (missing dimensions: 0)."""
+        unknown = set(coords) - set(self.sizes)
+        if unknown:
+            raise ValueError(f"{', '.join(sorted(unknown))}: not a dimension of this mesh "
+                             f"({', '.join(self.sizes)})")
+        rank = 0
+        for dim, size in self.sizes.items():
+            coord = coords.get(dim, 0)
+            if not 0 <= coord < size:
+                raise ValueError(f"{dim}={coord}: must be in 0..{size - 1}")
+            rank = rank * size + coord
+        return rank
 
     def to_torch(self) -> dist.device_mesh.DeviceMesh:
-        """The same layout as PyTorch's DeviceMesh, dimensions named ("pp", "dp", "tp"), for
-        DTensor's parallelize_module, fully_shard and pipelining. Built (collectively) on the
-        first call."""
+        """The same layout as PyTorch's DeviceMesh, with the same dimension names, for DTensor's
+        parallelize_module, fully_shard and pipelining. Built (collectively) on the first
+        call."""
         if self._torch_mesh is None:
             from torch.distributed.device_mesh import init_device_mesh
 
             device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-            self._torch_mesh = init_device_mesh(device, tuple(self.sizes[d] for d in DIMS),
-                                                mesh_dim_names=DIMS)
+            self._torch_mesh = init_device_mesh(device, tuple(self.sizes.values()),
+                                                mesh_dim_names=self.dims)
         return self._torch_mesh
 
     def __repr__(self) -> str:
-        coords = ", ".join(f"{d}={self.coord(d)}/{self.sizes[d]}" for d in DIMS)
+        coords = ", ".join(f"{d}={self.coord(d)}/{self.sizes[d]}" for d in self.sizes)
         return f"Mesh(rank {self.rank}: {coords})"
-

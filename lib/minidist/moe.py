@@ -18,11 +18,14 @@ group; each rank routes its own tokens, and one forward is
     all-to-all back the outputs return along the same splits, reversed
     combine         each token's output is the weighted sum of its experts' outputs
 
-Per layer that is two all-to-alls forward (dispatch, combine) and two backward (REFERENCE.md,
-"mixture of experts"): the backward of an all-to-all is the all-to-all with the splits swapped.
-Each is recorded for `minidist.comm.count_traffic()` as an "all_to_all" with the bytes that
-leave the rank, `when` "forward", "backward", or "counts" for the exchange of the sizes.
-Each step is a small function here, so that a lab can have students write it and check it.
+Per layer that is two all-to-alls forward (dispatch, combine) and two backward (GShard;
+REFERENCES.md#gshard): the backward of an all-to-all is the all-to-all with the splits swapped.
+Each runs through `minidist.collectives`, recorded as an "all_to_all" with the bytes that leave
+the rank, `when` "forward", "backward", or "counts" for the exchange of the sizes. Each step is
+a small function here, so that a lab can have students write it and check it.
+
+`group` is the expert-parallel group (e.g. `mesh.group("ep")`); None: the default process group,
+every rank, or this process alone when torch.distributed is not initialized.
 """
 
 from __future__ import annotations
@@ -34,9 +37,20 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from minidist import comm
-from minidist._checks import positive, positive_int, require_process_group
+from minidist import collectives
+from minidist._checks import positive, positive_int
 from minidist.models import FeedForward
+
+__all__ = [
+    "route", "capacity_of", "within_capacity", "tokens_per_expert", "split_sizes",
+    "exchange_counts", "AllToAll", "all_to_all", "run_experts", "dispatch_and_combine",
+    "group_size", "MoELayer",
+]
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    """Ranks in the expert-parallel `group`: 1 when torch.distributed is not initialized."""
+    return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
 def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,16 +86,12 @@ def split_sizes(counts: torch.Tensor, ranks: int) -> list[int]:
     return counts.view(ranks, -1).sum(1).tolist()
 
 
-def exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """All-to-all of the per-expert counts: returns [P, E/P], row p = how many tokens rank p
     sends to each of this rank's experts. Both sides of the token all-to-all need the sizes."""
     ranks = dist.get_world_size(group)
-    received = torch.empty_like(counts)
-    # each rank keeps its own E/P counts and sends the rest
-    comm.record("all_to_all", counts.element_size() * counts.numel() * (ranks - 1) // ranks,
-                group, "counts")
-    dist.all_to_all_single(received, counts, group=group)
-    return received.view(ranks, -1)
+    rows = counts.view(ranks, -1)  # row p: the counts of rank p's experts
+    return collectives.all_to_all(rows, [1] * ranks, [1] * ranks, group, when="counts")
 
 
 class AllToAll(torch.autograd.Function):
@@ -100,18 +110,12 @@ class AllToAll(torch.autograd.Function):
 
 
 def _all_to_all(x: torch.Tensor, send_sizes: list[int], receive_sizes: list[int],
-                group: dist.ProcessGroup, when: str) -> torch.Tensor:
-    """The all-to-all itself, recorded with the bytes that leave this rank."""
-    row_bytes = math.prod(x.shape[1:]) * x.element_size()
-    leaving = sum(send_sizes) - send_sizes[dist.get_rank(group)]
-    comm.record("all_to_all", leaving * row_bytes, group, when)
-    out = x.new_empty(sum(receive_sizes), *x.shape[1:])
-    dist.all_to_all_single(out, x.contiguous(), receive_sizes, send_sizes, group=group)
-    return out
+                group: dist.ProcessGroup | None, when: str) -> torch.Tensor:
+    return collectives.all_to_all(x, send_sizes, receive_sizes, group, when=when)
 
 
 def all_to_all(x: torch.Tensor, send_sizes: list[int], receive_sizes: list[int],
-               group: dist.ProcessGroup) -> torch.Tensor:
+               group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Send rows [sum(send_sizes[:p]), sum(send_sizes[:p+1])) of x to rank p of the group;
     return what the ranks sent here, in rank order (differentiable)."""
     return AllToAll.apply(x, send_sizes, receive_sizes, group)
@@ -131,8 +135,8 @@ def dispatch_and_combine(outgoing: torch.Tensor, counts: torch.Tensor, experts: 
     """The expert-parallel heart of a forward: `outgoing` holds this rank's token rows sorted
     by expert, `counts` [E] how many go to each expert. Counts -> split sizes -> all-to-all
     -> this rank's experts -> all-to-all back; returns each row's expert output, in
-    `outgoing`'s order. Without a group, every expert is local and nothing is sent."""
-    if group is None:
+    `outgoing`'s order. In a group of one rank every expert is local and nothing is sent."""
+    if group_size(group) == 1:
         return run_experts(experts, outgoing, counts.view(1, -1))
     received_counts = exchange_counts(counts, group)
     send = split_sizes(counts, dist.get_world_size(group))
@@ -145,9 +149,10 @@ class MoELayer(nn.Module):
     """A mixture-of-experts feed-forward layer: a top-k router over `experts` FeedForward
     networks (hidden -> ffn_hidden -> hidden), on input [..., hidden].
 
-    `group`: the expert-parallel group; each of its P ranks holds experts/P experts and routes
-    its own tokens (like data parallelism: different tokens on each rank). None: all experts
-    on this rank, no communication. `capacity_factor`: None keeps every assignment; otherwise
+    `group`: the expert-parallel group (see the module doc); each of its P ranks holds
+    experts/P experts and routes its own tokens (like data parallelism: different tokens on
+    each rank). In a group of one rank (or a single process) every expert is local and nothing
+    is sent. `capacity_factor`: None keeps every assignment; otherwise
     each expert takes at most `capacity_of(tokens, top_k, experts, capacity_factor)` of a
     rank's assignments and drops the rest.
 
@@ -165,10 +170,7 @@ class MoELayer(nn.Module):
                              f"go to more experts than there are; use top_k <= {experts}")
         if capacity_factor is not None:
             positive(capacity_factor=capacity_factor)
-        self.ranks = 1
-        if group is not None:
-            require_process_group("MoELayer with an expert-parallel group")
-            self.ranks = dist.get_world_size(group)
+        self.ranks = group_size(group)
         if experts % self.ranks:
             raise ValueError(
                 f"experts={experts} is not divisible by the expert-parallel group's "
@@ -177,7 +179,7 @@ class MoELayer(nn.Module):
         self.group, self.num_experts, self.top_k = group, experts, top_k
         self.capacity_factor = capacity_factor
         local = experts // self.ranks
-        self.first_expert = (dist.get_rank(group) if group is not None else 0) * local
+        self.first_expert = (dist.get_rank(group) if self.ranks > 1 else 0) * local
         self.router = nn.Linear(hidden, experts, bias=False)
         self.experts = nn.ModuleList(FeedForward(hidden, ffn_hidden) for _ in range(local))
         self.dropped = 0
@@ -203,11 +205,13 @@ class MoELayer(nn.Module):
 
     @torch.no_grad()
     def load_from(self, layer: MoELayer) -> MoELayer:
-        """Take the router and this rank's experts from a layer holding all of them
-        (`group=None`), e.g. to start from the same weights as a single-process layer."""
+        """Take the router and this rank's experts from a layer holding all of them (built
+        in a single process, or on a group of one rank), e.g. to start from the same weights
+        as a single-process layer."""
         if len(layer.experts) != self.num_experts:
             raise ValueError(f"load_from needs a layer holding all {self.num_experts} experts "
-                             f"(group=None), got one holding {len(layer.experts)}")
+                             f"(built on a group of one rank), got one holding "
+                             f"{len(layer.experts)}")
         self.router.load_state_dict(layer.router.state_dict())
         for i, expert in enumerate(self.experts):
             expert.load_state_dict(layer.experts[self.first_expert + i].state_dict())

@@ -1,6 +1,6 @@
 """3D parallelism: the course's TinyGPT trained with TP, PP and DP/ZeRO at once, on a Mesh.
 
-    mesh = Mesh(dp=2, pp=2, tp=2)                       # on 8 ranks
+    mesh = Mesh(pp=2, dp=2, tp=2)                       # on 8 ranks
     torch.manual_seed(0)                                # the same model on every rank
     model = TinyGPT(vocab=32, hidden=16, heads=4, layers=4, max_seq=8)
     parallel = parallelize(model, mesh, lambda params: torch.optim.AdamW(params, lr=1e-2),
@@ -18,12 +18,15 @@ Each dimension is one of the course's pieces, on the mesh's group for it:
         group (with `sequence_parallel`, the activations between blocks, and those sent from
         stage to stage, are split along the sequence); embeddings, final norm and head stay
         whole on every TP rank
-    dp  after the pipeline's backward, `ddp.all_reduce_gradients_flat` (zero_stage=0) or
-        `zero.ZeroOptimizer` (zero_stage=1) on the "dp" group, then the optimizer step
+    dp  zero_stage=0: the stage is wrapped in the course's `ddp.DistributedDataParallel` on the
+        "dp" group; its bucketed all-reduces overlap each stage's last backward (the executor
+        turns gradient sync off for the others). zero_stage=1: `zero.ZeroOptimizer` on the
+        "dp" group reduce-scatters after the pipeline and all-gathers after the step
 
-A dimension of size 1 uses no group: plain blocks when tp = 1, a plain optimizer when dp = 1.
-`step` also counts what each dimension sent (`traffic`), and `expected_traffic()` gives the
-formulas of `minidist.traffic.mesh_traffic` for the same rank, so the two can be compared.
+A dimension of size 1 (or missing from the mesh) sends nothing: plain blocks when tp = 1, a
+plain optimizer when dp = 1. `step` also counts what each dimension sent (`traffic`, told apart
+by the group each collective ran on), and `expected_traffic()` gives the formulas of
+`minidist.traffic.mesh_traffic` for the same rank, so the two can be compared.
 """
 
 from __future__ import annotations
@@ -35,8 +38,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minidist import comm, ddp, pipeline, pipeline_exec, traffic
+from minidist import collectives, pipeline, pipeline_exec, traffic
 from minidist._checks import one_of, positive_int
+from minidist.comm import chunk_bounds
+from minidist.ddp import DistributedDataParallel, broadcast_parameters
 from minidist.mesh import Mesh
 from minidist.models import TinyGPT, lm_loss
 from minidist.tensor_parallel import (
@@ -45,6 +50,8 @@ from minidist.tensor_parallel import (
     ScatterToSequenceParallel,
 )
 from minidist.zero import ZeroOptimizer
+
+__all__ = ["SCHEDULES", "TinyGPTStage", "Parallel3D", "parallelize"]
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 SCHEDULES = ("gpipe", "1f1b")
@@ -108,11 +115,12 @@ class Parallel3D:
     """One rank's part of a TinyGPT trained on a dp·pp·tp mesh (see the module doc); made by
     `parallelize`.
 
-    `stage` is this rank's TinyGPTStage, `optimizer` its optimizer (a ZeroOptimizer under
-    ZeRO-1), `schedule` the pipeline schedule. After each `step`, `traffic` maps "tp", "pp"
-    and "dp" to what this rank sent along that dimension (a `minidist.traffic.Traffic`:
-    the tensor-parallel collectives during the pipeline, its point-to-point sends, and the
-    data-parallel collectives after it); `expected_traffic()` holds the formulas for it.
+    `stage` is this rank's TinyGPTStage, `module` what the pipeline runs (the stage, in DDP
+    under zero_stage=0 with dp > 1), `optimizer` its optimizer (a ZeroOptimizer under ZeRO-1),
+    `schedule` the pipeline schedule. After each `step`, `traffic` maps "tp", "pp" and "dp" to
+    what this rank sent along that dimension (a `minidist.traffic.Traffic`: the collectives
+    on the dimension's group; for "pp", the point-to-point sends to its ranks);
+    `expected_traffic()` holds the formulas for it.
     """
 
     def __init__(self, model: TinyGPT, mesh: Mesh, optimizer_factory: OptimizerFactory,
@@ -123,19 +131,22 @@ class Parallel3D:
         self.hidden, self.max_seq = model.tok_emb.embedding_dim, model.max_seq
         self.stage_index = mesh.coord("pp")
         self.schedule = pipeline.schedule(schedule, ranks=self.pp, microbatches=microbatches)
-        first, end = comm.chunk_bounds(len(model.blocks), self.pp)[self.stage_index]
+        first, end = chunk_bounds(len(model.blocks), self.pp)[self.stage_index]
         self.stage = TinyGPTStage(
             model, first, end, is_first=self.stage_index == 0,
             is_last=self.stage_index == self.pp - 1,
             tp_group=mesh.group("tp") if self.tp > 1 else None,
             sequence_parallel=self.sequence_parallel)
-        self.dp_group = mesh.group("dp") if self.dp > 1 else None
-        if self.dp_group is not None:  # every data-parallel replica starts from one copy
-            ddp.broadcast_parameters(self.stage, self.dp_group)
+        self.module: nn.Module = self.stage
         params = list(self.stage.parameters())
-        if zero_stage == 1 and self.dp_group is not None:
+        if self.dp > 1 and zero_stage == 0:  # DDP copies the first replica's weights to all
+            self.module = DistributedDataParallel(self.stage, group=mesh.group("dp"),
+                                                  broadcast_buffers=False)
+            self.optimizer = optimizer_factory(params)
+        elif self.dp > 1:
+            broadcast_parameters(self.stage, mesh.group("dp"))
             self.optimizer = ZeroOptimizer(params, optimizer_factory, stage=1,
-                                           group=self.dp_group)
+                                           group=mesh.group("dp"))
         else:
             self.optimizer = optimizer_factory(params)
         self.traffic: dict[str, traffic.Traffic] = {}
@@ -151,33 +162,38 @@ class Parallel3D:
         mine = slice(self.mesh.coord("dp") * batch // self.dp,
                      (self.mesh.coord("dp") + 1) * batch // self.dp)
         self.optimizer.zero_grad()
-        with comm.count_traffic() as pipeline_log:
+        with traffic.count_traffic() as log:
             trace = pipeline_exec.execute(
-                self.schedule, {self.stage_index: self.stage},
+                self.schedule, {self.stage_index: self.module},
                 ids[mine] if self.stage.is_first else None,
                 targets[mine] if self.stage.is_last else None,
-                lm_loss, timeout=PIPELINE_WAIT_S, group=self.mesh.group("pp"))
-        with comm.count_traffic() as data_log:
-            if self.zero_stage == 0 and self.dp_group is not None:
-                ddp.all_reduce_gradients_flat(self.stage, group=self.dp_group)
+                lm_loss, timeout=PIPELINE_WAIT_S,
+                group=self.mesh.group("pp"))
             self.optimizer.step()
-        # During the pipeline, the point-to-point sends are the pipeline's (all one size: an
-        # activation or its gradient) and the collectives are tensor parallelism's.
-        sends: tuple[traffic.Collective, ...] = ()
-        if pipeline_log.messages:
-            sends = (traffic.Collective("send", pipeline_log.bytes_sent // pipeline_log.messages,
-                                        2, pipeline_log.messages, "activations and gradients"),)
-        self.traffic = {"tp": pipeline_log.traffic, "pp": traffic.Traffic(sends),
-                        "dp": data_log.traffic}
+        self.traffic = self._per_dimension(log)
         return self._global_mean(trace.losses)
+
+    def _per_dimension(self, log: traffic.TrafficLog) -> dict[str, traffic.Traffic]:
+        """The step's records by the mesh dimension whose group they ran on; the pipeline's
+        point-to-point sends (all one size: an activation or its gradient) as "pp"."""
+        per_dim = {}
+        for dim in ("tp", "dp"):
+            ranks = tuple(self.mesh.ranks(dim))
+            per_dim[dim] = traffic.Traffic(tuple(
+                c for c in log.collectives if self.mesh.size(dim) > 1 and c.ranks == ranks))
+        stage_ranks = set(self.mesh.ranks("pp"))
+        sends = [nbytes for peer, nbytes in log.sends if peer in stage_ranks]
+        per_dim["pp"] = traffic.Traffic((traffic.Collective(
+            "send", sum(sends) // len(sends), 2, len(sends), "activations and gradients"),)
+            if sends else ())
+        return per_dim
 
     def _global_mean(self, losses: list[float]) -> float:
         """The mean loss over the batch: the last stage's microbatch losses, summed over the
         DP replicas (one TP rank each), over every rank."""
         counts = self.stage.is_last and self.mesh.coord("tp") == 0
         total = torch.tensor([sum(losses) if counts else 0.0], dtype=torch.float64)
-        comm.record("all_reduce", total, None, "loss, for reporting")
-        dist.all_reduce(total)
+        collectives.all_reduce(total, when="loss, for reporting")
         return total.item() / (self.dp * self.microbatches)
 
     def expected_traffic(self) -> dict[str, traffic.Traffic]:
@@ -199,8 +215,9 @@ class Parallel3D:
         """Every parameter of the model, unsharded, under the single model's state_dict keys,
         on every rank (gathered over the tp, then the pp group)."""
         mine = self.stage.full_state_dict()
-        stages: list[dict[str, torch.Tensor] | None] = [None] * self.pp
-        dist.all_gather_object(stages, mine, group=self.mesh.group("pp"))
+        if self.pp == 1:
+            return mine
+        stages = collectives.all_gather_object(mine, self.mesh.group("pp"), "full state dict")
         return {key: value for stage in stages for key, value in stage.items()}
 
 
@@ -237,6 +254,10 @@ def parallelize(model: TinyGPT, mesh: Mesh, optimizer_factory: OptimizerFactory,
                          f"{type(model).__name__}")
     positive_int(microbatches=microbatches)
     one_of("schedule", schedule, SCHEDULES)
+    if not {"pp", "dp", "tp"} <= set(mesh.dims):
+        raise ValueError(f"parallelize needs a mesh with pp, dp and tp dimensions (size 1 is "
+                         f"fine), got one with {', '.join(mesh.dims)}: e.g. "
+                         f"Mesh(pp=1, dp={mesh.size('dp')}, tp={mesh.size('tp')})")
     one_of("zero_stage", zero_stage, (0, 1))
     tp, pp = mesh.size("tp"), mesh.size("pp")
     block = model.blocks[0]

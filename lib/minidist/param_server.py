@@ -46,6 +46,7 @@ from torch import nn
 
 from minidist._checks import positive, positive_int, require_process_group
 from minidist.comm import chunk_bounds
+from minidist.flat import copy_back, flatten
 
 
 class ParameterServer:
@@ -75,7 +76,7 @@ class ParameterServer:
         self.numel = sum(p.numel() for p in self.params)
         self.bounds = chunk_bounds(self.numel, len(self.servers))
         self.staleness: list[int] = []  # a server's, one entry per update (asynchronous)
-        flat = torch.cat([p.detach().reshape(-1) for p in self.params])
+        flat = flatten(self.params)
         if self.is_server:
             start, end = self.bounds[self.servers.index(self.rank)]
             self.shard = nn.Parameter(flat[start:end].clone())
@@ -94,8 +95,7 @@ class ParameterServer:
         if self.is_server:
             raise RuntimeError(f"rank {self.rank} is a server: workers call push_pull(), "
                                f"servers call serve(steps)")
-        grad = torch.cat([torch.zeros(p.numel()) if p.grad is None else p.grad.reshape(-1)
-                          for p in self.params])
+        grad = flatten([torch.zeros_like(p) if p.grad is None else p.grad for p in self.params])
         pushes = [dist.isend(grad[start:end], server)
                   for server, (start, end) in zip(self.servers, self.bounds, strict=True)]
         self._pull_into(self._flat)
@@ -104,11 +104,7 @@ class ParameterServer:
     def _pull_into(self, flat: torch.Tensor) -> None:
         _wait_all(dist.irecv(flat[start:end], server)
                   for server, (start, end) in zip(self.servers, self.bounds, strict=True))
-        with torch.no_grad():
-            offset = 0
-            for p in self.params:
-                p.copy_(flat[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
+        copy_back(flat, self.params)
 
     # --- Server side -----------------------------------------------------------------------------
 

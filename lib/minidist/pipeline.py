@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from minidist._checks import one_of, positive, positive_int
+from minidist.timeline import Event
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")
 """Every schedule minidist knows. `schedule` generates all but "zb-h2", whose bubble and
@@ -527,38 +528,35 @@ class Costs:
             raise ValueError(f"Costs.latency={self.latency!r}: must be >= 0")
 
 
-@dataclass(frozen=True)
-class Span:
-    """A compute action that ran on `rank` from `start` to `end`."""
-
-    rank: int
-    action: Action
-    start: float
-    end: float
+def action_event(rank: int, action: Action, start: float, end: float) -> Event:
+    """The `timeline.Event` of a compute action that ran on `rank` from `start` to `end`:
+    kind F, B or W, named by its label ("F3@1"), the action itself as `detail`."""
+    return Event(rank, action.kind, action.label(), start, end, action)
 
 
 @dataclass
 class Timeline:
     """What each rank computed and when: simulated by `simulate`, or measured by
-    `minidist.pipeline_exec`. `spans[rank]` lists the rank's compute actions in order."""
+    `minidist.pipeline_exec`. `events[rank]` lists the rank's compute actions in order, as
+    `timeline.Event`s whose `detail` is the `Action`."""
 
     schedule: Schedule
-    spans: list[list[Span]]
+    events: list[list[Event]]
     measured: bool = False
 
     @property
     def start(self) -> float:
-        return min((s.start for spans in self.spans for s in spans), default=0.0)
+        return min((e.start for events in self.events for e in events), default=0.0)
 
     @property
     def makespan(self) -> float:
         """Time from the first action's start to the last action's end, over all ranks."""
-        return max((s.end for spans in self.spans for s in spans), default=0.0) - self.start
+        return max((e.end for events in self.events for e in events), default=0.0) - self.start
 
     @property
     def busy(self) -> list[float]:
         """Per rank, the time spent computing."""
-        return [sum(s.end - s.start for s in spans) for spans in self.spans]
+        return [sum(e.duration for e in events) for events in self.events]
 
     @property
     def bubble_fraction(self) -> float:
@@ -573,10 +571,10 @@ class Timeline:
         With several chunks per rank it counts chunk-microbatches."""
         frees = "W" if self.schedule.split_backward else "B"
         peaks = []
-        for spans in self.spans:
+        for events in self.events:
             held = peak = 0
-            for span in spans:
-                held += (span.action.kind == "F") - (span.action.kind == frees)
+            for event in events:
+                held += (event.kind == "F") - (event.kind == frees)
                 peak = max(peak, held)
             peaks.append(peak)
         return peaks
@@ -584,17 +582,17 @@ class Timeline:
     def table(self, unit: float | None = None) -> str:
         """One row per rank, one column per `unit` of time (default: the shortest action);
         an action fills the columns it covers, "." marks idle time."""
-        durations = [s.end - s.start for spans in self.spans for s in spans if s.end > s.start]
+        durations = [e.duration for events in self.events for e in events if e.duration > 0]
         unit = unit or min(durations, default=1.0)
         columns = max(1, round(self.makespan / unit))
         show_stage = self.schedule.chunks > 1
-        grid = [["."] * columns for _ in self.spans]
-        for rank, spans in enumerate(self.spans):
-            for span in spans:
-                first = round((span.start - self.start) / unit)
-                last = max(first + 1, round((span.end - self.start) / unit))
+        grid = [["."] * columns for _ in self.events]
+        for rank, events in enumerate(self.events):
+            for event in events:
+                first = round((event.start - self.start) / unit)
+                last = max(first + 1, round((event.end - self.start) / unit))
                 for column in range(first, min(last, columns)):
-                    grid[rank][column] = span.action.label(show_stage=show_stage)
+                    grid[rank][column] = event.detail.label(show_stage=show_stage)
         width = max(len(cell) for row in grid for cell in row)
         header = "time  " + " ".join(str(c % 10).rjust(width) for c in range(columns))
         rows = [f"rank {r} " + " ".join(cell.rjust(width) for cell in row)
@@ -619,19 +617,19 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
     other checks)."""
     costs = costs or Costs()
     costs.check(schedule.num_stages)
-    spans = _run(schedule, lambda rank, action: costs.of(action, schedule.split_backward),
-                 costs.latency)
-    return Timeline(schedule, spans)
+    events = _run(schedule, lambda rank, action: costs.of(action, schedule.split_backward),
+                  costs.latency)
+    return Timeline(schedule, events)
 
 
 def _run(schedule: Schedule, duration: Callable[[int, Action], float],
-         latency: float) -> list[list[Span]]:
+         latency: float) -> list[list[Event]]:
     """Each rank executes its actions in order; a receive waits for its send. Returns the
-    compute spans, or raises ScheduleError naming every rank that can no longer move."""
+    compute events, or raises ScheduleError naming every rank that can no longer move."""
     clock = [0.0] * schedule.ranks
     position = [0] * schedule.ranks
     arrival: dict[Action, float] = {}  # receive action -> when its message is available
-    spans: list[list[Span]] = [[] for _ in range(schedule.ranks)]
+    events: list[list[Event]] = [[] for _ in range(schedule.ranks)]
     moved = True
     while moved:
         moved = False
@@ -646,7 +644,7 @@ def _run(schedule: Schedule, duration: Callable[[int, Action], float],
                     arrival[_matching(action)] = clock[rank] + latency
                 else:
                     end = clock[rank] + duration(rank, action)
-                    spans[rank].append(Span(rank, action, clock[rank], end))
+                    events[rank].append(action_event(rank, action, clock[rank], end))
                     clock[rank] = end
                 position[rank] += 1
                 moved = True
@@ -654,7 +652,7 @@ def _run(schedule: Schedule, duration: Callable[[int, Action], float],
              if position[rank] < len(ops)}
     if stuck:
         raise _deadlock(schedule, stuck)
-    return spans
+    return events
 
 
 def _deadlock(schedule: Schedule, stuck: dict[int, int]) -> ScheduleError:

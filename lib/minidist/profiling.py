@@ -54,11 +54,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
+from minidist import collectives
 from minidist._checks import positive_int
-from minidist.gantt import IDLE_COLOR
 from minidist.launch import run
+from minidist.timeline import IDLE_COLOR, Event, clock, plot_events
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -134,28 +134,17 @@ def subtract(a: Iterable[Interval], b: Iterable[Interval]) -> list[Interval]:
 # --- The timeline --------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class ProfiledEvent:
-    """One classified event: `kind` is "compute" or "communication"; `start` and `end` are
-    seconds since the barrier before the profiled steps; `thread` is the profiler's thread id."""
-
-    rank: int
-    name: str
-    kind: str
-    thread: int
-    start: float
-    end: float
-
-
 @dataclass
 class ProfileTimeline:
     """Every rank's classified events over the profiled steps, on one clock.
 
     `steps[rank]` holds each profiled step's (start, end); `events` the compute and
-    communication events of all ranks. Times are seconds since the barrier before the steps."""
+    communication events of all ranks (`timeline.Event`s of kind "compute" or
+    "communication", `detail` the profiler's thread id). Times are seconds since the barrier
+    before the steps."""
 
     world_size: int
-    events: list[ProfiledEvent]
+    events: list[Event]
     steps: dict[int, list[Interval]]
 
     def intervals(self, rank: int, kind: str) -> list[Interval]:
@@ -208,49 +197,32 @@ class ProfileTimeline:
         return "\n".join(lines)
 
     def plot(self, title: str = "", ax: Any = None) -> Figure:
-        """Multi-rank Gantt chart, rank 0 on top: per rank a compute lane (blue) above a
-        communication lane (orange) over grey hatched idle time, as `minidist.gantt` draws
-        pipelines; the title gives each rank's overlap fraction. Returns the figure."""
+        """Multi-rank Gantt chart (`timeline.plot_events`), rank 0 on top: per rank a compute
+        lane (blue) above a communication lane (orange) over grey hatched idle time; the
+        title gives each rank's overlap fraction. Returns the figure."""
         import matplotlib.pyplot as plt
-        from matplotlib.collections import PatchCollection
-        from matplotlib.patches import Patch, Rectangle
 
         if ax is None:
-            _, ax = plt.subplots(figsize=(10, 0.9 + 0.7 * self.world_size))
+            _, ax = plt.subplots(figsize=(10, 0.9 + 0.84 * self.world_size))
         colors = {"compute": "tab:blue", "communication": "tab:orange"}
-        lanes = {"compute": 0.5, "communication": 0.1}  # offsets within a rank's row
-        boxes: dict[str, list[Rectangle]] = {kind: [] for kind in KINDS}
-        idle = []
-        for rank in range(self.world_size):
-            y = self.world_size - 1 - rank
-            for start, end in self.steps[rank]:
-                idle.append(Rectangle((start * 1e3, y + 0.1), (end - start) * 1e3, 0.8))
-            for kind in KINDS:
-                for start, end in self.intervals(rank, kind):
-                    boxes[kind].append(Rectangle((start * 1e3, y + lanes[kind]),
-                                                 (end - start) * 1e3, 0.4))
-        ax.add_collection(PatchCollection(idle, facecolor=IDLE_COLOR, edgecolor="#bbbbbb",
-                                          hatch="xx", linewidth=0.0))
-        for kind in KINDS:
-            if boxes[kind]:
-                ax.add_collection(PatchCollection(boxes[kind], facecolor=colors[kind],
-                                                  edgecolor="none"))
-        right = max(end for spans in self.steps.values() for _, end in spans) * 1e3
-        ax.set_xlim(0, right * 1.02)
-        ax.set_ylim(0, self.world_size)
-        ax.set_yticks([self.world_size - 0.5 - r for r in range(self.world_size)])
-        ax.set_yticklabels([f"rank {r}" for r in range(self.world_size)])
-        ax.set_xlabel("ms since the barrier before the profiled steps")
+        lanes = [f"rank {r} {kind}" for r in range(self.world_size) for kind in KINDS]
+        merged = [Event(rank, kind, "", start, end) for rank in range(self.world_size)
+                  for kind in KINDS for start, end in self.intervals(rank, kind)]
         overlaps = overlap_fraction(self)
         shown = ", ".join(f"rank {r} {f:.0%}" for r, f in overlaps.items())
-        ax.set_title(f"{title + ': ' if title else ''}communication hidden under compute: {shown}",
-                     fontsize=10, loc="left")
-        handles = [Patch(facecolor=colors[k], label=k) for k in KINDS]
-        handles.append(Patch(facecolor=IDLE_COLOR, edgecolor="#bbbbbb", hatch="xx", label="idle"))
-        ax.legend(handles=handles, loc="upper right", fontsize=7, ncol=3,
-                  bbox_to_anchor=(1.0, 1.25), frameon=False)
-        for side in ("top", "right"):
-            ax.spines[side].set_visible(False)
+        plot_events(merged, lane=lambda e: f"rank {e.rank} {e.kind}",
+                    style=lambda e: {"facecolor": colors[e.kind]}, lanes=lanes,
+                    spans={f"rank {rank} {kind}": self.steps[rank]
+                           for rank in range(self.world_size) for kind in KINDS},
+                    origin=0.0, right=1e3 * max(end for spans in self.steps.values()
+                                                for _, end in spans),
+                    ax=ax, unit="ms since the barrier before the profiled steps",
+                    title=f"{title + ': ' if title else ''}communication hidden under "
+                          f"compute: {shown}",
+                    legend=[(kind, {"facecolor": colors[kind], "edgecolor": "none"})
+                            for kind in KINDS]
+                    + [("idle", {"facecolor": IDLE_COLOR, "edgecolor": "#bbbbbb",
+                                 "hatch": "xx"})])
         ax.figure.tight_layout()
         return ax.figure
 
@@ -268,7 +240,7 @@ class ProfileTimeline:
                               "tid": 0, "ts": start * 1e6, "dur": (end - start) * 1e6})
         for e in self.events:
             trace.append({"name": e.name, "cat": e.kind, "ph": "X", "pid": e.rank,
-                          "tid": e.thread, "ts": e.start * 1e6, "dur": (e.end - e.start) * 1e6})
+                          "tid": e.detail, "ts": e.start * 1e6, "dur": e.duration * 1e6})
         path = Path(path)
         path.write_text(json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}))
         return path
@@ -289,7 +261,7 @@ def overlap_fraction(timeline: ProfileTimeline) -> dict[int, float]:
 
 
 def classify(records: Iterable[tuple[str, int, int, int]], origin_ns: int,
-             rank: int) -> list[ProfiledEvent]:
+             rank: int) -> list[Event]:
     """Compute and communication events from the profiler's records (name, start ns, end ns,
     thread), times in seconds since `origin_ns`: communication at any depth; compute the
     outermost operators (`aten::*`) not inside another operator or communication on their
@@ -306,9 +278,9 @@ def classify(records: Iterable[tuple[str, int, int, int]], origin_ns: int,
             communication = is_communication(name)
             operator = name.startswith(COMPUTE_PREFIX)
             if communication or (operator and not any(flag for _, flag in open_ends)):
-                classified.append(ProfiledEvent(
-                    rank, name, "communication" if communication else "compute", thread,
-                    (start - origin_ns) / 1e9, (end - origin_ns) / 1e9))
+                classified.append(Event(
+                    rank, "communication" if communication else "compute", name,
+                    (start - origin_ns) / 1e9, (end - origin_ns) / 1e9, thread))
             open_ends.append((end, communication or operator))
     return sorted(classified, key=lambda e: (e.start, e.end))
 
@@ -326,7 +298,7 @@ def _profile_rank(rank: int, world_size: int, make_step: Callable[..., Callable[
     for _ in range(warmup):
         step()
     with profile(use_cpu=True, use_kineto=True) as prof:
-        dist.barrier()  # every rank leaves it at (nearly) the same moment: the common origin
+        collectives.barrier()  # every rank leaves it at nearly the same moment: the origin
         origin_ns = time.time_ns()
         spans = []
         for _ in range(steps):
@@ -387,8 +359,8 @@ def measure_peak_flops(dtype: torch.dtype = torch.float32, device: str | torch.d
     sync()
     best = float("inf")
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         torch.mm(a, b)
         sync()
-        best = min(best, time.perf_counter() - start)
+        best = min(best, clock() - start)
     return 2 * n**3 / best

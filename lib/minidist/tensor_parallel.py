@@ -23,8 +23,9 @@ shards around the ring one step at a time and multiplies the shard it already ho
 next one travels; backward does the same for the weight gradient, and cuts the input gradient's
 reduce-scatter into ring steps, each computing the partial sum it sends next.
 
-Every collective here is recorded for `minidist.comm.count_traffic()`, with `when` set to
-"forward" or "backward", so a lab can list what a block really sends.
+Every collective here goes through `minidist.collectives` with `when` set to "forward" or
+"backward", so `traffic.count_traffic()` lists what a block really sends. `group` is the
+tensor-parallel group (e.g. `mesh.group("tp")`); None: every rank.
 """
 
 from __future__ import annotations
@@ -36,9 +37,18 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from minidist import comm
+from minidist import collectives
 from minidist._checks import require_process_group
 from minidist.models import TransformerBlock, attend
+
+__all__ = [
+    "SEQUENCE_DIM", "CopyToParallel", "ReduceFromParallel", "ReduceScatterToSequenceParallel",
+    "ScatterToSequenceParallel", "GatherFromSequenceParallel", "GatherFeatures",
+    "SplitFeatures", "GatherSequenceThenLinears", "ColumnParallelLinear",
+    "ChunkedGatherThenLinear", "AsyncColumnParallelLinear", "RowParallelLinear",
+    "exit_parallel_region", "ParallelMLP", "ParallelAttention", "ParallelTransformerBlock",
+    "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
+]
 
 SEQUENCE_DIM = 1  # batch-first activations [batch, seq, hidden]
 
@@ -51,31 +61,16 @@ def _group_size(group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(group)
 
 
-def _all_reduce(x: torch.Tensor, group, phase: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    x = x.contiguous()
-    comm.record("all_reduce", x, group, phase)
-    dist.all_reduce(x, op=op, group=group)
-    return x
+def _all_reduce(x: torch.Tensor, group, phase: str, op: str = "sum") -> torch.Tensor:
+    return collectives.all_reduce(x.contiguous(), op, group, when=phase)
 
 
 def _gather_along(x: torch.Tensor, dim: int, group, phase: str) -> torch.Tensor:
-    t = dist.get_world_size(group)
-    pieces = [torch.empty_like(x) for _ in range(t)]
-    dist.all_gather(pieces, x.contiguous(), group=group)
-    full = torch.cat(pieces, dim=dim)
-    comm.record("all_gather", full, group, phase)
-    return full
+    return collectives.all_gather_along(x, dim, group, when=phase)
 
 
 def _reduce_scatter_along(x: torch.Tensor, dim: int, group, phase: str) -> torch.Tensor:
-    t = dist.get_world_size(group)
-    if x.shape[dim] % t:
-        raise ValueError(f"dim {dim} of size {x.shape[dim]} is not divisible by t={t}")
-    comm.record("reduce_scatter", x, group, phase)
-    shards = [piece.contiguous() for piece in x.chunk(t, dim=dim)]
-    mine = torch.empty_like(shards[0])
-    dist.reduce_scatter(mine, shards, group=group)
-    return mine
+    return collectives.reduce_scatter_along(x, dim, group, when=phase)
 
 
 def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
@@ -284,47 +279,6 @@ class ColumnParallelLinear(nn.Module):
         return full
 
 
-def _ring_neighbours(group) -> tuple[int, int, int, int]:
-    """(t, this rank's index in the group, global rank on the left, on the right)."""
-    t, rank = dist.get_world_size(group), dist.get_rank(group)
-    members = dist.get_process_group_ranks(group or dist.group.WORLD)
-    return t, rank, members[(rank - 1) % t], members[(rank + 1) % t]
-
-
-def _ring_gather_overlapped(x: torch.Tensor, group, on_shard) -> None:
-    """All-gather the sequence shards of `x` around the ring, calling on_shard(source, shard)
-    on each one as it arrives (this rank's own first) while the next one is in transit."""
-    t, rank, left, right = _ring_neighbours(group)
-    shard = x.contiguous()
-    for step in range(t):
-        in_transit = []
-        if step < t - 1:
-            incoming = torch.empty_like(shard)
-            in_transit = [dist.isend(shard, right, group=group),
-                          dist.irecv(incoming, left, group=group)]
-        on_shard((rank - step) % t, shard)  # runs while the next shard travels
-        for request in in_transit:
-            request.wait()
-        if in_transit:
-            shard = incoming
-
-
-def _ring_reduce_scatter_overlapped(partial, group) -> torch.Tensor:
-    """Reduce-scatter along the ring where partial(c) computes this rank's addend for shard c
-    just before it is needed, while the running sum for it travels; returns shard `rank`."""
-    t, rank, left, right = _ring_neighbours(group)
-    running = partial((rank - 1) % t)
-    for step in range(t - 1):
-        incoming = torch.empty_like(running)
-        in_transit = [dist.isend(running, right, group=group),
-                      dist.irecv(incoming, left, group=group)]
-        mine = partial((rank - step - 2) % t)  # runs while the running sums travel
-        for request in in_transit:
-            request.wait()
-        running = incoming.add_(mine)
-    return running  # with t = 1, shard (rank - 1) % t is shard 0 = rank
-
-
 class ChunkedGatherThenLinear(torch.autograd.Function):
     """GatherSequenceThenLinears for one linear, with every collective cut into ring steps that
     overlap the matmuls: the same results, the same bytes, the transfers hidden."""
@@ -333,12 +287,10 @@ class ChunkedGatherThenLinear(torch.autograd.Function):
     def forward(ctx, x, group, weight, bias):
         ctx.group, ctx.has_bias = group, bias is not None
         ctx.save_for_backward(x, weight)
-        t = dist.get_world_size(group)
-        comm.record("all_gather", x.numel() * x.element_size() * t, group, "forward")
-        outputs = [None] * t
-        _ring_gather_overlapped(
-            x, group, lambda source, shard: outputs.__setitem__(source, F.linear(shard, weight,
-                                                                                  bias)))
+        outputs = [None] * dist.get_world_size(group)
+        collectives.all_gather_overlapped(
+            x, lambda source, shard: outputs.__setitem__(source, F.linear(shard, weight, bias)),
+            group, when="forward")
         return torch.cat(outputs, dim=SEQUENCE_DIM)
 
     @staticmethod
@@ -347,13 +299,10 @@ class ChunkedGatherThenLinear(torch.autograd.Function):
         group, t = ctx.group, dist.get_world_size(ctx.group)
         grads = [g.flatten(0, -2) for g in grad.chunk(t, dim=SEQUENCE_DIM)]
         grad_weight = torch.zeros_like(weight)
-        full_bytes = x.numel() * x.element_size() * t
-        comm.record("all_gather", full_bytes, group, "backward")
-        _ring_gather_overlapped(x, group, lambda source, shard: grad_weight.addmm_(
-            grads[source].T, shard.flatten(0, -2)))
-        comm.record("reduce_scatter", full_bytes, group, "backward")
-        grad_x = _ring_reduce_scatter_overlapped(
-            lambda source: (grads[source] @ weight).view_as(x), group)
+        collectives.all_gather_overlapped(x, lambda source, shard: grad_weight.addmm_(
+            grads[source].T, shard.flatten(0, -2)), group, when="backward")
+        grad_x = collectives.reduce_scatter_overlapped(
+            lambda source: (grads[source] @ weight).view_as(x), group, when="backward")
         grad_bias = grad.flatten(0, -2).sum(0) if ctx.has_bias else None
         return grad_x, None, grad_weight, grad_bias
 
@@ -577,7 +526,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         vocab_local = logits.shape[-1]
         start = dist.get_rank(group) * vocab_local
         # A numerically stable softmax needs the max over the whole vocabulary.
-        logits_max = _all_reduce(logits.max(dim=-1).values, group, "forward", dist.ReduceOp.MAX)
+        logits_max = _all_reduce(logits.max(dim=-1).values, group, "forward", "max")
         shifted = logits - logits_max.unsqueeze(-1)
         mine = (targets >= start) & (targets < start + vocab_local)
         local_targets = (targets - start).masked_fill(~mine, 0)

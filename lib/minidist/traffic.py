@@ -1,10 +1,15 @@
-"""What each parallelism sends per step: collectives as records, and their totals.
+"""What each parallelism sends per step: predicted from sizes, and counted on real ranks.
 
 A `Collective` is one record, whether predicted here from sizes or counted on real ranks by
-`minidist.comm.count_traffic()`: `count` runs of collective `op` on a tensor of `nbytes` bytes
-over a group of `group` ranks. `Traffic` adds records up two ways: `volume`, the bytes per rank
-as N → ∞ that ZeRO §7 counts (2S per all-reduce), and `bytes_sent`, with the ring's (N-1)/N
-factors (`minidist.cost`).
+`count_traffic()`: `count` runs of collective `op` on a tensor of `nbytes` bytes over a group of
+`group` ranks. `Traffic` adds records up two ways: `volume`, the bytes per rank as N → ∞ that
+ZeRO §7 counts (2S per all-reduce), and `bytes_sent`, with the ring's (N-1)/N factors
+(`minidist.cost`).
+
+Counting. Inside `with count_traffic() as log:` a rank sees what it sends: every point-to-point
+message (bytes, and to which rank), and one `Collective` record per collective that
+`minidist.collectives` runs, the one layer every collective in minidist goes through.
+The predictions here never need torch; the counting imports it when a block opens.
 
 Sources:
   ZeRO       Rajbhandari et al., SC 2020 (§7 communication).
@@ -17,10 +22,22 @@ Sources:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from minidist._checks import one_of, positive, positive_int
 from minidist.cost import ring_bytes_sent
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+__all__ = [
+    "Collective", "Traffic", "TrafficLog", "count_traffic", "uncounted", "members", "record",
+    "data_parallel_traffic",
+    "tensor_parallel_traffic", "pipeline_traffic", "mesh_traffic", "parameter_server_traffic",
+]
 
 
 @dataclass(frozen=True)
@@ -34,6 +51,9 @@ class Collective:
     group: int  # ranks in the group (2 for a point-to-point send)
     count: int = 1
     when: str = ""
+    # Counted records only: the group's global ranks, who took part. Not compared: a
+    # prediction equals a count whatever ranks it ran on.
+    ranks: tuple[int, ...] = field(default=(), compare=False)
 
     @property
     def bytes_sent(self) -> float:
@@ -213,3 +233,151 @@ def parameter_server_traffic(nbytes: float, workers: int, servers: int = 1) -> d
     pushes = Collective("send", shard, 2, servers, "gradient shard, to each server")
     pulls = Collective("send", shard, 2, workers, "parameter shard, to each worker")
     return {"worker": Traffic((pushes,)), "server": Traffic((pulls,))}
+
+
+# --- Counting on real ranks ------------------------------------------------------------------
+
+
+@dataclass
+class TrafficLog:
+    """What this rank sent inside one `count_traffic` block.
+
+    `sends`: every point-to-point message that left this process, as (global rank it went to,
+    payload bytes), in order. `collectives`: one `Collective` record per collective run through
+    `minidist.collectives`, with the bytes of the full tensor it reduced or produced, its
+    group's size and ranks and, for tensor parallelism, whether it ran "forward" or "backward"
+    (`when`)."""
+
+    sends: list[tuple[int, int]] = field(default_factory=list)
+    collectives: list[Collective] = field(default_factory=list)
+
+    @property
+    def bytes_sent(self) -> int:
+        """Point-to-point payload bytes this rank sent."""
+        return sum(nbytes for _, nbytes in self.sends)
+
+    @property
+    def messages(self) -> int:
+        """Point-to-point messages this rank sent (a message sent in segments counts once per
+        segment)."""
+        return len(self.sends)
+
+    def bytes_to(self) -> dict[int, int]:
+        """{global rank: bytes this rank sent it}, in the order first sent to."""
+        totals: dict[int, int] = {}
+        for peer, nbytes in self.sends:
+            totals[peer] = totals.get(peer, 0) + nbytes
+        return totals
+
+    def calls(self, op: str, when: str | None = None) -> int:
+        """How many `op` collectives ran (only those of phase `when`, if given)."""
+        return sum(c.count for c in self._matching(op, when))
+
+    def nbytes(self, op: str, when: str | None = None) -> int:
+        """Bytes of the full tensors those collectives carried, added up."""
+        return sum(c.count * c.nbytes for c in self._matching(op, when))
+
+    def per_collective(self) -> dict[tuple[str, int], tuple[int, int]]:
+        """{(op, group size): (calls, bytes of the full tensors)}, in the order first seen."""
+        totals: dict[tuple[str, int], tuple[int, int]] = {}
+        for c in self.collectives:
+            calls, nbytes = totals.get((c.op, c.group), (0, 0))
+            totals[(c.op, c.group)] = (calls + c.count, nbytes + c.count * c.nbytes)
+        return totals
+
+    @property
+    def traffic(self) -> Traffic:
+        """The records as a `Traffic`, to compare with this module's predictions."""
+        return Traffic(tuple(self.collectives))
+
+    def _matching(self, op: str, when: str | None) -> list[Collective]:
+        return [c for c in self.collectives if c.op == op and when in (None, c.when)]
+
+
+_active_logs: list[TrafficLog] = []
+_paused = 0  # how many uncounted() blocks are open
+_uncounted_send: Any = None  # ProcessGroup.send as torch defines it, once a block has opened
+_members: dict[Any, tuple[int, ...]] = {}  # process group -> its global ranks
+
+
+def members(group: dist.ProcessGroup | None) -> tuple[int, ...]:
+    """The global ranks of `group` (None: the default group), in group-rank order."""
+    import torch.distributed as dist
+
+    key = group or dist.group.WORLD
+    if key not in _members:
+        _members[key] = tuple(dist.get_process_group_ranks(key))
+    return _members[key]
+
+
+def record(op: str, nbytes: int, group: dist.ProcessGroup | None, when: str = "") -> None:
+    """Add one `op` collective of `nbytes` (the full tensor) over `group` to every open log.
+    `minidist.collectives` calls it once per collective; nothing else does."""
+    if _active_logs and not _paused:
+        ranks = members(group)
+        entry = Collective(op, nbytes, len(ranks), 1, when, ranks)
+        for log in _active_logs:
+            log.collectives.append(entry)
+
+
+def _counting_send(self: Any, tensors: list, dst: int, *args: Any, **kwargs: Any) -> Any:
+    if not _paused:
+        nbytes = sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+        peer = members(self)[dst]
+        for log in _active_logs:
+            log.sends.append((peer, nbytes))
+    return _uncounted_send(self, tensors, dst, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def count_traffic() -> Iterator[TrafficLog]:
+    """Count what this rank sends inside the block: point-to-point messages, and every
+    collective that `minidist.collectives` runs.
+
+        with count_traffic() as log:
+            collectives.all_reduce(t, impl="ring")
+        log.bytes_sent              # 2(N-1)/N * t.nbytes when N divides t.numel()
+        log.bytes_to()              # {right neighbour: the same}: a ring sends to one rank
+        log.calls("all_reduce")     # 1
+
+    Point-to-point: every send this process makes through torch.distributed's point-to-point
+    API while the block runs: dist.send, dist.isend, dist.batch_isend_irecv, send_object_list,
+    and minidist's own algorithms. Payload bytes only, no headers; receives are not counted,
+    nor the bytes of collectives that torch runs as one call (dist.all_reduce, ...): those run
+    in C++, where no Python-level send sees them; their calls are in `collectives` when minidist
+    ran them.
+
+    How: all of those point-to-point functions end in one method, ProcessGroup.send, and the
+    block replaces that method. Counting there counts each message once however it was sent
+    (dist.send itself calls dist.isend), and leaves dist.isend untouched, so P2POp's check
+    that its op is dist.isend still passes. Blocks nest: an outer log includes what inner ones
+    count. The original method is back as soon as the outermost block exits.
+    """
+    global _uncounted_send
+    import torch.distributed as dist
+
+    log = TrafficLog()
+    if not _active_logs:
+        # From the class dict, not getattr: pybind keeps methods there as descriptors, and
+        # only the descriptor binds `self` when put back on the class.
+        _uncounted_send = vars(dist.ProcessGroup)["send"]
+        dist.ProcessGroup.send = _counting_send
+    _active_logs.append(log)
+    try:
+        yield log
+    finally:
+        _active_logs.remove(log)
+        if not _active_logs:
+            dist.ProcessGroup.send = _uncounted_send
+
+
+@contextlib.contextmanager
+def uncounted() -> Iterator[None]:
+    """Inside the block the open `count_traffic` logs count nothing: for set-up work that is
+    not part of what they measure (a pipeline's shape exchange, fitting links)."""
+    global _paused
+    _paused += 1
+    try:
+        yield
+    finally:
+        _paused -= 1

@@ -64,9 +64,8 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from minidist import checkpoint
+from minidist import checkpoint, collectives
 from minidist._checks import one_of, positive, positive_int
 from minidist.fsdp import FullyShardedDataParallel
 from minidist.launch import run
@@ -277,7 +276,7 @@ def _step(rank, world_size, step, config, model, optimizer, grads, data, sampler
     flags[rank] = float(not torch.isfinite(loss).item())
     flags[world_size + rank] = float(not all(torch.isfinite(g).all().item() for g in local))
     flags[-2], flags[-1] = loss.detach().double() / world_size, squares
-    dist.all_reduce(flags)
+    collectives.all_reduce(flags, when="flags, loss and gradient norm")
     bad_loss = [r for r in range(world_size) if flags[r] > 0]
     bad_grads = [r for r in range(world_size) if flags[world_size + r] > 0]
     if bad_loss or bad_grads:

@@ -1,7 +1,7 @@
 """ZeRO stages 1 and 2 (Rajbhandari et al. 2020): shard the optimizer, then the gradients.
 
 Every parameter is flattened and split element by element: rank r of N owns its slice
-`sharding.shard_bounds`. Each step
+`collectives.shard_bounds`. Each step
 
     1. reduce-scatter each gradient: rank r receives the sum of its slice (divided by N, the
        average data parallelism needs);
@@ -32,8 +32,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from minidist import comm, sharding
+from minidist import collectives
 from minidist._checks import require_process_group
+
+__all__ = ["ZeroOptimizer"]
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -42,12 +44,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         optimizer = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=2, lr=1e-3)
 
     Use it like any optimizer: `loss.backward(); optimizer.step(); optimizer.zero_grad()`.
-    Do not also average gradients (no DDP): the reduce-scatter does it. `ring=True` uses
-    minidist's send/recv rings so `comm.count_traffic()` can count the traffic.
+    Do not also average gradients (no DDP): the reduce-scatter does it. `group` is the
+    data-parallel group (None: every rank); `impl="ring"` runs minidist's own reduce-scatter
+    and all-gather, whose bytes `traffic.count_traffic()` counts.
     """
 
     def __init__(self, params: Iterable[torch.nn.Parameter], optimizer_cls: type,
-                 stage: int = 1, group: dist.ProcessGroup | None = None, ring: bool = False,
+                 stage: int = 1, group: dist.ProcessGroup | None = None, impl: str = "torch",
                  **optimizer_kwargs: Any):
         if stage not in (1, 2):
             raise ValueError(f"stage={stage}: ZeroOptimizer implements stages 1 and 2 "
@@ -56,13 +59,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.params = list(dict.fromkeys(p for p in params if p.requires_grad))
         if not self.params:
             raise ValueError("ZeroOptimizer got no parameters that require gradients")
-        self.stage, self.group, self.ring = stage, group, ring
         require_process_group("ZeroOptimizer")
+        if impl not in collectives.IMPLS["reduce_scatter"]:
+            raise ValueError(f"impl={impl!r}: choose one of {collectives.IMPLS['reduce_scatter']}")
+        self.stage, self.group, self.impl = stage, group, impl
         self.world_size = dist.get_world_size(group)
         # The fp32 master slice of each parameter: what the wrapped optimizer updates.
         self.shards = []
         for p in self.params:
-            start, end = sharding.shard_bounds(p.numel(), group)
+            start, end = collectives.shard_bounds(p.numel(), group)
             self.shards.append(p.detach().reshape(-1)[start:end].float().clone())
         self.optimizer = optimizer_cls(self.shards, **optimizer_kwargs)
         super().__init__(self.shards, optimizer_kwargs or {"lr": 0.0})
@@ -81,7 +86,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return scatter
 
     def _reduce_scatter(self, grad: torch.Tensor) -> torch.Tensor:
-        mine = sharding.reduce_scatter(grad.reshape(-1), self.group, self.ring)
+        mine = collectives.reduce_scatter(grad.reshape(-1), self.group, self.impl,
+                                          when="gradients")
         return mine.float().div_(self.world_size)
 
     @torch.no_grad()
@@ -94,16 +100,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for param, shard in zip(self.params, self.shards, strict=True):
             if shard.grad is None:  # no rank had a gradient: the optimizer left it alone
                 continue
-            full = sharding.all_gather(shard.to(param.dtype), param.numel(), self.group,
-                                       self.ring)
+            full = collectives.all_gather(shard.to(param.dtype), param.numel(), self.group,
+                                          self.impl, when="parameters")
             param.copy_(full.view_as(param))
 
     def _reduce_scatter_gradients(self) -> None:
         """Stage 1: reduce-scatter every gradient some rank has (zeros where a rank has none)."""
         ranks_with_grad = torch.tensor([p.grad is not None for p in self.params],
                                        dtype=torch.int32)
-        comm.record("all_reduce", ranks_with_grad, self.group)
-        dist.all_reduce(ranks_with_grad, group=self.group)
+        collectives.all_reduce(ranks_with_grad, group=self.group,
+                               when="which parameters have gradients")
         for param, shard, count in zip(self.params, self.shards, ranks_with_grad.tolist(),
                                        strict=True):
             grad = torch.zeros_like(param) if param.grad is None else param.grad

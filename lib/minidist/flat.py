@@ -1,0 +1,36 @@
+"""Tensors as one flat buffer and back: how buckets, shards and fused collectives are made.
+
+    flat = flatten(grads)              # one 1-D tensor: every tensor's elements, in order
+    collectives.all_reduce(flat)       # one collective instead of one per tensor
+    copy_back(flat, grads)             # each tensor takes its elements back
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["flatten", "views", "copy_back"]
+
+
+def flatten(tensors: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A new 1-D tensor holding every tensor's elements, one after another (in `dtype`, if
+    given); the tensors must share a device."""
+    return torch.cat([t.detach().reshape(-1).to(dtype or t.dtype) for t in tensors])
+
+
+def views(flat: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
+    """Consecutive pieces of `flat`, one view of each shape: the tensors `flatten` took in."""
+    pieces, offset = [], 0
+    for shape in shapes:
+        pieces.append(flat[offset:offset + shape.numel()].view(shape))
+        offset += shape.numel()
+    return pieces
+
+
+def copy_back(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """Copy `flat`'s pieces back into `tensors`, in place (the inverse of `flatten`)."""
+    with torch.no_grad():
+        for tensor, piece in zip(tensors, views(flat, [t.shape for t in tensors]), strict=True):
+            tensor.copy_(piece)
