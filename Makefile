@@ -24,8 +24,8 @@ STUDENT_JUPYTER := JUPYTER_CONFIG_PATH=$(CURDIR)/tools/jupyter-student-config
 # What students get: no solutions/, tests/ (hidden tests), tools/grading/, nbgrader_config.py or
 # cluster_setup/.
 RELEASE := release/scaling-lab
-RELEASED := labs lib slides tools ':(exclude)tools/grading' README.md requirements.txt pyproject.toml \
-	Makefile .gitignore
+RELEASED := labs lib slides tools ':(exclude)tools/grading' README.md REFERENCES.md requirements.txt \
+	pyproject.toml Makefile .gitignore
 
 .PHONY: lab test install cluster-tools update release
 

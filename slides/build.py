@@ -217,6 +217,9 @@ answer its "check yourself" slide before turning the page, then do its lab in Ju
 offline. PDFs (one slide per page, notes under it) are built into <code>slides/pdf/</code> by
 <code>.venv/bin/python slides/build.py</code> when Chromium is installed; or open a deck with
 <code>?print-pdf</code> and print it.</p>
+<p>Sources: <a href="../REFERENCES.md"><code>REFERENCES.md</code></a> lists every paper, standard
+and documentation page the decks and labs rely on, with the section or table each fact comes
+from; the citations on the slides link to it.</p>
 <ol>
 {chr(10).join(rows)}
 </ol>
