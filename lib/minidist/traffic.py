@@ -211,7 +211,8 @@ def ulysses_traffic(seq_len: int, micro_batch: int, hidden: int, cp: int,
 def mesh_traffic(*, stage: int, pp: int, dp: int, tp: int, blocks: int, num_params: float,
                  param_tensors: int, seq_len: int, micro_batch: int, hidden: int,
                  microbatches: int, zero_stage: int = 1, sequence_parallel: bool = False,
-                 bytes_per_element: int = 4, cp: int = 1) -> dict[str, Traffic]:
+                 bytes_per_element: int = 4, cp: int = 1,
+                 cp_attention: str = "ring") -> dict[str, Traffic]:
     """What one rank of a dp·pp·cp·tp mesh sends in one step, per mesh dimension: the formulas
     above, applied to the rank's share of a transformer, plus the few messages minidist's
     implementation (`minidist.parallelize`) adds to them. With cp > 1 each rank holds s/cp of
@@ -232,9 +233,10 @@ def mesh_traffic(*, stage: int, pp: int, dp: int, tp: int, blocks: int, num_para
         where each TP rank sends its slice.
     dp  `data_parallel_traffic` of this rank's parameters: ≈ 2Ψ/(tp·pp) per rank. ZeRO-1 first
         sums which parameters have a gradient (one int32 per tensor, minidist.zero).
-    cp  per block and microbatch, `ring_attention_traffic` of the rank's h/t attention width;
-        then one all-reduce of the rank's gradients over cp (its parameters are the same on
-        every cp rank, its tokens are not).
+    cp  per block and microbatch, `ring_attention_traffic` (or `ulysses_traffic`, with
+        cp_attention="ulysses") of the rank's h/t attention width; then one all-reduce of the
+        rank's gradients over cp (its parameters are the same on every cp rank, its tokens
+        are not).
     """
     positive_int(pp=pp, dp=dp, tp=tp, param_tensors=param_tensors, seq_len=seq_len,
                  micro_batch=micro_batch, hidden=hidden, microbatches=microbatches,
@@ -281,9 +283,11 @@ def mesh_traffic(*, stage: int, pp: int, dp: int, tp: int, blocks: int, num_para
                                 "which parameters have gradients"),)
     context: list[Collective] = []
     if cp > 1:
-        ring = ring_attention_traffic(seq_len, micro_batch, hidden // tp, cp, bytes_per_element)
+        one_of("cp_attention", cp_attention, ("ring", "ulysses"))
+        formula = ring_attention_traffic if cp_attention == "ring" else ulysses_traffic
+        layer = formula(seq_len, micro_batch, hidden // tp, cp, bytes_per_element)
         context = [Collective(c.op, c.nbytes, cp, c.count * blocks * m, c.when)
-                   for c in ring.collectives]
+                   for c in layer.collectives]
         context.append(Collective("all_reduce", num_params * bytes_per_element, cp, 1,
                                   "gradients, over cp"))
     return {"tp": Traffic(tuple(tensor)), "pp": Traffic(tuple(pipeline)), "dp": Traffic(data),
