@@ -17,7 +17,7 @@ STACK = [
     "_checks", "cost", "memory", "traffic", "flops", "pipeline", "gantt", "planner", "widgets",
     "_supervisor", "launch", "comm", "bandwidth", "diagrams", "models", "footprint", "sharding",
     "param_server", "compression", "ddp", "zero", "fsdp", "tensor_parallel", "pipeline_exec",
-    "mesh", "moe", "parallelize", "checkpoint", "train", "profiling",
+    "mesh", "moe", "context_parallel", "parallelize", "checkpoint", "train", "profiling",
 ]
 
 

@@ -34,8 +34,11 @@ One module per idea, each importing only modules listed before it:
             the same layout as PyTorch's DeviceMesh
     moe     mixture of experts: top-k router, expert parallelism by all-to-all, capacity and
             dropped tokens
-    parallelize  TinyGPT on a dp·pp·tp mesh: the course's TP, pipeline and DDP/ZeRO composed;
-            bytes per mesh dimension against traffic.mesh_traffic
+    context_parallel  attention over a sequence split across cp ranks: ring attention
+            (online-softmax merge, transfers overlapping compute), the zigzag layout that
+            balances causal work, DeepSpeed-Ulysses all-to-alls
+    parallelize  TinyGPT on a dp·pp·(cp·)tp mesh: the course's TP, pipeline, DDP/ZeRO and
+            context parallelism composed; bytes per mesh dimension against traffic.mesh_traffic
     checkpoint  sharded checkpoints: per-rank shards, atomic writes, checksums, a COMPLETE
             marker; loading on another world size reshards; model, optimizer and RNG state
     train   a resumable TinyGPT training job (python -m minidist.train): checkpoints, exact

@@ -453,6 +453,8 @@ def _ring_backward(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             grad_q[:, :, rows] += dq
             grads[0][:, :, cols] += dk
             grads[1][:, :, cols] += dv
+        if plan.cp == 1:
+            return grad_q.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype)
         if coming is not None:
             grads += coming.wait()  # in fp32; the messages in the inputs' dtype
         coming = collectives.shift(grads.to(block.dtype), plan.group,
@@ -580,7 +582,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     q, k, v = (_Exchange.apply(t, plan.group, there, back) for t in (q, k, v))
     if causal and plan.order is not None:  # into sequence order, for the causal mask
         where = plan.order.to(q.device)  # the position of each token as the ranks hold them
-        q, k, v = (t.index_select(2, where.argsort()) for t in (q, k, v))
+        into_order = where.argsort()
+        q, k, v = (t.index_select(2, into_order) for t in (q, k, v))
     out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     if causal and plan.order is not None:
         out = out.index_select(2, where)
