@@ -293,3 +293,42 @@ def test_dp2_cp2_tp2_tinygpt_trains_like_one_process():
             assert counted == formula, (
                 f"rank {rank}: {dim} sent {counted} B, minidist.traffic.mesh_traffic {formula}")
         assert result["traffic"]["cp"][0] > 0 and result["traffic"]["pp"][0] == 0
+
+
+# --- The planner and Lab 02's calculator know cp -------------------------------------------------
+
+
+def test_planner_cp_divides_activations_and_sends_the_ring():
+    from dataclasses import replace
+
+    from minidist import planner
+
+    model = replace(planner.MODELS["7B"], seq_len=131072)
+    cluster = planner.Cluster.dgx_h100(64)
+    one = planner.Layout(tp=8, pp=1, dp=8, zero_stage=1, micro_batch=1, microbatches=8,
+                         recompute="selective")
+    four = replace(one, dp=2, cp=4)
+    memory = {lay.cp: planner.estimate_memory(lay, model) for lay in (one, four)}
+    assert memory[4].activations == pytest.approx(memory[1].activations / 4)
+    assert "CP4" in str(four)
+    # at 131k tokens each ring step's attention hides its transfer; at 1k it cannot
+    assert planner.estimate_time(four, model, cluster, 16).cp_comm == 0
+    short = planner.estimate_time(replace(four, micro_batch=1), replace(model, seq_len=1024),
+                                  cluster, 16)
+    assert short.cp_comm > 0
+    rules = planner.check_rules(replace(four, cp=3), replace(model, seq_len=1000), cluster, 16)
+    assert "cp-seq" in {reason.rule for reason in rules}
+    without = planner.plan(model, cluster, global_batch=64)
+    assert not without.feasible, "131k tokens of a 7B model need context parallelism here"
+    with_cp = planner.plan(model, cluster, global_batch=64, context_parallel=(1, 2, 4, 8))
+    assert with_cp.best.layout.cp > 1 and "CP com" in with_cp.table(3)
+
+
+def test_memory_calculator_has_a_cp_control():
+    from minidist.widgets import MemoryCalculator
+
+    calculator = MemoryCalculator(seq_len=131072, tp=8, recompute="selective")
+    before = calculator.data[1].activations
+    calculator.controls["cp"].value = 8
+    assert calculator.data[1].activations == pytest.approx(before / 8)
+    assert "CP=8" in calculator.message
