@@ -32,17 +32,21 @@ this rank's tokens in the sequence (a 1-D tensor); any split of 0..s-1 works.
 
 DeepSpeed-Ulysses (Jacobs et al. 2023; REFERENCES.md#ulysses). An all-to-all turns q, k and v
 from sequence-sharded ([b, h, s/cp, d]) into head-sharded ([b, h/cp, s, d]): each rank then
-runs ordinary attention over the whole sequence for 1/cp of the heads, and a fourth
+attends over the whole sequence for 1/cp of the heads (with ring attention's blockwise
+arithmetic, so that the two differ only in what they send), and a fourth
 all-to-all brings the output back. It needs the heads divisible by cp. Bytes per rank:
 `traffic.ulysses_traffic`.
 
 Memory. Neither keeps any s x s matrix for backward: ring attention keeps q, k, v and the
-output (b·h·(s/cp)·d each) and the log-sum-exp (b·h·s/cp), Ulysses the same sizes head-sharded
-(and PyTorch's attention keeps its output and log-sum-exp): per rank, proportional to s/cp.
+output (b·h·(s/cp)·d each) and the log-sum-exp (b·h·s/cp), Ulysses the same sizes
+head-sharded: per rank, proportional to s/cp.
 
 Work. Each block of attention notes a `timeline.Event` of kind "attention" whose detail is the
 number of query-key pairs it scored, and each transfer one of kind "transfer": inside
 `timeline.recording()` they show the work per rank and what overlapped.
+
+Time. `forward_times` is the α-β model of one forward of each: which wins at which cp and
+sequence length.
 
 Checks. Before anything travels, the ranks exchange the shapes of q, k and v, and the layout
 (an uncounted set-up exchange, like a pipeline's shapes), so that a mismatch raises the same
@@ -58,16 +62,17 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from minidist import collectives, traffic
 from minidist.comm import ring_of
+from minidist.cost import AlphaBeta
 from minidist.timeline import Event, clock, note
 
 __all__ = [
     "LAYOUTS", "chunks_of", "positions", "split_sequence", "gather_sequence",
     "block_attention", "merge_partials", "ring_forward", "ring_backward", "ring_attention",
-    "seq_to_heads", "heads_to_seq", "ulysses_attention", "ContextParallelCore", "withheld",
+    "seq_to_heads", "heads_to_seq", "ulysses_attention", "ContextParallelCore",
+    "forward_times", "withheld",
 ]
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -172,20 +177,33 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+TILE = 256
+"""Queries per tile: a tile's scores against a block of keys stay in cache."""
+
+
+def _pairs_scored(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> int:
+    return q.shape[0] * q.shape[1] * (int(mask.sum()) if mask is not None
+                                      else q.shape[2] * k.shape[2])
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
             phase: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """softmax(q kᵀ/√d) v over the keys `mask` allows (all, if None), in fp32: the output and
-    the log-sum-exp of each query's scores. Notes an "attention" Event."""
+    """softmax(q kᵀ/√d) v over the keys `mask` allows (all, if None), in fp32, TILE queries at
+    a time: the output and the log-sum-exp of each query's scores. Notes an "attention"
+    Event."""
     start = clock()
-    scores = q.float() @ k.float().transpose(-2, -1) / math.sqrt(q.shape[-1])
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    lse = scores.logsumexp(dim=-1)
-    out = (scores - lse.unsqueeze(-1)).exp() @ v.float()
-    pairs = q.shape[0] * q.shape[1] * (int(mask.sum()) if mask is not None
-                                       else q.shape[2] * k.shape[2])
-    note(Event(_rank(), "attention", phase, start, clock(), pairs))
-    return out, lse
+    keys, values = k.float().transpose(-2, -1), v.float()
+    outs, lses = [], []
+    for first in range(0, q.shape[2], TILE):
+        rows = slice(first, first + TILE)
+        scores = (q[:, :, rows].float() / math.sqrt(q.shape[-1])) @ keys
+        if mask is not None:
+            scores.masked_fill_(~mask[rows], float("-inf"))
+        lse = scores.logsumexp(dim=-1)
+        outs.append(scores.sub_(lse.unsqueeze(-1)).exp_() @ values)
+        lses.append(lse)
+    note(Event(_rank(), "attention", phase, start, clock(), _pairs_scored(q, k, mask)))
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -415,20 +433,22 @@ def _attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out
                      lse: torch.Tensor, delta: torch.Tensor, mask: torch.Tensor | None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (q, k, v) of one block's share of the attention output, from the final
-    log-sum-exp: the probabilities are recomputed, never stored."""
+    log-sum-exp, TILE queries at a time: the probabilities are recomputed, never stored."""
     start = clock()
     scale = 1 / math.sqrt(q.shape[-1])
-    scores = q @ k.transpose(-2, -1) * scale
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    probs = (scores - lse.unsqueeze(-1)).exp()
-    grad_v = probs.transpose(-2, -1) @ grad_out
-    grad_scores = probs * (grad_out @ v.transpose(-2, -1) - delta.unsqueeze(-1))
-    grad_q = grad_scores @ k * scale
-    grad_k = grad_scores.transpose(-2, -1) @ q * scale
-    pairs = q.shape[0] * q.shape[1] * (int(mask.sum()) if mask is not None
-                                       else q.shape[2] * k.shape[2])
-    note(Event(_rank(), "attention", "backward", start, clock(), pairs))
+    grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for first in range(0, q.shape[2], TILE):
+        rows = slice(first, first + TILE)
+        probs = q[:, :, rows] @ k.transpose(-2, -1) * scale
+        if mask is not None:
+            probs.masked_fill_(~mask[rows], float("-inf"))
+        probs.sub_(lse[:, :, rows].unsqueeze(-1)).exp_()
+        grad_v += probs.transpose(-2, -1) @ grad_out[:, :, rows]
+        grad_scores = probs.mul_(grad_out[:, :, rows] @ v.transpose(-2, -1)
+                                 - delta[:, :, rows].unsqueeze(-1))
+        grad_q[:, :, rows] = grad_scores @ k * scale
+        grad_k += grad_scores.transpose(-2, -1) @ q[:, :, rows] * scale
+    note(Event(_rank(), "attention", "backward", start, clock(), _pairs_scored(q, k, mask)))
     return grad_q, grad_k, grad_v
 
 
@@ -560,8 +580,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
                       group: Group = None, layout: Layout = "contiguous",
                       all_to_alls: tuple[AllToAll, AllToAll] | None = None) -> torch.Tensor:
     """DeepSpeed-Ulysses over `group`: q, k, v [b, h, s/cp, d] of this rank's tokens go
-    head-sharded by an all-to-all each, F.scaled_dot_product_attention runs over the whole
-    sequence on h/cp heads, and the output comes back by a fourth all-to-all. Differentiable
+    head-sharded by an all-to-all each, attention runs over the whole sequence on h/cp heads,
+    and the output comes back by a fourth all-to-all. Differentiable
     (backward runs the four the other way). Needs h divisible by cp.
 
     `all_to_alls` = (to heads, to the sequence), each f(x, group, when), replaces the
@@ -578,16 +598,40 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
             f"each rank heads/cp whole heads; use a cp that divides {heads} (ring attention has "
             f"no such limit)")
     if plan.cp == 1:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return _RingAttention.apply(q, k, v, causal, plan, None)
     q, k, v = (_Exchange.apply(t, plan.group, there, back) for t in (q, k, v))
-    if causal and plan.order is not None:  # into sequence order, for the causal mask
-        where = plan.order.to(q.device)  # the position of each token as the ranks hold them
-        into_order = where.argsort()
-        q, k, v = (t.index_select(2, into_order) for t in (q, k, v))
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    if causal and plan.order is not None:
-        out = out.index_select(2, where)
+    # The whole sequence, every rank's tokens in rank order, attended by the same blockwise
+    # arithmetic as ring attention's (so that the two differ only in what they send).
+    held = plan.order if causal and plan.order is not None else torch.arange(q.shape[2])
+    whole = _Plan(None, 1, 0, (_Runs.of(held),), None)
+    out = _RingAttention.apply(q, k, v, causal, whole, None)
     return _Exchange.apply(out.contiguous(), plan.group, back, there)
+
+
+# --- Which is faster ----------------------------------------------------------------------------
+
+
+def forward_times(seq_len: int, batch: int, heads: int, head_dim: int, cp: int,
+                  link: AlphaBeta, flops_per_second: float,
+                  bytes_per_element: int = 4) -> dict[str, float]:
+    """Seconds of one forward of attention without a causal mask on each of cp ranks, by the
+    α-β model: {"ring": ..., "ulysses": ...}.
+
+    A rank holds B = b·h·(s/cp)·d·bytes of each of q, k, v, and computes 4·b·h·(s/cp)·s·d
+    FLOPs of attention either way, at `flops_per_second`.
+    ring     cp steps of t_step = 4·b·h·(s/cp)²·d / flops; in each of the first cp - 1 the next
+             key/value pair (2B) travels meanwhile, so a step lasts the longer of the two:
+             t_step + (cp-1)·max(t_step, α + 2B·β).
+    ulysses  4 all-to-alls before and after the attention, none hidden, each sending (cp-1)/cp
+             of B at once: 4·(α + (cp-1)/cp·B·β) + cp·t_step.
+    """
+    step = 4 * batch * heads * (seq_len / cp) ** 2 * head_dim / flops_per_second
+    if cp == 1:
+        return {"ring": step, "ulysses": step}
+    block = batch * heads * seq_len / cp * head_dim * bytes_per_element
+    transfer = link.alpha + 2 * block * link.beta
+    all_to_all = link.alpha + (cp - 1) / cp * block * link.beta
+    return {"ring": step + (cp - 1) * max(step, transfer), "ulysses": 4 * all_to_all + cp * step}
 
 
 # --- Inside a model -----------------------------------------------------------------------------
