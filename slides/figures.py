@@ -24,6 +24,7 @@ from matplotlib.patches import FancyArrowPatch, Rectangle  # noqa: E402
 
 from minidist import flops, gantt, memory, moe, pipeline, planner, traffic  # noqa: E402
 from minidist.comm import chunk_bounds  # noqa: E402
+from minidist.context_parallel import LAYOUTS, forward_times, positions  # noqa: E402
 from minidist.cost import (  # noqa: E402
     ALL_REDUCE_ALGORITHMS,
     all_reduce_time,
@@ -1334,6 +1335,149 @@ def scaling_efficiency() -> Figure:
     return fig
 
 
+# --- Lab 13: long context ----------------------------------------------------------------------
+
+CP_COLORS = ["#9dc3e6", "#f4b183", "#a9d18e", "#ffd966"]
+
+
+def long_context_activations() -> Figure:
+    """Activations per GPU of a 7B-like model (h = 4096, a = 32, 32 layers) against s."""
+    lengths = [2**k for k in range(13, 21)]
+    setups = {"TP8 + SP": dict(tp=8, sequence_parallel=True),
+              "TP8 + SP + selective recompute": dict(tp=8, sequence_parallel=True,
+                                                    recompute="selective"),
+              "... + CP16": dict(tp=8, sequence_parallel=True, recompute="selective", cp=16)}
+    fig, ax = plt.subplots(figsize=(10, 4))
+    for color, (label, setup) in enumerate(setups.items()):
+        cp = setup.pop("cp", 1)
+        gb = [32 * memory.activation_bytes(s, 1, 4096, 32, **setup) / cp / GB for s in lengths]
+        ax.loglog(lengths, gb, "o-", color=COLORS(color), lw=2.5, label=label)
+    ax.axhline(80, color="black", ls="--", lw=1.2, label="80 GB GPU")
+    ax.set_xticks(lengths, [f"{s // 1024}k" for s in lengths])
+    ax.set_xlabel("sequence length s (tokens)")
+    ax.set_ylabel("activations per GPU (GB)")
+    ax.set_title("7B-like model, 32 layers, b = 1, 16-bit activations (Korthikanti's formula)")
+    ax.legend(fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def ring_attention_steps(cp: int = 4) -> Figure:
+    """Which key/value block each rank holds at each step of the ring: queries stay, blocks move
+    one rank to the right per step."""
+    fig, ax = _canvas(10, 3.6, (-2.2, cp * 2.2 + 0.2), (-0.4, cp + 0.9))
+    for step in range(cp):
+        ax.text(step * 2.2 + 1.0, cp + 0.5, f"step {step}", ha="center", fontsize=12)
+        for rank in range(cp):
+            y = cp - 1 - rank
+            source = (rank - step) % cp
+            _box(ax, step * 2.2, y + 0.1, 2.0, 0.75, f"Q{rank} · K{source}V{source}",
+                 CP_COLORS[source], size=11)
+            if step < cp - 1 and rank < cp - 1:  # the block moves one rank to the right
+                _arrow(ax, (step * 2.2 + 2.0, y + 0.47), (step * 2.2 + 2.2, y - 0.53),
+                       color="0.45")
+    ax.text(cp * 1.1, -0.3, "each step every block moves to the next rank (rank 3's to rank 0); "
+            "the queries stay", ha="center", fontsize=11, color="0.3")
+    for rank in range(cp):
+        ax.text(-0.15, cp - 1 - rank + 0.47, f"rank {rank}", ha="right", va="center", fontsize=12)
+    return fig
+
+
+def online_softmax_merge() -> Figure:
+    """One query's softmax over 8 keys, computed as two blocks of 4 and merged."""
+    scores = [1.2, -0.3, 2.1, 0.4, 0.9, 2.6, -1.0, 0.2]
+    exps = [2.718281828**x for x in scores]
+    total, first, second = sum(exps), sum(exps[:4]), sum(exps[4:])
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.2), sharey=True)
+    panels = [("block A alone: softmax over keys 0-3", [e / first for e in exps[:4]] + [0] * 4),
+              ("block B alone: softmax over keys 4-7", [0] * 4 + [e / second for e in exps[4:]]),
+              ("merged: A × e^(ℓA−ℓ) + B × e^(ℓB−ℓ)", [e / total for e in exps])]
+    for ax, (title, weights) in zip(axes, panels, strict=True):
+        ax.bar(range(8), weights, color=[CP_COLORS[0]] * 4 + [CP_COLORS[1]] * 4,
+               edgecolor="0.3")
+        ax.set_title(title, fontsize=11)
+        ax.set_xticks(range(8))
+        ax.set_xlabel("key")
+    axes[0].set_ylabel("weight p_j")
+    axes[2].text(0.02, 0.93, f"e^(ℓA−ℓ) = {first / total:.2f}\ne^(ℓB−ℓ) = {second / total:.2f}",
+                 transform=axes[2].transAxes, va="top", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def zigzag_layout(cp: int = 4) -> Figure:
+    """The causal blocks (queries down, keys across, 2·cp chunks) each rank computes, and the
+    work per rank, contiguous against zigzag."""
+    chunks = 2 * cp
+    fig, axes = plt.subplots(1, 3, figsize=(12, 4), gridspec_kw={"width_ratios": [1, 1, 1.1]})
+    work = {}
+    for ax, layout in zip(axes[:2], LAYOUTS, strict=True):
+        owner = {}
+        for rank in range(cp):
+            for position in positions(chunks, rank, cp, layout).tolist():
+                owner[position] = rank
+        counts = [0.0] * cp
+        for q in range(chunks):
+            for k in range(q + 1):
+                share = 0.5 if k == q else 1.0
+                counts[owner[q]] += share
+                ax.add_patch(Rectangle((k, chunks - 1 - q), 1, 1, facecolor=CP_COLORS[owner[q]],
+                                       edgecolor="white", alpha=0.5 + 0.5 * (k < q)))
+        work[layout] = counts
+        ax.set_xlim(0, chunks)
+        ax.set_ylim(0, chunks)
+        ax.set_aspect("equal")
+        ax.set_xticks([i + 0.5 for i in range(chunks)], range(chunks))
+        ax.set_yticks([chunks - 0.5 - i for i in range(chunks)], range(chunks))
+        ax.set_xlabel("key chunk")
+        ax.set_ylabel("query chunk")
+        ax.set_title(f"{layout}: colour = rank", fontsize=12)
+    for i, layout in enumerate(LAYOUTS):
+        axes[2].bar([r + 0.4 * i for r in range(cp)], work[layout], width=0.4,
+                    color=COLORS(i), label=layout)
+    axes[2].set_xticks([r + 0.2 for r in range(cp)], [f"rank {r}" for r in range(cp)])
+    axes[2].set_ylabel("blocks of (s/2cp)² scored")
+    axes[2].set_title(f"causal work per rank, cp = {cp}", fontsize=12)
+    axes[2].legend(fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def ring_against_all_to_all() -> Figure:
+    """Bytes per rank (forward + backward) against cp at s/cp fixed, and α-β forward time
+    against s on an H100 node's NVLink (cp = 8), ring against Ulysses."""
+    from minidist.cost import AlphaBeta
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
+    cps = [2, 4, 8, 16, 32, 64]
+    width, per_rank = 8 * 128, 8192  # a TP rank's 8 heads of 128, 8k tokens per rank
+    for color, (name, formula) in enumerate((("ring", traffic.ring_attention_traffic),
+                                             ("Ulysses", traffic.ulysses_traffic))):
+        left.plot(cps, [formula(per_rank * c, 1, width, c, 2).bytes_sent / GB for c in cps],
+                  "o-", color=COLORS(color), lw=2.5, label=name)
+    left.set_xscale("log", base=2)
+    left.set_xticks(cps, [str(c) for c in cps])
+    left.set_xlabel("cp (8k tokens per rank)")
+    left.set_ylabel("GB sent per rank, fwd + bwd")
+    left.set_title("bytes per rank per attention", fontsize=12)
+    left.legend(fontsize=10)
+    nvlink, rate = AlphaBeta(alpha=5e-6, beta=1 / 450e9), 0.5 * 989e12
+    lengths = [2**k for k in range(10, 19)]
+    for color, name in enumerate(("ring", "ulysses")):
+        ratios = [forward_times(s, 1, 8, 128, 8, nvlink, rate, 2)[name]
+                  / (4 * 8 * s * (s / 8) * 128 / rate) for s in lengths]
+        right.loglog(lengths, ratios, "o-", color=COLORS(color), lw=2.5,
+                     label="ring" if name == "ring" else "Ulysses")
+    right.axhline(1, color="0.4", ls="--", lw=1.2, label="attention alone")
+    right.set_xticks(lengths, [f"{s // 1024}k" for s in lengths])
+    right.set_xlabel("sequence length s (cp = 8, 8 heads of 128, bf16)")
+    right.set_ylabel("forward time / attention's own")
+    right.set_title("α-β model: H100 NVLink, attention at 50% of peak", fontsize=12)
+    right.legend(fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
 FIGURES: dict[str, Callable[[], Figure]] = {
     "model-state-against-gpu": model_state_against_gpu,
     "spmd-ranks": spmd_ranks,
@@ -1394,6 +1538,11 @@ FIGURES: dict[str, Callable[[], Figure]] = {
     "straggler-timeline": straggler_timeline,
     "mfu-and-hfu-by-recompute": mfu_and_hfu_by_recompute,
     "scaling-efficiency": scaling_efficiency,
+    "long-context-activations": long_context_activations,
+    "ring-attention-steps": ring_attention_steps,
+    "online-softmax-merge": online_softmax_merge,
+    "zigzag-layout": zigzag_layout,
+    "ring-against-all-to-all": ring_against_all_to_all,
 }
 
 
