@@ -5,7 +5,7 @@
                                     [--target-time 0.04]
 
 Sweeps every power of two from 1 KiB to 64 MiB on each world size, timing the backend's own
-all-reduce (gloo on CPU), `comm.all_reduce(algorithm="auto")` and each algorithm in the same
+all-reduce (gloo on CPU), `collectives.all_reduce(impl="auto")` and each algorithm in the same
 ranks, taking turns, and prints each one's busbw as a ratio of the backend's. It checks the
 course's target: "auto" reaches at least 0.8x the backend's bus bandwidth at every size, at
 N = 2 and N = 4; the last line says PASS or FAIL.
@@ -30,7 +30,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from minidist.bandwidth import Row, fit_links, measure
+from minidist.bandwidth import Row, measure, measure_links
 from minidist.cost import ALL_REDUCE_ALGORITHMS
 
 TARGET_RATIO = 0.8
@@ -103,7 +103,7 @@ def main() -> None:
     for world_size in args.world_sizes:
         sweeps, picks = [], {}
         for _ in range(args.sweeps):
-            links = fit_links(world_size, timeout=600)
+            links = measure_links(world_size, timeout=600)
             sweeps.append(measure(
                 world_size, sizes, implementations=("torch", *OURS), repeats=args.repeats,
                 target_time=args.target_time, timeout=600, link=links,

@@ -310,7 +310,7 @@ class DistributedDataParallel(nn.Module):
         """Whether the following backwards all-reduce (FSDP2's name for it): a pipeline turns
         it off for all but a stage's last backward of the step, whose forwards ran long
         before. Unlike no_sync(), the forwards are then not checked against it."""
-        self._sync, self._check_forwards = sync, False
+        self._sync, self._check_forwards, self._forward_synced = sync, False, None
 
     # --- During backward ---------------------------------------------------------------------
 
