@@ -24,6 +24,12 @@ from dataclasses import dataclass
 
 from minidist._checks import one_of, positive, positive_int
 
+__all__ = [
+    "GB", "GiB", "Precision", "PRECISIONS", "OPTIMIZER_STATES", "ModelStateBytes",
+    "bytes_per_param", "model_state_bytes", "min_gpus_for_model_state", "ActivationTerm",
+    "activation_terms", "RECOMPUTE", "activation_bytes",
+]
+
 GB = 1e9
 GiB = 2**30
 

@@ -57,7 +57,7 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 SCHEDULES = ("gpipe", "1f1b")
 """Schedules whose backward is one pass (the split backward of zero-bubble schedules would run
 the tensor-parallel collectives twice)."""
-PIPELINE_WAIT_S = 120.0
+_PIPELINE_WAIT_S = 120.0
 """How long a pipeline rank waits for a message before it reports a deadlock: generous, since
 8 ranks on a 2-core laptop take turns."""
 
@@ -167,7 +167,7 @@ class Parallel3D:
                 self.schedule, {self.stage_index: self.module},
                 ids[mine] if self.stage.is_first else None,
                 targets[mine] if self.stage.is_last else None,
-                lm_loss, timeout=PIPELINE_WAIT_S,
+                lm_loss, timeout=_PIPELINE_WAIT_S,
                 group=self.mesh.group("pp"))
             self.optimizer.step()
         self.traffic = self._per_dimension(log)
