@@ -1,5 +1,6 @@
 """minidist.tensor_parallel against the unsharded modules, PyTorch's DTensor tensor parallel,
-and the communication and memory the Megatron papers state (REFERENCE.md)."""
+and the communication and memory the Megatron papers state
+(REFERENCES.md#tensor-and-sequence-parallel)."""
 
 import pytest
 import torch
