@@ -45,9 +45,10 @@ from minidist.ddp import DistributedDataParallel, broadcast_parameters
 from minidist.mesh import Mesh
 from minidist.models import TinyGPT, lm_loss
 from minidist.tensor_parallel import (
-    GatherFromSequenceParallel,
+    SEQUENCE_DIM,
+    GatherAlong,
     ParallelTransformerBlock,
-    ScatterToSequenceParallel,
+    SplitAlong,
 )
 from minidist.zero import ZeroOptimizer
 
@@ -85,12 +86,12 @@ class TinyGPTStage(nn.Module):
         if self.is_first:
             x = self.embeddings(x)
             if self.sequence_parallel:
-                x = ScatterToSequenceParallel.apply(x, self.tp_group)
+                x = SplitAlong.apply(x, SEQUENCE_DIM, self.tp_group)
         for block in self.blocks:
             x = block(x)
         if self.is_last:
             if self.sequence_parallel:
-                x = GatherFromSequenceParallel.apply(x, self.tp_group)
+                x = GatherAlong.apply(x, SEQUENCE_DIM, self.tp_group)
             x = self.head(self.norm(x))
         return x
 
