@@ -15,10 +15,10 @@ PACKAGE = REPO / "lib" / "minidist"
 # Bottom to top: a module may import only modules before it in this list.
 STACK = [
     "_checks", "cost", "memory", "traffic", "flops", "timeline", "pipeline", "gantt", "planner",
-    "widgets", "_supervisor", "launch", "flat", "comm", "timing", "streaming", "collectives",
-    "mesh", "bandwidth", "diagrams", "models", "footprint", "param_server", "compression", "ddp",
-    "zero", "fsdp", "tensor_parallel", "pipeline_exec", "pipeline_harness", "moe",
-    "parallelize", "checkpoint", "train", "profiling",
+    "widgets", "_supervisor", "launch", "flat", "checking", "comm", "timing", "streaming",
+    "collectives", "mesh", "bandwidth", "diagrams", "models", "footprint", "param_server",
+    "compression", "ddp", "zero", "fsdp", "tensor_parallel", "pipeline_exec",
+    "pipeline_harness", "moe", "parallelize", "checkpoint", "train", "profiling",
 ]
 
 

@@ -77,7 +77,7 @@ class TinyGPTStage(nn.Module):
         self.blocks = nn.ModuleList(
             copy.deepcopy(block) if tp_group is None else ParallelTransformerBlock(
                 block.attn.q_proj.in_features, block.attn.heads, block.mlp.fc1.out_features,
-                sequence_parallel, group=tp_group).load_from(block)
+                tp_group, sequence_parallel).load_from(block)
             for block in model.blocks[first:end])
         self.norm = copy.deepcopy(model.norm) if is_last else None
         self.head = copy.deepcopy(model.head) if is_last else None

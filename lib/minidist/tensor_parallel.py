@@ -426,8 +426,8 @@ class ParallelTransformerBlock(nn.Module):
     rank. With it, each rank holds its seq/t slice of the sequence in and out, and the
     LayerNorms run on that slice only."""
 
-    def __init__(self, hidden: int, heads: int, ffn_hidden: int, sequence_parallel: bool = False,
-                 group: dist.ProcessGroup | None = None):
+    def __init__(self, hidden: int, heads: int, ffn_hidden: int,
+                 group: dist.ProcessGroup | None = None, sequence_parallel: bool = False):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
         self.norm1 = nn.LayerNorm(hidden)
