@@ -43,7 +43,7 @@ head-sharded: per rank, proportional to s/cp.
 
 Work. Each block of attention notes a `timeline.Event` of kind "attention" whose detail is the
 number of query-key pairs it scored, and each transfer one of kind "transfer": inside
-`timeline.recording()` they show the work per rank and what overlapped.
+`timeline.collect()` they show the work per rank and what overlapped.
 
 Time. `forward_times` is the α-β model of one forward of each: which wins at which cp and
 sequence length.
@@ -55,7 +55,6 @@ ValueError on every rank instead of a hang.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -72,7 +71,7 @@ __all__ = [
     "LAYOUTS", "chunks_of", "positions", "split_sequence", "gather_sequence",
     "block_attention", "merge_partials", "ring_forward", "ring_backward", "ring_attention",
     "seq_to_heads", "heads_to_seq", "ulysses_attention", "ContextParallelCore",
-    "forward_times", "withheld",
+    "forward_times",
 ]
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -81,33 +80,6 @@ LAYOUTS = ("contiguous", "zigzag")
 Group = dist.ProcessGroup | None
 Layout = str | torch.Tensor
 RingForward = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-
-
-# --- Withholding the library's version while a lab checks a student's ---------------------------
-
-_withheld: set[str] = set()
-
-
-@contextlib.contextmanager
-def withheld(*names: str) -> Iterator[None]:
-    """Inside the block the library's functions `names` (e.g. "merge_partials") raise: a lab
-    checks a student's own version against them, so the student's code must not call them."""
-    unknown = set(names) - {"merge_partials", "ring_forward", "split_sequence", "seq_to_heads",
-                            "heads_to_seq", "forward_times"}
-    if unknown:
-        raise ValueError(f"cannot withhold {sorted(unknown)}: not withholdable functions")
-    added = set(names) - _withheld
-    _withheld.update(added)
-    try:
-        yield
-    finally:
-        _withheld.difference_update(added)
-
-
-def _offer(name: str) -> None:
-    if name in _withheld:
-        raise RuntimeError(f"write your own: minidist.context_parallel.{name} is what your "
-                           f"function is compared with, so it is withheld while it is checked")
 
 
 # --- Layouts ------------------------------------------------------------------------------------
@@ -150,7 +122,6 @@ def positions(seq_len: int, rank: int, cp: int, layout: str = "contiguous") -> t
 def split_sequence(x: torch.Tensor, cp: int, layout: str = "contiguous",
                    dim: int = 2) -> list[torch.Tensor]:
     """Every rank's part of `x` along `dim` (the tokens; 2 for [b, h, s, d]), in rank order."""
-    _offer("split_sequence")
     _check_layout(layout)
     _check_divisible(x.shape[dim], cp, layout)
     chunks = x.chunk(cp if layout == "contiguous" else 2 * cp, dim=dim)
@@ -232,7 +203,6 @@ def merge_partials(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor
     renormalised by exp(lse_i - lse), where lse = log(e^lse1 + e^lse2), computed as
     max + log(e^(lse1-max) + e^(lse2-max)) so that nothing overflows. A log-sum-exp of -inf
     (no keys yet) contributes nothing."""
-    _offer("merge_partials")
     return _merge(out, lse, block_out, block_lse)
 
 
@@ -424,7 +394,6 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ring attention's forward without autograd: (this rank's output [b, h, s/cp, d], the
     log-sum-exp of each of its queries [b, h, s/cp] in fp32). See the module doc."""
-    _offer("ring_forward")
     plan = _plan({"q": q, "k": k, "v": v}, causal, group, layout, "ring_forward")
     return _ring_forward(plan, q, k, v, causal)
 
@@ -525,9 +494,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
 
     `forward(q, k, v, causal, group) -> (out, lse)` replaces the library's forward (a lab's
     own, checked against it); it gets contiguous blocks."""
-    if forward is None:
-        _offer("ring_forward")
-    elif not (isinstance(layout, str) and layout == "contiguous"):
+    if forward is not None and not (isinstance(layout, str) and layout == "contiguous"):
         raise ValueError(f"a forward of your own runs on the contiguous layout; got "
                          f"layout={layout!r}")
     plan = _plan({"q": q, "k": k, "v": v}, causal, group, layout, "ring_attention")
@@ -540,7 +507,6 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
 def seq_to_heads(x: torch.Tensor, group: Group = None, when: str = "") -> torch.Tensor:
     """[b, h, s/cp, d] of this rank's tokens -> [b, h/cp, s, d]: rank p's heads
     p·h/cp..(p+1)·h/cp for every rank's tokens, rank 0's first (one all-to-all)."""
-    _offer("seq_to_heads")
     cp = ring_of(group, "seq_to_heads").size
     b, h, n, d = x.shape
     rows = x.transpose(0, 1).contiguous()  # [h, b, n, d]: rank p's heads are rows p·h/cp...
@@ -550,7 +516,6 @@ def seq_to_heads(x: torch.Tensor, group: Group = None, when: str = "") -> torch.
 
 def heads_to_seq(x: torch.Tensor, group: Group = None, when: str = "") -> torch.Tensor:
     """[b, h/cp, s, d] -> [b, h, s/cp, d]: `seq_to_heads` undone (one all-to-all)."""
-    _offer("heads_to_seq")
     cp = ring_of(group, "heads_to_seq").size
     b, heads, s, d = x.shape
     n = s // cp
@@ -587,9 +552,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     `all_to_alls` = (to heads, to the sequence), each f(x, group, when), replaces the
     library's `seq_to_heads` and `heads_to_seq` (a lab's own, checked against them)."""
     if all_to_alls is None:
-        _offer("seq_to_heads")
-        _offer("heads_to_seq")
-    there, back = all_to_alls or (seq_to_heads, heads_to_seq)
+            there, back = all_to_alls or (seq_to_heads, heads_to_seq)
     plan = _plan({"q": q, "k": k, "v": v}, causal, group, layout, "ulysses_attention")
     heads = q.shape[1]
     if heads % plan.cp:
@@ -625,7 +588,6 @@ def forward_times(seq_len: int, batch: int, heads: int, head_dim: int, cp: int,
     ulysses  4 all-to-alls before and after the attention, none hidden, each sending (cp-1)/cp
              of B at once: 4·(α + (cp-1)/cp·B·β) + cp·t_step.
     """
-    _offer("forward_times")
     step = 4 * batch * heads * (seq_len / cp) ** 2 * head_dim / flops_per_second
     if cp == 1:
         return {"ring": step, "ulysses": step}

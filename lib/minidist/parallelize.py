@@ -55,9 +55,10 @@ from minidist.flat import copy_back, flatten
 from minidist.mesh import Mesh
 from minidist.models import TinyGPT, lm_loss
 from minidist.tensor_parallel import (
-    GatherFromSequenceParallel,
+    SEQUENCE_DIM,
+    GatherAlong,
     ParallelTransformerBlock,
-    ScatterToSequenceParallel,
+    SplitAlong,
 )
 from minidist.zero import ZeroOptimizer
 
@@ -65,11 +66,11 @@ __all__ = ["SCHEDULES", "TinyGPTStage", "Parallel3D", "parallelize"]
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 SCHEDULES = ("gpipe", "1f1b")
-LAYOUT = "zigzag"
-"""How a cp rank holds its tokens: balanced causal work (`minidist.context_parallel`)."""
 """Schedules whose backward is one pass (the split backward of zero-bubble schedules would run
 the tensor-parallel collectives twice)."""
-PIPELINE_WAIT_S = 120.0
+LAYOUT = "zigzag"
+"""How a cp rank holds its tokens: balanced causal work (`minidist.context_parallel`)."""
+_PIPELINE_WAIT_S = 120.0
 """How long a pipeline rank waits for a message before it reports a deadlock: generous, since
 8 ranks on a 2-core laptop take turns."""
 
@@ -92,7 +93,7 @@ class TinyGPTStage(nn.Module):
         self.blocks = nn.ModuleList(
             copy.deepcopy(block) if tp_group is None else ParallelTransformerBlock(
                 block.attn.q_proj.in_features, block.attn.heads, block.mlp.fc1.out_features,
-                sequence_parallel, group=tp_group).load_from(block)
+                tp_group, sequence_parallel).load_from(block)
             for block in model.blocks[first:end])
         self.norm = copy.deepcopy(model.norm) if is_last else None
         self.head = copy.deepcopy(model.head) if is_last else None
@@ -101,21 +102,20 @@ class TinyGPTStage(nn.Module):
                 block.attn.core = ContextParallelCore(cp_group, LAYOUT, cp_attention)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.is_first and self.cp_group is not None:  # position embeddings of our tokens
-            cp, rank = dist.get_world_size(self.cp_group), dist.get_rank(self.cp_group)
-            where = positions(x.shape[1] * cp, rank, cp, LAYOUT).to(x.device)
-            x = self.embeddings.tok_emb(x) + self.embeddings.pos_emb(where)
+        if self.is_first:
+            if self.cp_group is None:
+                x = self.embeddings(x)
+            else:  # this cp rank's tokens, with their positions in the whole sequence
+                cp, rank = dist.get_world_size(self.cp_group), dist.get_rank(self.cp_group)
+                where = positions(x.shape[1] * cp, rank, cp, LAYOUT).to(x.device)
+                x = self.embeddings.tok_emb(x) + self.embeddings.pos_emb(where)
             if self.sequence_parallel:
-                x = ScatterToSequenceParallel.apply(x, self.tp_group)
-        elif self.is_first:
-            x = self.embeddings(x)
-            if self.sequence_parallel:
-                x = ScatterToSequenceParallel.apply(x, self.tp_group)
+                x = SplitAlong.apply(x, SEQUENCE_DIM, self.tp_group)
         for block in self.blocks:
             x = block(x)
         if self.is_last:
             if self.sequence_parallel:
-                x = GatherFromSequenceParallel.apply(x, self.tp_group)
+                x = GatherAlong.apply(x, SEQUENCE_DIM, self.tp_group)
             x = self.head(self.norm(x))
         return x
 
@@ -143,8 +143,8 @@ class Parallel3D:
     `stage` is this rank's TinyGPTStage, `module` what the pipeline runs (the stage, in DDP
     under zero_stage=0 with dp > 1), `optimizer` its optimizer (a ZeroOptimizer under ZeRO-1),
     `schedule` the pipeline schedule. After each `step`, `traffic` maps "tp", "pp", "dp" and
-    "cp" to what this rank sent along that dimension (a `minidist.traffic.Traffic`: the collectives
-    on the dimension's group; for "pp", the point-to-point sends to its ranks);
+    "cp" to what this rank sent along that dimension (a `minidist.traffic.Traffic`: the
+    collectives on the dimension's group; for "pp", the point-to-point sends to its ranks);
     `expected_traffic()` holds the formulas for it.
     """
 
@@ -197,7 +197,7 @@ class Parallel3D:
                 self.schedule, {self.stage_index: self.module},
                 ids[mine][:, ours] if self.stage.is_first else None,
                 targets[mine][:, ours] if self.stage.is_last else None,
-                lm_loss, timeout=PIPELINE_WAIT_S,
+                lm_loss, timeout=_PIPELINE_WAIT_S,
                 group=self.mesh.group("pp"))
             if self.cp > 1:
                 self._average_gradients_over_cp()

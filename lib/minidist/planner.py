@@ -52,6 +52,12 @@ from minidist.traffic import (
     tensor_parallel_traffic,
 )
 
+__all__ = [
+    "Model", "MODELS", "Cluster", "Layout", "MemoryEstimate", "StepTime", "Reason", "Evaluation",
+    "LOGIT_BYTES", "pipeline_rank_memory", "estimate_memory", "estimate_time", "check_rules",
+    "evaluate", "candidate_layouts", "Plan", "plan", "RuleCheck", "rules_of_thumb",
+]
+
 
 @dataclass(frozen=True)
 class Model:

@@ -10,9 +10,9 @@ tick for an instant), idle time hatched under each lane's `spans`, text after ea
     plot_events(events, lane=lambda e: f"rank {e.rank}", style=lambda e: {"facecolor": "tab:blue"})
 
 Functions with no object to keep their events on (a key/value block's transfer, one block of
-ring attention) `note` them; `recording()` collects what is noted while it is open:
+ring attention) `note` them; `collect()` gathers what is noted while it is open:
 
-    with recording() as events:
+    with collect() as events:
         context_parallel.ring_attention(q, k, v, group=group)
     [e.kind for e in events]                # "attention", "transfer", ...
 """
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-__all__ = ["Event", "clock", "recording", "note", "plot_events", "IDLE_COLOR"]
+__all__ = ["Event", "clock", "collect", "note", "plot_events", "IDLE_COLOR"]
 
 IDLE_COLOR = "#f2f2f2"
 
@@ -57,24 +57,24 @@ class Event:
         return 0.0 if self.end is None else self.end - self.start
 
 
-_recordings: list[list[Event]] = []
+_collecting: list[list[Event]] = []
 
 
 @contextlib.contextmanager
-def recording() -> Iterator[list[Event]]:
+def collect() -> Iterator[list[Event]]:
     """Collect every Event `note`d in this process while the block runs, in the order noted.
     Blocks nest: an outer one also gets what inner ones get."""
     events: list[Event] = []
-    _recordings.append(events)
+    _collecting.append(events)
     try:
         yield events
     finally:
-        _recordings.remove(events)
+        _collecting.remove(events)
 
 
 def note(event: Event) -> None:
-    """Add `event` to every open `recording()` (nothing happens when none is open)."""
-    for events in _recordings:
+    """Add `event` to every open `collect()` (nothing happens when none is open)."""
+    for events in _collecting:
         events.append(event)
 
 
@@ -96,6 +96,7 @@ def plot_events(events: Sequence[Event],
     counts as busy or idle (hatched grey underneath, so idle shows); `notes[lane]` text after
     the lane's end; `legend` (label, style) pairs. Returns the axes."""
     import matplotlib.pyplot as plt
+    from matplotlib.collections import PatchCollection
     from matplotlib.patches import Patch, Rectangle
 
     order = list(lanes) if lanes is not None else list(dict.fromkeys(map(lane, events)))
@@ -107,22 +108,31 @@ def plot_events(events: Sequence[Event],
     ends = [(e.end if e.end is not None else e.start) for e in events]
     right = right if right is not None else max([(end - origin) * scale for end in ends]
                                                 + [0.0])
-    for name, intervals in (spans or {}).items():
-        for start, end in intervals:
-            ax.add_patch(Rectangle(((start - origin) * scale, row[name] + 0.1),
-                                   (end - start) * scale, 0.8, facecolor=IDLE_COLOR,
-                                   edgecolor="#bbbbbb", hatch="xx", linewidth=0.0))
+    idle = [Rectangle(((start - origin) * scale, row[name] + 0.1), (end - start) * scale, 0.8)
+            for name, intervals in (spans or {}).items() for start, end in intervals]
+    if idle:
+        ax.add_collection(PatchCollection(idle, facecolor=IDLE_COLOR, edgecolor="#bbbbbb",
+                                          hatch="xx", linewidth=0.0))
+    # One collection per kind of outline: hundreds of boxes draw fast.
+    boxes: dict[tuple, tuple[list[Rectangle], list]] = {}
     for event in events:
         y, left = row[lane(event)], (event.start - origin) * scale
-        props = {"facecolor": "tab:blue", "edgecolor": "none", **style(event)}
+        props = {"facecolor": "tab:blue", "edgecolor": "none", "linewidth": 0.0, "hatch": None,
+                 **style(event)}
         if event.end is None or event.end == event.start:
             ax.vlines(left, y + 0.15, y + 0.85, color=props["facecolor"], linewidth=1)
             continue
         width = (event.end - event.start) * scale
-        ax.add_patch(Rectangle((left, y + 0.1), width, 0.8, **props))
+        outline = (props["hatch"], props["edgecolor"], props["linewidth"])
+        rectangles, faces = boxes.setdefault(outline, ([], []))
+        rectangles.append(Rectangle((left, y + 0.1), width, 0.8))
+        faces.append(props["facecolor"])
         text = label(event)
         if text and width >= len(text) * right / 120:  # room for it at fontsize 7
             ax.text(left + width / 2, y + 0.5, text, ha="center", va="center", fontsize=7)
+    for (hatch, edgecolor, linewidth), (rectangles, faces) in boxes.items():
+        ax.add_collection(PatchCollection(rectangles, facecolors=faces, edgecolor=edgecolor,
+                                          linewidth=linewidth, hatch=hatch))
     for name, text in (notes or {}).items():
         ax.text(right * 1.01, row[name] + 0.5, text, va="center", fontsize=8)
     ax.set_xlim(0, right * (1.12 if notes else 1.02) or 1.0)

@@ -15,8 +15,8 @@ FAKES = {
              "scores, inf/nan once a score passes ~88 in fp32",
              checked_by=("test-merge",),
              source="""    total = lse1.exp() + lse2.exp()
-    out = (out1 * lse1.exp().unsqueeze(-1) + out2 * lse2.exp().unsqueeze(-1)) / total.unsqueeze(-1)
-    return out, total.log()"""),
+    weighted = out1 * lse1.exp().unsqueeze(-1) + out2 * lse2.exp().unsqueeze(-1)
+    return weighted / total.unsqueeze(-1), total.log()"""),
         Fake("calls the library",
              "writes no merge: delegates to context_parallel.merge_partials",
              checked_by=("test-merge",),
@@ -33,12 +33,10 @@ FAKES = {
     n = q.shape[2]
     for source in range(size):
         part = slice(source * n, (source + 1) * n)
-        if not causal or source < rank:
-            found = context_parallel.block_attention(q, keys[:, :, part], values[:, :, part])
-        elif source == rank:
-            found = context_parallel.block_attention(q, keys[:, :, part], values[:, :, part], diagonal=True)
-        else:
+        if causal and source > rank:
             continue
+        found = context_parallel.block_attention(q, keys[:, :, part], values[:, :, part],
+                                                 diagonal=causal and source == rank)
         out, lse = context_parallel.merge_partials(out, lse, *found)"""),
         Fake("waits for each block before computing",
              "the overlap: computes with the block it holds, then sends it on and waits, so no "
@@ -46,10 +44,10 @@ FAKES = {
              checked_by=("test-ring-forward",),
              source="""    for step in range(size):
         source = (rank - step) % size
-        if not causal or source < rank:
-            out, lse = context_parallel.merge_partials(out, lse, *context_parallel.block_attention(q, block[0], block[1]))
-        elif source == rank:
-            out, lse = context_parallel.merge_partials(out, lse, *context_parallel.block_attention(q, block[0], block[1], diagonal=True))
+        if not causal or source <= rank:
+            found = context_parallel.block_attention(q, block[0], block[1],
+                                                     diagonal=causal and source == rank)
+            out, lse = context_parallel.merge_partials(out, lse, *found)
         if step < size - 1:
             block = collectives.shift(block, group, "forward")"""),
         Fake("calls the library",
@@ -88,7 +86,8 @@ FAKES = {
              source="""    rows = x.transpose(0, 1).contiguous()
     got = torch.empty_like(rows)
     dist.all_to_all_single(got, rows, group=group)
-    return got.view(size, h // size, b, n, d).permute(2, 1, 0, 3, 4).reshape(b, h // size, size * n, d)"""),
+    got = got.view(size, h // size, b, n, d).permute(2, 1, 0, 3, 4)
+    return got.reshape(b, h // size, size * n, d)"""),
         Fake("calls the library",
              "writes no all-to-all: delegates to context_parallel.seq_to_heads",
              checked_by=("test-ulysses",),
@@ -104,7 +103,8 @@ FAKES = {
         Fake("calls torch's all-to-all directly",
              "the recorded layer: dist.all_to_all_single in C++, which no count sees",
              checked_by=("test-ulysses",),
-             source="""    rows = x.view(b, heads, size, n, d).permute(2, 1, 0, 3, 4).contiguous().view(size * heads, b, n, d)
+             source="""    rows = x.view(b, heads, size, n, d).permute(2, 1, 0, 3, 4).contiguous()
+    rows = rows.view(size * heads, b, n, d)
     got = torch.empty_like(rows)
     dist.all_to_all_single(got, rows, group=group)
     return got.transpose(0, 1)"""),
@@ -118,17 +118,20 @@ FAKES = {
              "the ring's overlap: adds each step's transfer to its compute instead of taking "
              "the longer of the two",
              checked_by=("test-predict",),
-             source="""    work = 4 * BATCH * HEADS * (seq_len / cp_size) * seq_len * HEAD_DIM / flops_per_second
+             source="""    flops = 4 * BATCH * HEADS * (seq_len / cp_size) * seq_len * HEAD_DIM
+    work = flops / flops_per_second
     step = work / cp_size
     block = BATCH * HEADS * seq_len / cp_size * HEAD_DIM * 4
-    ring = step + (cp_size - 1) * (step + link.alpha + 2 * block * link.beta)
+    transfer = link.alpha + 2 * block * link.beta
+    ring = step + (cp_size - 1) * (step + transfer)
     ulysses = work + 4 * (link.alpha + (cp_size - 1) / cp_size * block * link.beta)
     return ring, ulysses"""),
         Fake("Ulysses sends whole tensors",
              "the all-to-all's (cp-1)/cp: sends all of each tensor, the share a rank keeps "
              "included",
              checked_by=("test-predict",),
-             source="""    work = 4 * BATCH * HEADS * (seq_len / cp_size) * seq_len * HEAD_DIM / flops_per_second
+             source="""    flops = 4 * BATCH * HEADS * (seq_len / cp_size) * seq_len * HEAD_DIM
+    work = flops / flops_per_second
     step = work / cp_size
     block = BATCH * HEADS * seq_len / cp_size * HEAD_DIM * 4
     ring = step + (cp_size - 1) * max(step, link.alpha + 2 * block * link.beta)
@@ -137,7 +140,8 @@ FAKES = {
         Fake("calls the library",
              "writes no model: delegates to context_parallel.forward_times",
              checked_by=("test-predict",),
-             source="""    times = context_parallel.forward_times(seq_len, BATCH, HEADS, HEAD_DIM, cp_size, link, flops_per_second)
+             source="""    shape = (seq_len, BATCH, HEADS, HEAD_DIM, cp_size)
+    times = context_parallel.forward_times(*shape, link, flops_per_second)
     return times["ring"], times["ulysses"]"""),
     ],
 }
