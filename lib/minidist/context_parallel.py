@@ -551,8 +551,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
 
     `all_to_alls` = (to heads, to the sequence), each f(x, group, when), replaces the
     library's `seq_to_heads` and `heads_to_seq` (a lab's own, checked against them)."""
-    if all_to_alls is None:
-            there, back = all_to_alls or (seq_to_heads, heads_to_seq)
+    there, back = all_to_alls or (seq_to_heads, heads_to_seq)
     plan = _plan({"q": q, "k": k, "v": v}, causal, group, layout, "ulysses_attention")
     heads = q.shape[1]
     if heads % plan.cp:
