@@ -23,15 +23,21 @@ T_transfer, clipped to [0, 1]. Ulysses' all-to-alls hide nothing by construction
 
 The course's laptop has 2 cores: with 4 ranks they take turns, and a rank's transfers (gloo's
 copies through loopback) compete with its neighbours' compute; others' work on the machine
-moves the numbers too, so the load average is printed with them. What was measured
-(2026-06, 2 shared cores, load average ~4-6 from other users):
+moves the numbers too, so the load average is printed with them. Measured on the course's
+2-core machine while other users kept it busy (load average 8.8 rising to 13.9), 3 rounds:
 
-    s=1024: ring/one process ≈ 0.6-0.8 (cp=2), ≈ 1.0-1.5 (cp=4); Ulysses about the same;
-            transfers hidden ≈ 0-40%: a 64 KiB transfer costs about as much as a block's
-            compute, and on shared cores it waits for one
-    s=4096: ring/one process ≈ 0.55-0.7 (cp=2), ≈ 0.6-0.8 (cp=4), Ulysses within ~10% of
-            the ring; transfers hidden ≈ 60-100%
-    PyTorch's fused kernel is 3-5x faster than the blockwise kernel on one process.
+    cp     s  one process (blockwise / SDPA)    ring (ratio)       Ulysses (ratio)  hidden
+     2  1024       222.6 ms /   66.1 ms     156.7 ms (0.70)    146.4 ms (0.66)      0%
+     2  4096      4738.9 ms /  966.8 ms    1764.8 ms (0.37)   2391.7 ms (0.50)    100%
+     4  1024       279.7 ms /   65.4 ms     196.3 ms (0.70)    119.3 ms (0.43)      0%
+     4  4096      4181.3 ms / 1067.0 ms    1776.3 ms (0.42)   2091.9 ms (0.50)      0%
+
+Read them as what a shared laptop does, not as a cluster's answer: the cp ranks beat one
+process (ratios 0.4-0.7: two cores at work instead of one), 4 ranks do no better than 2 on two
+cores, and the "hidden" share swings between 0 and 100% with the load, because the ring's
+compute and transfers, timed apart, each had the cores to themselves for some of the time.
+PyTorch's fused kernel is 3.4-4.9x faster than the blockwise kernel on one process: the course's
+ring and Ulysses share the blockwise kernel so that they differ only in what they send.
 """
 
 from __future__ import annotations
