@@ -30,8 +30,9 @@ from dataclasses import dataclass
 from minidist._checks import one_of, positive, positive_int
 from minidist.memory import Precision, bytes_per_param, model_state_bytes
 
-__all__ = ["TIERS", "OFFLOAD", "PCIE_BANDWIDTH", "MASTER_BYTES", "TierBytes", "Transfers", "OffloadStepTime",
-           "model_state_by_tier", "offload_transfer_bytes", "nvme_bytes", "offload_step_time"]
+__all__ = ["TIERS", "OFFLOAD", "PCIE_BANDWIDTH", "MASTER_BYTES", "TierBytes", "Transfers",
+           "OffloadStepTime", "model_state_by_tier", "offload_transfer_bytes", "nvme_bytes",
+           "offload_step_time"]
 
 TIERS = ("device", "host", "nvme")
 OFFLOAD = (None, "host", "nvme")

@@ -100,6 +100,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # torch.optim.Optimizer's machinery is the wrapped optimizer's: share its groups/state.
         self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state
         self._arriving: list[tuple[int, Any]] = []  # gradient slices on their way to the host
+        self._reduced = False  # whether this step's gradient slices are all in `shards`
         self.store: NvmeStore | None = None
         if self.offload is not None and self.offload.tier == "nvme":
             folder = Path(self.offload.folder or tempfile.mkdtemp(prefix="minidist-nvme-"))
@@ -153,12 +154,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._arriving.clear()
 
     @torch.no_grad()
+    def reduce_gradients(self) -> None:
+        """Make every shard's `.grad` this rank's slice of the averaged gradient now (stage 1
+        reduce-scatters here; offloaded slices finish arriving), e.g. to clip them with
+        `minidist.clipping.clip_grad_norm_(optimizer.shards, ...)` before `step`, which then
+        does not reduce again."""
+        if not self._reduced:
+            if self.stage == 1:
+                self._reduce_scatter_gradients()
+            self._collect_gradients()
+            self._reduced = True
+
+    @torch.no_grad()
     def step(self, closure=None):  # noqa: D102 (torch.optim.Optimizer's)
         if closure is not None:
             raise ValueError("ZeroOptimizer.step does not take a closure")
-        if self.stage == 1:
-            self._reduce_scatter_gradients()
-        self._collect_gradients()
+        self.reduce_gradients()
+        self._reduced = False
         if self.store is not None:
             self._nvme_step()
             return
@@ -219,6 +231,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         for tensor in (*self.params, *self.shards):
             tensor.grad = None
+        self._reduced = False
         self._place("gradients", 0)
         self._place("gradient shards", 0)
 
