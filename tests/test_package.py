@@ -14,7 +14,7 @@ PACKAGE = REPO / "lib" / "minidist"
 
 # Bottom to top: a module may import only modules before it in this list.
 STACK = [
-    "_checks", "cost", "memory", "tiers", "traffic", "flops", "pipeline", "gantt", "planner",
+    "_checks", "cost", "memory", "tiers", "fsdp1", "traffic", "flops", "pipeline", "gantt", "planner",
     "widgets", "_supervisor", "launch", "comm", "bandwidth", "diagrams", "models", "footprint",
     "offload", "sharding", "param_server", "compression", "ddp", "zero", "fsdp",
     "tensor_parallel", "clipping", "pipeline_exec",
