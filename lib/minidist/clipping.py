@@ -90,13 +90,13 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, group: 
     if norm_type == math.inf:
         local = torch.stack([g.abs().max() for g in pieces]).max().float() if pieces else None
         total = (local if local is not None else torch.zeros((), device=device)).reshape(1)
-        for each in groups:
+        for each in groups if dist.is_initialized() else ():
             collectives.all_reduce(total, op="max", group=each, when="gradient norm")
     else:
         squares = [torch.linalg.vector_norm(g, 2.0, dtype=torch.float32) ** 2 for g in pieces]
         total = (torch.stack(squares).sum() if squares else torch.zeros((), device=device))
         total = total.reshape(1)
-        for each in groups:
+        for each in groups if dist.is_initialized() else ():  # alone: nothing to add
             collectives.all_reduce(total, op="sum", group=each, when="gradient norm")
         total = total.sqrt()
     norm = total[0]

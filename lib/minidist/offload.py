@@ -58,7 +58,7 @@ MiB = 2**20
 # --- What crosses the host <-> device boundary ------------------------------------------------
 
 
-@dataclass
+@dataclass(eq=False)  # logs are told apart by identity (nested blocks may hold equal counts)
 class TransferLog:
     """What this rank moved inside one `transfers()` block: bytes across PCIe each way, bytes
     read from and written to disk, and one `timeline.Event` per move (kind "to_host",

@@ -212,6 +212,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for name, tensor in zip(names, (master, *moments), strict=True):
                 self.store.write(name, tensor)
             self._gather_into(param, master.to(param.dtype))
+            del master, moments, tensor  # freed before the next slice is read
 
     def _reduce_scatter_gradients(self) -> None:
         """Stage 1: reduce-scatter every gradient some rank has (zeros where a rank has none)."""
