@@ -4,6 +4,9 @@ One module per idea, each importing only modules listed before it:
     cost    the alpha-beta model of communication time, bus-bandwidth factors, and the
             cost of each all-reduce algorithm (Thakur, Rabenseifner & Gropp 2005)
     memory  bytes per rank: model state under ZeRO, activations (Korthikanti)
+    tiers   where model state lives with offload (device, host, NVMe), the bytes that cross
+            PCIe and the disk per step, and the offloaded step's time (ZeRO-Offload §4)
+    fsdp1   FSDP1's options in FSDP2's terms; parameters held per ShardingStrategy
     traffic what each parallelism sends: Collective records and their totals
     flops   FLOPs per token, MFU and HFU, scaling efficiency
     pipeline  pipeline schedules as data (GPipe, 1F1B, interleaved, ZB-H1), validator,
@@ -19,6 +22,8 @@ One module per idea, each importing only modules listed before it:
     diagrams  pictures of the collectives and of tensor-parallel splits
     models  the plain MLP, transformer block and tiny GPT every parallel version is checked on
     footprint  measure the bytes PyTorch holds (model state, tensors saved for backward)
+    offload  optimizer state on the host or NVMe: counted host<->device copies, an emulated
+            device-memory budget, real-I/O NVMe files (ZeRO-Offload, ZeRO-Infinity)
     sharding  element-level shards of flat tensors; reduce-scatter and all-gather for them
     param_server  parameter servers from send/recv: synchronous, asynchronous (staleness
             recorded), sharded over several server ranks
@@ -29,6 +34,8 @@ One module per idea, each importing only modules listed before it:
     fsdp    ZeRO-3: parameters sharded per unit, gathered on demand, with prefetch; a root
             unit for parameters in no unit and for tied weights, as FSDP2
     tensor_parallel  Megatron's f/g, column/row-parallel layers, sequence parallel
+    clipping  gradient clipping by the global norm for sharded and tensor/pipeline-parallel
+            models (one all-reduce of squared norms, replicated parameters counted once)
     pipeline_exec  run a schedule on real ranks with send/recv, timestamps and deadlock reports
     mesh    dp·pp·tp ranks in Megatron's order (TP fastest), one process group per dimension;
             the same layout as PyTorch's DeviceMesh
