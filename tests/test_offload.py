@@ -298,3 +298,17 @@ def test_planner_fits_a_model_only_with_offload():
         "host-memory"]
     best = planner.plan(model, measured, 8, offload=(None, "host")).best
     assert best.layout.offload == "host" or best.layout.tp * best.layout.pp > 1
+
+
+def test_lab_02_memory_calculator_shows_the_offload_tiers():
+    from minidist.widgets import MemoryCalculator, memory_by_zero_stage
+
+    on_device = memory_by_zero_stage(planner.MODELS["7B"], dp=8)
+    offloaded = memory_by_zero_stage(planner.MODELS["7B"], dp=8, offload="host")
+    assert offloaded[2].optimizer == 0 and offloaded[2].grads == 0
+    assert offloaded[2].host == pytest.approx(14 * 6.7e9 / 8)
+    assert offloaded[2].total < on_device[2].total
+    calculator = MemoryCalculator(model="7B", zero_stage=2, dp=8)
+    calculator.controls["offload"].value = "nvme"
+    assert "offloaded to nvme" in calculator.message and "across PCIe per step" in calculator.message
+    assert calculator.data[2].nvme == pytest.approx(12 * 6.7e9 / 8)
