@@ -310,5 +310,6 @@ def test_lab_02_memory_calculator_shows_the_offload_tiers():
     assert offloaded[2].total < on_device[2].total
     calculator = MemoryCalculator(model="7B", zero_stage=2, dp=8)
     calculator.controls["offload"].value = "nvme"
-    assert "offloaded to nvme" in calculator.message and "across PCIe per step" in calculator.message
+    assert "offloaded to nvme" in calculator.message
+    assert "across PCIe per step" in calculator.message
     assert calculator.data[2].nvme == pytest.approx(12 * 6.7e9 / 8)

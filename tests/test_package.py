@@ -14,9 +14,9 @@ PACKAGE = REPO / "lib" / "minidist"
 
 # Bottom to top: a module may import only modules before it in this list.
 STACK = [
-    "_checks", "cost", "memory", "tiers", "fsdp1", "traffic", "flops", "pipeline", "gantt", "planner",
-    "widgets", "_supervisor", "launch", "comm", "bandwidth", "diagrams", "models", "footprint",
-    "offload", "sharding", "param_server", "compression", "ddp", "zero", "fsdp",
+    "_checks", "cost", "memory", "tiers", "fsdp1", "traffic", "flops", "pipeline", "gantt",
+    "planner", "widgets", "_supervisor", "launch", "comm", "bandwidth", "diagrams", "models",
+    "footprint", "offload", "sharding", "param_server", "compression", "ddp", "zero", "fsdp",
     "tensor_parallel", "clipping", "pipeline_exec",
     "mesh", "moe", "parallelize", "checkpoint", "train", "profiling",
 ]

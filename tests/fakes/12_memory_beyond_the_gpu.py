@@ -12,7 +12,8 @@ FAKES = {
              checked_by=("test-offload-step",), source="""\
     for param, shard in zip(params, host_shards):
         def reduce_now(param, shard=shard):
-            mine = collectives.reduce_scatter(param.grad.reshape(-1), impl="ring").float() / world_size
+            mine = collectives.reduce_scatter(param.grad.reshape(-1), impl="ring")
+            mine = mine.float() / world_size
             shard.grad = mine if shard.grad is None else shard.grad + mine
             param.grad = None
         param.register_post_accumulate_grad_hook(reduce_now)"""),
@@ -34,7 +35,8 @@ FAKES = {
     for param, shard in zip(params, host_shards):
         def reduce_now(param, shard=shard):
             mine = collectives.reduce_scatter(param.grad.reshape(-1), impl="ring")
-            shard.pending = mine if getattr(shard, "pending", None) is None else shard.pending + mine
+            pending = getattr(shard, "pending", None)
+            shard.pending = mine if pending is None else pending + mine
             param.grad = None
         param.register_post_accumulate_grad_hook(reduce_now)
     import builtins
