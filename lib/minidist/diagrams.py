@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
+__all__ = ["Layout", "COLLECTIVES", "draw_collectives", "draw_linear_splits"]
+
 Layout = list[list[str]]  # per rank, the label of each chunk box ("" = empty)
 
 COLLECTIVES = ("broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter", "send_recv")

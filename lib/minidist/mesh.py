@@ -73,8 +73,8 @@ class Mesh:
         if product != world:
             shape = "·".join(f"{name}={size}" for name, size in sizes.items())
             raise ValueError(
-                f"{shape} makes {product} ranks but the job has {world}: choose sizes whose "
-                f"product is {world}, or start {product} ranks")
+                f"{shape} makes {product} ranks but the job has {world} ranks: choose sizes "
+                f"whose product is {world}, or start {product} ranks")
         self.rank = dist.get_rank()
         self._groups: dict[str, dist.ProcessGroup] = {}
         self._ranks: dict[str, list[int]] = {}
