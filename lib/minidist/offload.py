@@ -141,9 +141,7 @@ def to_host(tensor: torch.Tensor, when: str = "", async_op: bool = False):
         with torch.cuda.stream(stream):
             host.copy_(source, non_blocking=True)
         source.record_stream(stream)  # the caching allocator must not reuse it before the copy
-        done = torch.cuda.Event()
-        done.record(stream)
-        moving = _Moving(host, done)
+        moving = _Moving(host, stream.record_event())
     else:
         moving = _Moving(source.clone(), None)
     _record("to_host", _nbytes(source), when, start)
