@@ -481,7 +481,6 @@ def _dumped_frames(dump: list[str]) -> list[tuple[str, int, str]]:
     The dump holds one block per thread; the one running the user's function is the block
     that passes through `_rank_main` (a crash in a C++ thread, as gloo's aborts are, makes
     that thread "current" and leaves it without Python frames)."""
-    launcher_frames = ("multiprocessing", "minidist/_supervisor.py", '"<string>"')
     blocks: list[list[str]] = [[]]
     for line in dump:
         if re.match(r"(Current thread|Thread) 0x", line):
@@ -492,8 +491,10 @@ def _dumped_frames(dump: list[str]) -> list[tuple[str, int, str]]:
     frames = []
     for line in main:
         frame = re.match(r'\s*File "(.+)", line (\d+) in (.+)', line)
-        if frame and not any(skip in line for skip in launcher_frames):
+        if frame:
             filename, lineno, function = frame.groups()
+            if function == "_rank_main" and filename.endswith("minidist/_supervisor.py"):
+                break  # it and what called it are the launcher's
             frames.append((filename, int(lineno), function))
     return frames[::-1]
 
