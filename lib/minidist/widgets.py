@@ -152,9 +152,10 @@ class MemoryCalculator(_Widget):
                                          description="sequence", style=style),
             "micro_batch": w.SelectionSlider(options=powers(0, 4), value=micro_batch,
                                              description="micro-batch", style=style),
-            "recompute": w.Dropdown(options=[("none", None), ("selective", "selective"),
-                                             ("full", "full")], value=recompute,
-                                    description="recompute", style=style),
+            # String values only: ipywidgets 8 shows a None value as no selection at all.
+            "recompute": w.Dropdown(options=["none", "selective", "full"],
+                                    value=recompute or "none", description="recompute",
+                                    style=style),
             "gpu_memory_gb": w.SelectionSlider(options=[24, 40, 80, 141], value=gpu_memory_gb,
                                                description="GPU GB", style=style),
         })
@@ -162,8 +163,9 @@ class MemoryCalculator(_Widget):
     def compute(self) -> tuple[dict[int, MemoryEstimate], Figure, str]:
         v = self.values()
         model = MODELS[v["model"]]
+        recompute = None if v["recompute"] == "none" else v["recompute"]
         estimates = memory_by_zero_stage(model, v["dp"], v["tp"], v["pp"], v["seq_len"],
-                                v["micro_batch"], v["recompute"])
+                                v["micro_batch"], recompute)
         gpu = v["gpu_memory_gb"] * memory.GB
         chosen = estimates[v["zero_stage"]]
         verdict = "fits" if chosen.total <= gpu else "does NOT fit"
