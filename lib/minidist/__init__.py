@@ -44,7 +44,9 @@ One module per idea, each importing only modules listed before it:
             overlap fraction, Gantt chart and Chrome trace; the machine's measured peak FLOP/s
 
 Private plumbing: _checks (the input checks every module shares), _supervisor (the rank
-processes behind launch.run).
+processes behind launch.run), _calls (each rank's latest collective or point-to-point call,
+recorded for launch.run's reports), _diagnose (mismatches, wait-for cycles and native
+messages, read from those calls and stacks).
 """
 
 __version__ = "0.1.0"
