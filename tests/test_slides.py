@@ -67,7 +67,7 @@ def test_every_ready_lab_has_a_deck_for_self_study():
 # --- In a browser ------------------------------------------------------------------------------
 
 
-def _install_chromium() -> str:
+def chromium_or_skip() -> str:
     """Chromium's path, installing Debian's `chromium` package when needed (as the cluster tests
     install Slurm); skips, saying why, where it cannot be installed."""
     found = find_chromium()
@@ -94,7 +94,7 @@ def _install_chromium() -> str:
 
 @pytest.fixture(scope="module")
 def browser():
-    with chromium(_install_chromium()) as running:
+    with chromium(chromium_or_skip()) as running:
         yield running
 
 
