@@ -495,6 +495,8 @@ def _dumped_frames(dump: list[str]) -> list[tuple[str, int, str]]:
             filename, lineno, function = frame.groups()
             if function == "_rank_main" and filename.endswith("minidist/_supervisor.py"):
                 break  # it and what called it are the launcher's
+            if "/multiprocessing/" in filename or (filename, function) == ("<string>", "<module>"):
+                continue  # the fork server's own frames, when the rank died outside _rank_main
             frames.append((filename, int(lineno), function))
     return frames[::-1]
 

@@ -362,7 +362,9 @@ def _failure_report(failure: Failure) -> str:
             if len(shown) < len(frames):
                 report += f"\n{HIDDEN_NOTE}"
         else:
-            report += f"\n\n(rank {failure.rank} printed no Python stack as it died)"
+            report += (f"\n\n(rank {failure.rank}'s Python stack as it died held no frame of "
+                       "its function: it died outside it, e.g. while the function's tensors "
+                       "were freed after it returned)")
     return report
 
 
