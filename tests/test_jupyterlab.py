@@ -41,8 +41,12 @@ def heap_corrupted(rank, world_size):
         os.abort()
     dist.barrier()
 
-import sys
-run(heap_corrupted, 2)"""
+import sys, time
+started = time.monotonic()
+try:
+    run(heap_corrupted, 2)
+finally:
+    print(f"reported after {time.monotonic() - started:.1f} s")"""
 RING_CELL = """\
 def everyone_receives_first(rank, world_size):
     token = torch.zeros(1)
@@ -147,9 +151,19 @@ class Lab:
                           "[data-command='notebook:run-cell-and-select-next']").click()
 
     def run(self, index: int, limit_ms: int = CELL_LIMIT_MS):
-        """Run cell `index`, go back to it and wait until it has run."""
-        self.start(index)
-        cell = self.select(index)
+        """Run cell `index`, go back to it and wait until it has run. A freshly opened notebook
+        can drop the first run while its kernel connection settles (its prompt stays "[ ]:"),
+        so a run that has not started within a few seconds is started again, as a student
+        would press Run again."""
+        for _ in range(3):
+            self.start(index)
+            cell = self.select(index)
+            prompt = cell.locator(".jp-InputPrompt")
+            deadline = time.monotonic() + 5
+            while prompt.inner_text().strip() == "[ ]:" and time.monotonic() < deadline:
+                time.sleep(0.2)
+            if prompt.inner_text().strip() != "[ ]:":
+                break
         self.wait_done(cell, limit_ms)
         return cell
 
@@ -217,9 +231,9 @@ def test_lab00_in_jupyterlab_shows_outputs_and_the_rank_reports(lab_server, brow
         assert "Traceback from rank 2:\n  Cell In[3], line 3, in rank_two_crashes" in crash
 
         index = lab.add_cell(ABORT_CELL)
-        started = time.monotonic()
         report = lab.run(index).locator(".jp-OutputArea").inner_text()
-        assert time.monotonic() - started < 10, "the native crash took long to report"
+        seconds = float(re.search(r"reported after ([\d.]+) s", report)[1])
+        assert seconds < 5, f"the native crash was reported after {seconds} s"
         assert "RankError: rank 1 of 2 failed: the process was killed by SIGABRT" in report
         assert "glibc found the heap corrupted" in report, report
         assert "  malloc(): unaligned tcache chunk detected" in report

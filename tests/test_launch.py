@@ -266,6 +266,7 @@ RECV_CYCLE = """
         dist.recv(token, src=(rank - 1) % world_size)
         dist.send(token, dst=(rank + 1) % world_size)
 
+    run(lambda rank, world_size: None, 1)  # the fork server starts once per program
     start = time.monotonic()
     try:
         run(everyone_receives_first, {world_size}, timeout={timeout})
@@ -437,7 +438,8 @@ def test_in_a_notebook_a_crash_and_a_deadlock_name_cells_and_a_live_line_comes_a
     nbclient = pytest.importorskip("nbclient")
     cells = [
         "import os, sys, time\nimport torch, torch.distributed as dist\n"
-        "from minidist.launch import run",
+        "from minidist.launch import run\n"
+        "run(lambda rank, world_size: None, 1)  # the kernel's fork server starts here",
         "def crash(rank, world_size):\n"
         "    if rank == 1:\n"
         "        print('malloc(): unaligned tcache chunk detected', file=sys.stderr, flush=True)\n"
