@@ -185,7 +185,14 @@ def abort_after_a_marker(rank, world_size):
     dist.barrier()
 
 
+def warm_fork_server() -> None:
+    """Start this process's fork server (its first run imports torch there, seconds on a busy
+    machine), so that a timed run measures the report, not that start."""
+    run(lambda rank, world_size: None, 1)
+
+
 def test_native_death_shows_its_stderr_its_stack_and_what_the_message_means(capfd):
+    warm_fork_server()
     start = time.monotonic()
     with pytest.raises(RankError) as caught:
         run(abort_after_a_marker, 2)
@@ -225,6 +232,7 @@ def line_of(fn, text: str) -> int:
 
 
 def test_a_size_mismatch_that_crashes_names_both_ranks_calls():
+    warm_fork_server()
     start = time.monotonic()
     with pytest.raises(RankError) as caught:
         run(all_gather_different_sizes, 2, timeout=20)
@@ -239,6 +247,7 @@ def test_a_size_mismatch_that_crashes_names_both_ranks_calls():
 
 
 def test_different_collectives_that_hang_are_named_within_seconds():
+    warm_fork_server()
     start = time.monotonic()
     with pytest.raises(RankTimeout) as caught:
         run(reduce_or_broadcast, 2, timeout=30)
