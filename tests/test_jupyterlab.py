@@ -208,7 +208,7 @@ def checked(lab: Lab, check) -> None:
     lab.shot("end")
 
 
-def test_lab00_in_jupyterlab_shows_outputs_and_the_rank_reports(lab_server, browser, shots):
+def test_lab00_in_jupyterlab_shows_outputs_and_the_rank_reports(browser, lab_server, shots):
     server, course = lab_server
     assert (course / "my-labs" / "00_first_ranks" / "00_first_ranks.ipynb").exists()
     lab = Lab(browser, server, "00_first_ranks/00_first_ranks.ipynb", shots)
@@ -264,7 +264,7 @@ def test_lab00_in_jupyterlab_shows_outputs_and_the_rank_reports(lab_server, brow
     lab.page.close()
 
 
-def test_lab02_widgets_render_and_the_dropdown_shows_each_choice(lab_server, browser, shots):
+def test_lab02_widgets_render_and_the_dropdown_shows_each_choice(browser, lab_server, shots):
     server, _ = lab_server
     lab = Lab(browser, server, "02_memory_math/02_memory_math.ipynb", shots)
 
