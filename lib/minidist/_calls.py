@@ -107,10 +107,10 @@ class Call:
 
     @property
     def numel(self) -> int:
-        return 0 if self.ndim_unknown else int(torch.Size(self.shape).numel())
+        return 0 if self.no_tensor else int(torch.Size(self.shape).numel())
 
     @property
-    def ndim_unknown(self) -> bool:
+    def no_tensor(self) -> bool:
         return self.dtype == ""
 
     @property
@@ -120,7 +120,7 @@ class Call:
     def describe(self) -> str:
         """"all_gather of 64 float32", "recv of 4 float32 from rank 3", "barrier"."""
         text = self.op
-        if not self.ndim_unknown:
+        if not self.no_tensor:
             listed = f"a list of {self.list_len} tensors, the first " if self.list_len >= 0 else ""
             shape = f" (shape {list(self.shape)})" if len(self.shape) > 1 else ""
             text += f" of {listed}{self.numel} {self.dtype}{shape}"
