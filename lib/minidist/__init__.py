@@ -61,7 +61,9 @@ Fault tolerance and measuring
     profiling   torch.profiler on every rank, merged: compute, communication, idle, overlap
 
 Private plumbing: _checks (the input checks every module shares), _supervisor (the rank
-processes behind launch.run).
+processes behind launch.run), _calls (each rank's latest collective or point-to-point call,
+recorded for launch.run's reports), _diagnose (mismatches, wait-for cycles and native
+messages, read from those calls and stacks).
 """
 
 __version__ = "0.1.0"

@@ -164,23 +164,25 @@ class MemoryCalculator(_Widget):
                                          description="sequence", style=style),
             "micro_batch": w.SelectionSlider(options=powers(0, 4), value=micro_batch,
                                              description="micro-batch", style=style),
-            "recompute": w.Dropdown(options=[("none", None), ("selective", "selective"),
-                                             ("full", "full")], value=recompute,
-                                    description="recompute", style=style),
+            # String values only: ipywidgets 8 shows a None value as no selection at all.
+            "recompute": w.Dropdown(options=["none", "selective", "full"],
+                                    value=recompute or "none", description="recompute",
+                                    style=style),
             "gpu_memory_gb": w.SelectionSlider(options=[24, 40, 80, 141], value=gpu_memory_gb,
                                                description="GPU GB", style=style),
             "cp": w.SelectionSlider(options=powers(0, 5), value=cp, description="CP",
                                     style=style),
-            "offload": w.Dropdown(options=[("none", None), ("host", "host"), ("NVMe", "nvme")],
-                                  value=offload, description="offload", style=style),
+            "offload": w.Dropdown(options=[("none", "none"), ("host", "host"), ("NVMe", "nvme")],
+                                  value=offload or "none", description="offload", style=style),
         })
 
     def compute(self) -> tuple[dict[int, MemoryEstimate], Figure, str]:
         v = self.values()
         model = MODELS[v["model"]]
+        recompute = None if v["recompute"] == "none" else v["recompute"]
+        offload = None if v["offload"] == "none" else v["offload"]
         estimates = memory_by_zero_stage(model, v["dp"], v["tp"], v["pp"], v["seq_len"],
-                                         v["micro_batch"], v["recompute"], v["cp"],
-                                         v["offload"])
+                                         v["micro_batch"], recompute, v["cp"], offload)
         gpu = v["gpu_memory_gb"] * memory.GB
         chosen = estimates[v["zero_stage"]]
         verdict = "fits" if chosen.total <= gpu else "does NOT fit"
@@ -189,10 +191,10 @@ class MemoryCalculator(_Widget):
                    + (f", CP={v['cp']}" if v["cp"] > 1 else "")
                    + f": {chosen.total / memory.GB:.1f} GB "
                    f"per GPU on the first pipeline rank, {verdict} in {v['gpu_memory_gb']} GB")
-        if v["offload"]:
+        if offload:
             moved = tiers.offload_transfer_bytes(model.num_params / (v["tp"] * v["pp"]),
-                                                 v["dp"], v["offload"])
-            message += (f"; offloaded to {v['offload']}: {chosen.host / memory.GB:.1f} GB on "
+                                                 v["dp"], offload)
+            message += (f"; offloaded to {offload}: {chosen.host / memory.GB:.1f} GB on "
                         f"the host, {chosen.nvme / memory.GB:.1f} GB on NVMe per GPU, "
                         f"{(moved.to_host + moved.to_device) / memory.GB:.2f} GB across PCIe "
                         f"per step")
