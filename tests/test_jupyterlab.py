@@ -271,10 +271,10 @@ def test_lab02_widgets_render_and_the_dropdown_shows_each_choice(browser, lab_se
     def check():
         lab.run(1)  # imports
         calculator = lab.run(41)
-        calculator.locator(".widget-dropdown select").wait_for(timeout=CELL_LIMIT_MS)
+        calculator.get_by_label("recompute").wait_for(timeout=CELL_LIMIT_MS)
         assert "Error displaying widget" not in calculator.inner_text()
         assert calculator.locator(".widget-hslider, .widget-slider").count() >= 7
-        dropdown = calculator.locator(".widget-dropdown select")
+        dropdown = calculator.get_by_label("recompute")
         assert dropdown.evaluate("select => select.value") == "selective"
         for choice in ("none", "full", "selective", "none"):
             dropdown.select_option(label=choice)

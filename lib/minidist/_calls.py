@@ -83,7 +83,7 @@ SAME_SIZE = {"all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatt
 
 
 @dataclass(frozen=True)
-class Call:
+class LatestCall:
     """One rank's latest recorded call, as the caller reads it back."""
 
     rank: int
@@ -288,7 +288,7 @@ def create(path: str, world_size: int) -> mmap.mmap:
         return mmap.mmap(file.fileno(), world_size * SLOT_BYTES)
 
 
-def read(slots: mmap.mmap, rank: int) -> Call | None:
+def read(slots: mmap.mmap, rank: int) -> LatestCall | None:
     """Rank `rank`'s latest call, or None before its first."""
     fields = _RECORD.unpack_from(slots, rank * SLOT_BYTES)
     seq, group_seq, state, op, dtype, ndim = fields[:6]
@@ -299,7 +299,7 @@ def read(slots: mmap.mmap, rank: int) -> Call | None:
     members = tuple(r for r in range(_MAX_RANKS) if mask[r // 8] >> (r % 8) & 1)
     dtype_name = str(DTYPES[dtype]).removeprefix("torch.") if dtype >= 0 else (
         "" if dtype == -1 else "other dtype")
-    return Call(rank, seq, group_seq, state, OPS[op], dtype_name, shape, list_len, peer,
+    return LatestCall(rank, seq, group_seq, state, OPS[op], dtype_name, shape, list_len, peer,
                 name.rstrip(b"\0").decode(errors="replace"), members,
                 filename.rstrip(b"\0").decode(errors="replace"), lineno,
                 function.rstrip(b"\0").decode(errors="replace"))

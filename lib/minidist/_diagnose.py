@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from minidist._calls import FAMILY, SAME_SIZE, Call
+from minidist._calls import FAMILY, SAME_SIZE, LatestCall
 
 Frame = tuple[str, int, str]  # (filename, line, function)
 
@@ -62,7 +62,7 @@ def rank_list(ranks: Iterable[int]) -> str:
 # --- Mismatched calls ---------------------------------------------------------------------------
 
 
-def _signature(call: Call) -> tuple:
+def _signature(call: LatestCall) -> tuple:
     """What must agree between ranks that meet in one collective (or one send and its recv)."""
     family = FAMILY.get(call.op, call.op)
     if call.kind != "collective":
@@ -71,13 +71,13 @@ def _signature(call: Call) -> tuple:
     return (family, call.peer, *sized)
 
 
-def conflicts(calls: list[Call], in_progress: bool = True) -> list[list[Call]]:
+def conflicts(calls: list[LatestCall], in_progress: bool = True) -> list[list[LatestCall]]:
     """Groups of calls that should match and do not: the same turn (n-th collective) on one
     process group made as different collectives, sizes, dtypes or roots; or a send and the
     recv waiting for it with different sizes or dtypes. With `in_progress`, only calls that
     have not returned count (a mismatch can complete on one rank and crash the other)."""
     found = []
-    turns: dict[tuple[str, int], list[Call]] = {}
+    turns: dict[tuple[str, int], list[LatestCall]] = {}
     for call in calls:
         if (call.waiting or not in_progress) and call.kind == "collective":
             turns.setdefault((call.group, call.group_seq), []).append(call)
@@ -94,7 +94,7 @@ def conflicts(calls: list[Call], in_progress: bool = True) -> list[list[Call]]:
     return found
 
 
-def describe_conflict(calls: list[Call], where: Callable[[Call], str]) -> str:
+def describe_conflict(calls: list[LatestCall], where: Callable[[LatestCall], str]) -> str:
     """"rank 0 called all_gather of 64 float32 at Cell In[12], line 7; rank 1 called ..."."""
     parts: dict[str, list[int]] = {}
     for call in calls:
@@ -105,7 +105,7 @@ def describe_conflict(calls: list[Call], where: Callable[[Call], str]) -> str:
 # --- Who waits for whom --------------------------------------------------------------------------
 
 
-def waits_for(calls: dict[int, Call | None], stuck: Iterable[int]) -> dict[int, list[int]]:
+def waits_for(calls: dict[int, LatestCall | None], stuck: Iterable[int]) -> dict[int, list[int]]:
     """For each stuck rank, the ranks it waits for: the peer of its send or recv, or the
     members of its collective's group that are not in that same collective."""
     stuck = set(stuck)
@@ -152,7 +152,7 @@ def find_cycle(edges: dict[int, list[int]]) -> list[int]:
     return []
 
 
-def describe_cycle(cycle: list[int], calls: dict[int, Call | None]) -> str:
+def describe_cycle(cycle: list[int], calls: dict[int, LatestCall | None]) -> str:
     """"rank 0 waits for 3, 3 for 2, 2 for 1, 1 for 0: nobody sends first"."""
     pairs = list(zip(cycle, cycle[1:] + cycle[:1], strict=True))
     text = ", ".join(f"{a} for {b}" if i else f"rank {a} waits for {'itself' if a == b else b}"

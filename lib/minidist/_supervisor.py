@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from minidist import _calls
-from minidist._calls import Call
+from minidist._calls import LatestCall
 from minidist._diagnose import conflicts, rank_list
 
 _FAILURE_GRACE_S = 0.5  # after the first failure, how long to collect the others before killing
@@ -67,7 +67,7 @@ class RanksFailed(Exception):
     rank's latest collective or point-to-point call (None before its first)."""
 
     def __init__(self, failures: list[Failure], running: list[int],
-                 calls: dict[int, Call | None]):
+                 calls: dict[int, LatestCall | None]):
         super().__init__(f"{len(failures)} rank(s) failed")
         self.failures = failures
         self.running = running
@@ -82,7 +82,7 @@ class RanksStuck(Exception):
     mismatched collectives were stopped early."""
 
     def __init__(self, stuck: dict[int, list[tuple[str, int, str]]], finished: list[int],
-                 calls: dict[int, Call | None], mismatch_after: float | None = None):
+                 calls: dict[int, LatestCall | None], mismatch_after: float | None = None):
         super().__init__(f"rank(s) {sorted(stuck)} did not finish")
         self.stuck = stuck
         self.finished = finished
@@ -218,7 +218,7 @@ class Supervisor:
                 os.unlink(self.calls_path)
             del self.store
 
-    def calls(self) -> dict[int, Call | None]:
+    def calls(self) -> dict[int, LatestCall | None]:
         """Each rank's latest recorded call."""
         return {rank: _calls.read(self.slots, rank) for rank in range(self.world_size)}
 

@@ -54,7 +54,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from minidist._calls import Call
+from minidist._calls import LatestCall
 from minidist._checks import positive_int
 from minidist._diagnose import (
     conflicts,
@@ -373,7 +373,7 @@ def _failure_report(failure: Failure) -> str:
     return report
 
 
-def _mismatch_report(calls: dict[int, Call | None], failures: list[Failure]) -> str:
+def _mismatch_report(calls: dict[int, LatestCall | None], failures: list[Failure]) -> str:
     """Mismatched calls in progress when the ranks failed; when a rank's message says there
     was a collective mismatch but the calls in progress do not show it, every rank's latest
     call."""
@@ -479,7 +479,7 @@ def _location(filename: str, lineno: int | None) -> str:
     return f"Cell {cell}, line {lineno}" if cell else f'File "{filename}", line {lineno}'
 
 
-def _call_location(call: Call) -> str:
+def _call_location(call: LatestCall) -> str:
     return f"{_location(call.filename, call.lineno)} (in {call.function})"
 
 
