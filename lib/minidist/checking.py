@@ -19,6 +19,16 @@ sent what and in which order, where `traffic.count_traffic` counts only what lef
 version must not lean on the library's (or torch's) own version of the very thing it builds.
 `messages_sent` keeps a copy of every message's payload, so a check can ask what travelled in
 each step (a partial sum, a finished chunk), not only how many bytes.
+
+    with recording() as calls, watching("os.replace", into=calls):
+        save_shards(shards, path)                    # collectives and renames, in one order
+    with in_flight() as steps:
+        gather_then_matmul_chunked(x, weight)        # posts, waits and matmuls, in order
+    ran_while_in_flight(steps)                       # {request: matmuls while it travelled}
+
+`watching` sees calls of any function (a file renamed, a file loaded); `in_flight` sees when
+each point-to-point request was posted and waited on, and the operators (matmuls) that ran
+in between: what overlapped what, from the order alone, so no timing can make it flaky.
 """
 
 from __future__ import annotations
@@ -33,8 +43,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["Call", "RECORDED", "recording", "unavailable", "LibraryVersionUsed", "Message",
-           "messages_sent"]
+__all__ = [
+    "Call", "RECORDED", "recording", "unavailable", "LibraryVersionUsed", "Message",
+    "messages_sent", "Seen", "watching", "MATMULS", "FlightRecord", "in_flight",
+    "ran_while_in_flight",
+]
 
 RECORDED = (
     "send", "recv", "isend", "irecv", "batch_isend_irecv", "all_reduce", "all_gather",
@@ -156,3 +169,139 @@ def messages_sent() -> Iterator[list[Message]]:
         yield sent
     finally:
         dist.ProcessGroup.send = original
+# --- What happened, in order: other functions' calls, requests in flight, matmuls --------------
+
+
+@dataclass(frozen=True)
+class Seen:
+    """One call `watching` saw: the function's dotted path and the arguments it was given."""
+
+    name: str
+    args: tuple
+    kwargs: dict
+
+
+@contextlib.contextmanager
+def watching(*paths: str, into: list | None = None) -> Iterator[list]:
+    """Inside the block every call of the functions named by dotted path (e.g. "os.replace",
+    "torch.load") is appended, as a `Seen`, to `into` (a new list if None), which it yields.
+    Pass the list `recording` yields as `into` to see both kinds of call in one order. Like
+    `unavailable`, it swaps the module's attribute: `from ... import` copies are not seen."""
+    seen: list = [] if into is None else into
+    swapped = []
+    for path in paths:
+        module_name, _, attribute = path.rpartition(".")
+        module = importlib.import_module(module_name)
+        original = getattr(module, attribute)
+
+        def watched(*args: Any, _path: str = path, _original: Any = original,
+                    **kwargs: Any) -> Any:
+            seen.append(Seen(_path, args, kwargs))
+            return _original(*args, **kwargs)
+
+        setattr(module, attribute, functools.wraps(original)(watched))
+        swapped.append((module, attribute, original))
+    try:
+        yield seen
+    finally:
+        for module, attribute, original in swapped:
+            setattr(module, attribute, original)
+
+
+MATMULS = ("mm", "bmm", "addmm", "baddbmm")
+"""The aten operators every matrix multiply ends in (@, F.linear, torch.matmul, einsum)."""
+
+
+@dataclass(frozen=True)
+class FlightRecord:
+    """One thing `in_flight` saw. `kind` is "post" (a request, `name` "isend" or "irecv", to or
+    from global rank `peer` (None: any), `nbytes` long, numbered `request` in posting order),
+    "wait" (on request number `request`) or "op" (an aten operator `name` whose output has
+    `shape`)."""
+
+    kind: str
+    name: str
+    peer: int | None = None
+    nbytes: int = 0
+    shape: tuple[int, ...] = ()
+    request: int | None = None
+
+
+@contextlib.contextmanager
+def in_flight(ops: tuple[str, ...] = MATMULS) -> Iterator[list[FlightRecord]]:
+    """Inside the block, in the order they happen: every point-to-point request posted (by
+    dist.isend, dist.irecv, dist.batch_isend_irecv, or dist.send and dist.recv, which post and
+    then wait), every wait on one of them (`Work.wait`), and every call of the aten operators
+    `ops`, however the caller spelled them (@, F.linear, torch.matmul, einsum for matmuls). An
+    op between a request's post and its wait ran while that request was in flight
+    (`ran_while_in_flight`)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    records: list[FlightRecord] = []
+    numbers: dict[int, int] = {}  # id(work) -> its request number
+    works: list[Any] = []  # keeps each work alive, so that no id is reused inside the block
+    group_class = dist.ProcessGroup
+    originals = {name: getattr(group_class, name) for name in ("send", "recv", "recv_anysource")}
+    original_wait = dist.Work.wait
+
+    def posting(name: str) -> Any:
+        def call(group: Any, tensors: list[torch.Tensor], *args: Any) -> Any:
+            peer = None
+            if name != "recv_anysource":
+                try:
+                    peer = dist.get_global_rank(group, args[0])
+                except (RuntimeError, ValueError):
+                    peer = args[0]
+            number = sum(r.kind == "post" for r in records)
+            tensor = tensors[0]
+            records.append(FlightRecord("post", "isend" if name == "send" else "irecv", peer,
+                                        tensor.numel() * tensor.element_size(),
+                                        tuple(tensor.shape), number))
+            work = originals[name](group, tensors, *args)
+            numbers[id(work)] = number
+            works.append(work)
+            return work
+        return call
+
+    def wait(work: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original_wait(work, *args, **kwargs)
+        if id(work) in numbers:
+            records.append(FlightRecord("wait", "wait", request=numbers[id(work)]))
+        return result
+
+    class _Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                               kwargs: dict | None = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket.__name__ in ops:
+                records.append(FlightRecord("op", func.overloadpacket.__name__,
+                                            shape=tuple(getattr(out, "shape", ()))))
+            return out
+
+    for name in originals:
+        setattr(group_class, name, posting(name))
+    dist.Work.wait = wait
+    try:
+        with _Ops():
+            yield records
+    finally:
+        for name, function in originals.items():
+            setattr(group_class, name, function)
+        dist.Work.wait = original_wait
+
+
+def ran_while_in_flight(records: list[FlightRecord]) -> dict[int, int]:
+    """{request number: how many ops ran between its post and its first wait} for every request
+    `in_flight` saw posted (a request never waited on counts the ops until the end)."""
+    counts: dict[int, int] = {}
+    open_requests: set[int] = set()
+    for record in records:
+        if record.kind == "post":
+            counts[record.request] = 0
+            open_requests.add(record.request)
+        elif record.kind == "wait":
+            open_requests.discard(record.request)
+        elif record.kind == "op":
+            for number in open_requests:
+                counts[number] += 1
+    return counts
