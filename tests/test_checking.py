@@ -20,16 +20,18 @@ def _reductions_and_all_to_alls(rank, world_size):
         dist.all_to_all_single(torch.empty(sum(received), 4), torch.ones(sum(rows), 4),
                                received, rows)
         dist.all_to_all_single(torch.empty(4, 2), input=torch.ones(4, 2))
-    return [(c.name, c.op, c.sent) for c in calls]
+        dist.all_gather([torch.empty(5), torch.empty(5)], torch.ones(5))
+    return [(c.name, c.op, c.sent) for c in calls], calls[-1].shape
 
 
 def test_recording_names_each_reduction_and_the_bytes_an_all_to_all_sends_to_each_rank():
-    reports = run(_reductions_and_all_to_alls, 2)
+    (reports, gathered), (other, _) = run(_reductions_and_all_to_alls, 2)
     row = 4 * 4
-    assert reports[0] == [("all_reduce", "MAX", None), ("all_reduce", "SUM", None),
+    assert gathered == (5,)  # all_gather's first tensor: the first of its output list
+    assert reports[:-1] == [("all_reduce", "MAX", None), ("all_reduce", "SUM", None),
                           ("all_reduce", "MIN", None), ("all_to_all_single", None, (row, 2 * row)),
                           ("all_to_all_single", None, (16, 16))]
-    assert reports[1][3] == ("all_to_all_single", None, (3 * row, 0))
+    assert other[3] == ("all_to_all_single", None, (3 * row, 0))
 
 
 def test_unavailable_refuses_a_class_method_and_puts_it_back():

@@ -84,7 +84,7 @@ def _sent(name: str, args: tuple, kwargs: dict) -> tuple[int, ...] | None:
 
 
 def _describe(name: str, args: tuple, kwargs: dict) -> Call:
-    tensor = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("tensor")
+    tensor = args[0] if args else kwargs.get("tensor")
     if isinstance(tensor, list):  # all_gather's output list, and the like
         tensor = next((t for t in tensor if isinstance(t, torch.Tensor)), None)
     peer = None
