@@ -59,13 +59,5 @@ FAKES = {
     whole[:, start:start + vocab_local] = local_logits
     dist.all_reduce(whole)
     return F.cross_entropy(whole, targets, reduction="none")"""),
-        Fake("no max shift", "skips the MAX all-reduce: exponentiates the raw logits (overflows "
-             "for large ones)", ("test-vocab-ce",), """\
-    mine = (targets >= start) & (targets < start + vocab_local)
-    local_targets = (targets - start).masked_fill(~mine, 0)
-    target_logit = local_logits.gather(-1, local_targets.unsqueeze(-1)).squeeze(-1) * mine
-    sums = torch.stack([target_logit, local_logits.exp().sum(dim=-1)])
-    dist.all_reduce(sums)
-    return sums[1].log() - sums[0]"""),
     ],
 }

@@ -38,7 +38,8 @@ _GPIPE = """\
 
 FAKES = {
     "impl-mesh-groups": [
-        Fake("the library's groups", "returns minidist.mesh.group_ranks", ("test-mesh-groups",), """\
+        Fake("the library's groups", "returns minidist.mesh.group_ranks",
+             ("test-mesh-groups",), """\
     from minidist import mesh
     return mesh.group_ranks(shape, dim)"""),
         Fake("three nested loops", "works for three dimensions only: any order, but not two or "
@@ -125,8 +126,9 @@ FAKES = {
              "all-reduce per block and phase for all of it): same bytes, no pipelining",
              ("test-3d-step",), _STAGE + """\
         return nn.Sequential(*(
-            tensor_parallel.ParallelTransformerBlock(HIDDEN, HEADS, 4 * HIDDEN, group=tp_group).load_from(layer)
-            if isinstance(layer, TransformerBlock) else layer for layer in layers))
+            tensor_parallel.ParallelTransformerBlock(HIDDEN, HEADS, 4 * HIDDEN, group=tp_group)
+            .load_from(layer) if isinstance(layer, TransformerBlock) else layer
+            for layer in layers))
     x = ids
     if not first:
         x = torch.empty(ids.shape[0], ids.shape[1], HIDDEN)
