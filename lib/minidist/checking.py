@@ -60,26 +60,61 @@ RECORDED = (
 @dataclass(frozen=True)
 class Call:
     """One call into torch.distributed: its name, the peer (global rank) of a point-to-point
-    call, and the bytes, shape and dtype of its first tensor."""
+    call, and the bytes, shape and dtype of its first tensor; the reduction `op` ("SUM",
+    "MAX", ...) of a reducing collective; for an all-to-all, the bytes it `sent` to each rank
+    of its group, in group order (its own piece included: it never leaves the rank)."""
 
     name: str
     peer: int | None
     nbytes: int
     shape: tuple[int, ...]
     dtype: torch.dtype | None
+    op: str | None = None
+    sent: tuple[int, ...] | None = None
+
+
+_REDUCING = {"all_reduce": 1, "reduce": 2, "reduce_scatter": 2, "reduce_scatter_tensor": 2}
+"""The reducing collectives, with the position of their `op` argument."""
+
+
+def _reduction(name: str, args: tuple, kwargs: dict) -> str | None:
+    if name not in _REDUCING:
+        return None
+    position = _REDUCING[name]
+    op = kwargs.get("op", args[position] if len(args) > position else dist.ReduceOp.SUM)
+    return getattr(op, "name", str(op))
+
+
+def _sent(name: str, args: tuple, kwargs: dict) -> tuple[int, ...] | None:
+    if name == "all_to_all":  # (output_tensor_list, input_tensor_list, ...)
+        inputs = kwargs.get("input_tensor_list", args[1] if len(args) > 1 else [])
+        return tuple(t.numel() * t.element_size() for t in inputs)
+    if name != "all_to_all_single":  # (output, input, output_split_sizes, input_split_sizes, group)
+        return None
+    x = kwargs.get("input", args[1] if len(args) > 1 else None)
+    splits = kwargs.get("input_split_sizes", args[3] if len(args) > 3 else None)
+    group = kwargs.get("group", args[4] if len(args) > 4 else None)
+    if not isinstance(x, torch.Tensor):
+        return None
+    row_bytes = x[0].numel() * x.element_size() if x.dim() and len(x) else x.element_size()
+    if not splits:  # equal pieces of dim 0
+        size = dist.get_world_size(group)
+        splits = [x.shape[0] // size if x.dim() else 0] * size
+    return tuple(int(rows) * row_bytes for rows in splits)
 
 
 def _describe(name: str, args: tuple, kwargs: dict) -> Call:
-    tensor = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("tensor")
+    tensor = args[0] if args else kwargs.get("tensor")
     if isinstance(tensor, list):  # all_gather's output list, and the like
         tensor = next((t for t in tensor if isinstance(t, torch.Tensor)), None)
     peer = None
     if name in ("send", "isend", "recv", "irecv"):
         peer = kwargs.get("dst", kwargs.get("src", args[1] if len(args) > 1 else None))
+    op, sent = _reduction(name, args, kwargs), _sent(name, args, kwargs)
     if not isinstance(tensor, torch.Tensor):
-        return Call(name, peer, 0, (), None)
+        return Call(name, peer, 0, (), None, op, sent)
     return Call(name, peer, tensor.numel() * tensor.element_size(), tuple(tensor.shape),
-                tensor.dtype)
+                tensor.dtype, op, sent)
 
 
 @contextlib.contextmanager
@@ -112,14 +147,15 @@ class LibraryVersionUsed(RuntimeError):
 @contextlib.contextmanager
 def unavailable(*paths: str, reason: str = "") -> Iterator[None]:
     """Inside the block each function named by its dotted path (e.g.
-    "minidist.comm.ring_all_reduce", "torch.distributed.all_reduce") raises
-    LibraryVersionUsed when called; wherever it was imported from, a module that took the
-    name by `from ... import` keeps the original (import the module instead)."""
+    "minidist.comm.ring_all_reduce", "torch.distributed.all_reduce", or a class's method:
+    "minidist.tensor_parallel.CopyToParallel.apply") raises LibraryVersionUsed when called;
+    wherever it was imported from, a module that took the name by `from ... import` keeps the
+    original (import the module instead)."""
     swapped = []
     for path in paths:
-        module_name, _, attribute = path.rpartition(".")
-        module = importlib.import_module(module_name)
-        original = getattr(module, attribute)
+        module, attribute = _owner(path)
+        # A class's own entry (a staticmethod, a classmethod), or nothing if it inherits one.
+        original = vars(module).get(attribute, _INHERITED)
 
         def refuse(*args: Any, _path: str = path, **kwargs: Any) -> Any:
             raise LibraryVersionUsed(
@@ -131,8 +167,31 @@ def unavailable(*paths: str, reason: str = "") -> Iterator[None]:
     try:
         yield
     finally:
-        for module, attribute, original in swapped:
-            setattr(module, attribute, original)
+        for module, attribute, original in reversed(swapped):
+            if original is _INHERITED:
+                delattr(module, attribute)
+            else:
+                setattr(module, attribute, original)
+
+
+_INHERITED = object()
+
+
+def _owner(path: str) -> tuple[Any, str]:
+    """The object holding the last name of a dotted path, and that name: the longest prefix
+    that imports as a module, then attributes (a class) down to the last."""
+    parts = path.split(".")
+    for split in range(len(parts) - 1, 0, -1):
+        try:
+            owner = importlib.import_module(".".join(parts[:split]))
+        except ModuleNotFoundError:
+            continue
+        for name in parts[split:-1]:
+            owner = getattr(owner, name)
+        if not hasattr(owner, parts[-1]):
+            raise AttributeError(f"{path}: {owner!r} has no attribute {parts[-1]!r}")
+        return owner, parts[-1]
+    raise ModuleNotFoundError(f"{path}: no module to import in it")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,154 @@
+"""Fakes of Lab 07's exercises: mesh arithmetic that holds for three dimensions only, groups made
+by the library or by each rank alone, expert dispatch that sends more than each expert's tokens,
+byte formulas that drop a direction or an element size, and a 3D step without microbatches or
+without tensor parallelism. impl-3d-step has two solution regions (one per function) that each
+get the same fake source, so its fakes pick their branch by the function they run in."""
+
+from fakes import Fake
+
+_STAGE = """\
+    import sys
+    if sys._getframe().f_code.co_name == "tensor_parallel_stage":
+"""
+
+_GPIPE = """\
+    inputs, outputs = [], []
+    for x, y in zip(ids.chunk(microbatches), targets.chunk(microbatches)):
+        if not first:
+            x = torch.empty(activation_shape)
+            dist.recv(x, src=pp_ranks[stage_index - 1])
+            x.requires_grad_()
+        out = stage(x)
+        if last:
+            out = lm_loss(out, y) / microbatches
+        else:
+            dist.send(out.detach(), dst=pp_ranks[stage_index + 1])
+        inputs.append(x)
+        outputs.append(out)
+    for x, out in zip(inputs, outputs):
+        if last:
+            out.backward()
+        else:
+            grad = torch.empty_like(out)
+            dist.recv(grad, src=pp_ranks[stage_index + 1])
+            out.backward(grad)
+        if not first:
+            dist.send(x.grad, dst=pp_ranks[stage_index - 1])
+    return sum(out.item() for out in outputs) if last else None"""
+
+FAKES = {
+    "impl-mesh-groups": [
+        Fake("the library's groups", "returns minidist.mesh.group_ranks",
+             ("test-mesh-groups",), """\
+    from minidist import mesh
+    return mesh.group_ranks(shape, dim)"""),
+        Fake("three nested loops", "works for three dimensions only: any order, but not two or "
+             "four", ("test-mesh-groups",), """\
+    names = list(shape)
+    a, b, c = shape.values()
+    groups = {}
+    for i in range(a):
+        for j in range(b):
+            for k in range(c):
+                coords = dict(zip(names, (i, j, k)))
+                key = tuple(value for name, value in coords.items() if name != dim)
+                groups.setdefault(key, []).append((i * b + j) * c + k)
+    return sorted(groups.values())"""),
+    ],
+    "impl-build-groups": [
+        Fake("only its own groups", "each rank creates only the groups it belongs to: "
+             "new_group is collective", ("test-build-groups",), """\
+    for dim in shape:
+        for ranks in mesh_groups(shape, dim):
+            if rank in ranks:
+                mine[dim] = (dist.new_group(ranks), ranks)"""),
+        Fake("the library's Mesh", "lets minidist.mesh.Mesh create the groups",
+             ("test-build-groups",), """\
+    mesh = Mesh(**shape)
+    mine = {dim: (mesh.group(dim), mesh.ranks(dim)) for dim in shape}"""),
+    ],
+    "impl-moe-dispatch": [
+        Fake("every token to every rank", "sends all tokens to every rank; each expert's rank "
+             "runs its experts on all of them, the sender keeps the right result",
+             ("test-moe-dispatch",), """\
+    counts = torch.bincount(expert_index, minlength=ep * per_rank)
+    dist.all_to_all_single(torch.empty_like(counts), counts, group=group)
+    n = x.shape[0]
+    received = x.new_empty(ep * n, x.shape[1])
+    dist.all_to_all_single(received, x.repeat(ep, 1), group=group)
+    outputs = torch.cat([torch.cat([expert(piece) for expert in local_experts])
+                         for piece in received.split(n)])
+    back = torch.empty_like(outputs)
+    dist.all_to_all_single(back, outputs, group=group)
+    back = back.view(ep, per_rank, n, -1)
+    return back[expert_index // per_rank, expert_index % per_rank, torch.arange(n)]"""),
+        Fake("a fixed capacity", "pads every rank's piece to all n tokens so the all-to-alls "
+             "split evenly", ("test-moe-dispatch",), """\
+    order = torch.argsort(expert_index, stable=True)
+    counts = torch.bincount(expert_index, minlength=ep * per_rank)
+    received_counts = torch.empty_like(counts)
+    dist.all_to_all_single(received_counts, counts, group=group)
+    n, h = x.shape
+    send_splits = counts.view(ep, per_rank).sum(dim=1).tolist()
+    padded = x.new_zeros(ep, n, h)
+    for j, piece in enumerate(x[order].split(send_splits)):
+        padded[j, :len(piece)] = piece
+    received = torch.empty_like(padded)
+    dist.all_to_all_single(received, padded, group=group)
+    out = torch.zeros_like(received)
+    for j, rows in enumerate(received_counts.view(ep, per_rank)):
+        local_expert = torch.arange(per_rank).repeat_interleave(rows)
+        for e, expert in enumerate(local_experts):
+            mine = (local_expert == e).nonzero().squeeze(-1)
+            out[j, mine] = expert(received[j, mine])
+    back = torch.empty_like(out)
+    dist.all_to_all_single(back, out, group=group)
+    result = torch.empty_like(x)
+    result[order] = torch.cat([back[j, :k] for j, k in enumerate(send_splits)])
+    return result"""),
+    ],
+    "impl-bytes-per-dimension": [
+        Fake("activations only", "PP counts the activations sent forward, not the gradients "
+             "sent back", ("test-bytes-per-dimension",), """\
+    activation = b * s * h * bytes_per_element
+    tp_bytes = 4 * activation * blocks_on_stage * microbatches
+    pp_bytes = (stage < pp - 1) * activation * microbatches
+    dp_bytes = rank_params * bytes_per_element"""),
+        Fake("fp32 everywhere", "ignores bytes_per_element: 4 bytes, the default",
+             ("test-bytes-per-dimension",), """\
+    activation = b * s * h * 4
+    tp_bytes = 4 * activation * blocks_on_stage * microbatches
+    pp_bytes = ((stage < pp - 1) + (stage > 0)) * activation * microbatches
+    dp_bytes = rank_params * 4"""),
+    ],
+    "impl-3d-step": [
+        Fake("no microbatches", "sends the whole batch in one message each way (one TP "
+             "all-reduce per block and phase for all of it): same bytes, no pipelining",
+             ("test-3d-step",), _STAGE + """\
+        return nn.Sequential(*(
+            tensor_parallel.ParallelTransformerBlock(HIDDEN, HEADS, 4 * HIDDEN, group=tp_group)
+            .load_from(layer) if isinstance(layer, TransformerBlock) else layer
+            for layer in layers))
+    x = ids
+    if not first:
+        x = torch.empty(ids.shape[0], ids.shape[1], HIDDEN)
+        dist.recv(x, src=pp_ranks[stage_index - 1])
+        x.requires_grad_()
+    out = stage(x)
+    if last:
+        loss = lm_loss(out, targets)
+        loss.backward()
+    else:
+        dist.send(out.detach(), dst=pp_ranks[stage_index + 1])
+        grad = torch.empty_like(out)
+        dist.recv(grad, src=pp_ranks[stage_index + 1])
+        out.backward(grad)
+    if not first:
+        dist.send(x.grad, dst=pp_ranks[stage_index - 1])
+    return loss.item() if last else None"""),
+        Fake("whole blocks", "no tensor parallelism: both TP ranks run every block whole",
+             ("test-3d-step",), _STAGE + """\
+        return nn.Sequential(*layers)
+""" + _GPIPE),
+    ],
+}

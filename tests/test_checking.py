@@ -1,0 +1,54 @@
+"""minidist.checking: what the labs' checks record of a function's torch.distributed calls, and
+the library's versions they make unavailable."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from minidist import tensor_parallel
+from minidist.checking import LibraryVersionUsed, recording, unavailable
+from minidist.launch import run
+
+
+def _reductions_and_all_to_alls(rank, world_size):
+    with recording() as calls:
+        dist.all_reduce(torch.ones(3), op=dist.ReduceOp.MAX)
+        dist.all_reduce(torch.ones(2))
+        dist.all_reduce(torch.ones(2), dist.ReduceOp.MIN)
+        rows = [1, 2] if rank == 0 else [3, 0]
+        received = [1, 3] if rank == 0 else [2, 0]
+        dist.all_to_all_single(torch.empty(sum(received), 4), torch.ones(sum(rows), 4),
+                               received, rows)
+        dist.all_to_all_single(torch.empty(4, 2), input=torch.ones(4, 2))
+        dist.all_gather([torch.empty(5), torch.empty(5)], torch.ones(5))
+    return [(c.name, c.op, c.sent) for c in calls], calls[-1].shape
+
+
+def test_recording_names_each_reduction_and_the_bytes_an_all_to_all_sends_to_each_rank():
+    (reports, gathered), (other, _) = run(_reductions_and_all_to_alls, 2)
+    row = 4 * 4
+    assert gathered == (5,)  # all_gather's first tensor: the first of its output list
+    assert reports[:-1] == [("all_reduce", "MAX", None), ("all_reduce", "SUM", None),
+                          ("all_reduce", "MIN", None), ("all_to_all_single", None, (row, 2 * row)),
+                          ("all_to_all_single", None, (16, 16))]
+    assert other[3] == ("all_to_all_single", None, (3 * row, 0))
+
+
+def test_unavailable_refuses_a_class_method_and_puts_it_back():
+    apply = vars(tensor_parallel.CopyToParallel).get("apply")
+    with unavailable("minidist.tensor_parallel.CopyToParallel.apply",
+                     "minidist.tensor_parallel.vocab_parallel_cross_entropy"):
+        with pytest.raises(LibraryVersionUsed, match="CopyToParallel.apply: write your own"):
+            tensor_parallel.CopyToParallel.apply(torch.ones(1), None)
+        with pytest.raises(LibraryVersionUsed, match="vocab_parallel_cross_entropy"):
+            tensor_parallel.vocab_parallel_cross_entropy(torch.ones(1, 2), torch.zeros(1))
+    # apply is inherited from torch.autograd.Function: it is inherited again, and works
+    assert vars(tensor_parallel.CopyToParallel).get("apply") is apply
+    x = torch.ones(2, requires_grad=True)
+    assert torch.equal(tensor_parallel.CopyToParallel.apply(x, None), x)
+
+
+def test_unavailable_names_a_path_that_does_not_exist():
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        with unavailable("minidist.tensor_parallel.CopyToParallel.nothing"):
+            pass
