@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import importlib
-from collections.abc import Iterator
+import itertools
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,3 +115,67 @@ def unavailable(*paths: str, reason: str = "") -> Iterator[None]:
     finally:
         for module, attribute, original in swapped:
             setattr(module, attribute, original)
+
+
+def _live_storages() -> dict[int, torch.UntypedStorage]:
+    """{address: storage} of every non-empty storage behind a tensor that Python can reach
+    (any tensor object the garbage collector tracks, and the gradients of leaves)."""
+    objects = gc.get_objects()
+    # By type, in C: a Python loop over every object of the process takes a tenth of a second
+    # (and isinstance() asks some deprecated module attributes for __class__, which warns).
+    tensor_types = {kind for kind in set(map(type, objects)) if issubclass(kind, torch.Tensor)}
+    tensors = list(itertools.compress(objects, map(tensor_types.__contains__, map(type, objects))))
+    tensors += [t.grad for t in tensors if t.is_leaf and t.grad is not None]
+    storages = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        if storage.nbytes():
+            storages[storage.data_ptr()] = storage
+    return storages
+
+
+class Held:
+    """What a block left alive: see `holding`."""
+
+    def __init__(self) -> None:
+        # Kept alive while the block runs, so that no new storage can take one's address.
+        self._before: dict[int, torch.UntypedStorage] | None = _live_storages()
+        self._new: dict[int, torch.UntypedStorage] = {}
+
+    def new_storages(self) -> dict[int, torch.UntypedStorage]:
+        """The storages alive now (or when the block closed) that were not when it opened."""
+        if self._before is None:
+            return self._new
+        return {address: storage for address, storage in _live_storages().items()
+                if address not in self._before}
+
+    def new_bytes(self, exclude: Iterable[torch.Tensor] = ()) -> int:
+        """Bytes of those storages, less the storages behind `exclude` (what the exercise
+        is meant to keep, e.g. the shards' gradients)."""
+        skip = {t.untyped_storage().data_ptr() for t in exclude if t is not None}
+        return sum(storage.nbytes() for address, storage in self.new_storages().items()
+                   if address not in skip)
+
+    def _close(self) -> None:
+        self._new, self._before = self.new_storages(), None
+
+
+@contextlib.contextmanager
+def holding() -> Iterator[Held]:
+    """The memory a block leaves held, whoever holds it: storages of every tensor Python can
+    reach (a module's, an optimizer's, a closure's, a global's), not only those a check knows.
+
+        with holding() as held:
+            zero1_step(params, shards, optimizer, world_size)
+        held.new_bytes(exclude=...)   # bytes still alive that the step allocated
+
+    `new_bytes()` may also be called inside the block (from a hook, say). Storages only C++
+    holds (autograd's saved tensors) are not seen."""
+    held = Held()
+    try:
+        yield held
+    finally:
+        held._close()
+
+
+__all__ += ["Held", "holding"]
