@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import importlib
-import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,65 +115,62 @@ def unavailable(*paths: str, reason: str = "") -> Iterator[None]:
             setattr(module, attribute, original)
 
 
-def _live_storages() -> dict[int, torch.UntypedStorage]:
-    """{address: storage} of every non-empty storage behind a tensor that Python can reach
-    (any tensor object the garbage collector tracks, and the gradients of leaves)."""
-    objects = gc.get_objects()
-    # By type, in C: a Python loop over every object of the process takes a tenth of a second
-    # (and isinstance() asks some deprecated module attributes for __class__, which warns).
-    tensor_types = {kind for kind in set(map(type, objects)) if issubclass(kind, torch.Tensor)}
-    tensors = list(itertools.compress(objects, map(tensor_types.__contains__, map(type, objects))))
-    tensors += [t.grad for t in tensors if t.is_leaf and t.grad is not None]
-    storages = {}
-    for tensor in tensors:
-        storage = tensor.untyped_storage()
-        if storage.nbytes():
-            storages[storage.data_ptr()] = storage
-    return storages
-
 
 class Held:
-    """What a block left alive: see `holding`."""
+    """What a block left allocated: see `holding`."""
 
     def __init__(self) -> None:
-        # Kept alive while the block runs, so that no new storage can take one's address.
-        self._before: dict[int, torch.UntypedStorage] | None = _live_storages()
-        self._new: dict[int, torch.UntypedStorage] = {}
+        self.nbytes = 0  # set when the block ends
 
-    def new_storages(self) -> dict[int, torch.UntypedStorage]:
-        """The storages alive now (or when the block closed) that were not when it opened."""
-        if self._before is None:
-            return self._new
-        return {address: storage for address, storage in _live_storages().items()
-                if address not in self._before}
-
-    def new_bytes(self, exclude: Iterable[torch.Tensor] = ()) -> int:
-        """Bytes of those storages, less the storages behind `exclude` (what the exercise
-        is meant to keep, e.g. the shards' gradients)."""
-        skip = {t.untyped_storage().data_ptr() for t in exclude if t is not None}
-        return sum(storage.nbytes() for address, storage in self.new_storages().items()
-                   if address not in skip)
-
-    def _close(self) -> None:
-        self._new, self._before = self.new_storages(), None
+    def new_bytes(self, exclude: Iterable[torch.Tensor | None] = ()) -> int:
+        """Bytes the block allocated that are still allocated after it, less the storages of
+        `exclude`: tensors it was meant to make and keep (the shards' gradients, say)."""
+        skip = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in exclude if t is not None}
+        return self.nbytes - sum(skip.values())
 
 
 @contextlib.contextmanager
 def holding() -> Iterator[Held]:
-    """The memory a block leaves held, whoever holds it: storages of every tensor Python can
-    reach (a module's, an optimizer's, a closure's, a global's), not only those a check knows.
+    """The memory a block leaves held, whoever holds it: the bytes of CPU tensor storages
+    allocated inside the block and not freed by its end, whether a module, an optimizer, a
+    closure, a global or autograd keeps them, not only what a check knows to look at.
 
         with holding() as held:
             zero1_step(params, shards, optimizer, world_size)
-        held.new_bytes(exclude=...)   # bytes still alive that the step allocated
+        held.new_bytes(exclude=[shard.grad for shard in shards])  # 0 beyond the shards' grads?
 
-    `new_bytes()` may also be called inside the block (from a hook, say). Storages only C++
-    holds (autograd's saved tensors) are not seen."""
+    PyTorch's profiler reports each allocation and free of the block's thread (and of
+    autograd's, which runs CPU backward on it); the bytes are known when the block ends."""
+    from torch.profiler import ProfilerActivity, profile
+
     held = Held()
-    try:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
         yield held
+    held.nbytes = sum(event.nbytes() for event in profiler.profiler.kineto_results.events()
+                      if event.name() == "[memory]")
+
+
+@contextlib.contextmanager
+def watching(path: str, observe: Callable[..., Any]) -> Iterator[None]:
+    """Inside the block each call of the function at dotted `path` (e.g.
+    "minidist.collectives.all_gather") first calls `observe(*args, **kwargs)`, then runs as
+    usual: to see when, and on what, a checked function calls it (a module that took the name
+    by `from ... import` keeps the original, as with `unavailable`)."""
+    module_name, _, attribute = path.rpartition(".")
+    module = importlib.import_module(module_name)
+    original = getattr(module, attribute)
+
+    @functools.wraps(original)
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        observe(*args, **kwargs)
+        return original(*args, **kwargs)
+
+    setattr(module, attribute, watched)
+    try:
+        yield
     finally:
-        held._close()
+        setattr(module, attribute, original)
 
 
-__all__ += ["Held", "holding"]
+__all__ += ["Held", "holding", "watching"]
