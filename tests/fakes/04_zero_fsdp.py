@@ -114,6 +114,12 @@ if prefetch and i + 1 < len(units) and units[i + 1].prefetched is None:
     units[i + 1].prefetched = all_gather_params(units[i + 1])
 """
 
+PREFETCHES_AGAIN = """\
+gather(units[{i}])
+if prefetch and 0 <= {j} < len(units):  # no check whether it is prefetched already
+    units[{j}].prefetched = all_gather_params(units[{j}])
+"""
+
 FSDP_CELLS = ("test-fsdp", "test-fsdp-vs-torch", "test-mixed-precision")
 
 FAKES = {
@@ -191,5 +197,10 @@ FAKES = {
              "already, instead of i - 1", FSDP_CELLS,
              by_function(8, before_forward=BEFORE_FORWARD, after_forward=AFTER_FORWARD,
                          before_backward=PREFETCHES_BACKWARD_WRONG_WAY)),
+        Fake("prefetches even when prefetched", "drops the 'unless already there' test: a "
+             "unit that runs twice is gathered again for nothing", ("test-fsdp",),
+             by_function(8, before_forward=PREFETCHES_AGAIN.format(i="i", j="i + 1"),
+                         after_forward=AFTER_FORWARD,
+                         before_backward=PREFETCHES_AGAIN.format(i="i", j="i - 1"))),
     ],
 }
