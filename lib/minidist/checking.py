@@ -115,7 +115,6 @@ def unavailable(*paths: str, reason: str = "") -> Iterator[None]:
             setattr(module, attribute, original)
 
 
-
 class Held:
     """What a block left allocated: see `holding`."""
 
