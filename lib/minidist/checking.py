@@ -36,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +46,7 @@ import torch.distributed as dist
 __all__ = [
     "Call", "RECORDED", "recording", "unavailable", "LibraryVersionUsed", "Message",
     "messages_sent", "Seen", "watching", "MATMULS", "FlightRecord", "in_flight",
-    "ran_while_in_flight",
+    "ran_while_in_flight", "Held", "holding",
 ]
 
 RECORDED = (
@@ -241,11 +241,14 @@ class Seen:
 
 
 @contextlib.contextmanager
-def watching(*paths: str, into: list | None = None) -> Iterator[list]:
+def watching(*paths: str, into: list | None = None,
+             observe: Callable[..., Any] | None = None) -> Iterator[list]:
     """Inside the block every call of the functions named by dotted path (e.g. "os.replace",
-    "torch.load") is appended, as a `Seen`, to `into` (a new list if None), which it yields.
-    Pass the list `recording` yields as `into` to see both kinds of call in one order. Like
-    `unavailable`, it swaps the module's attribute: `from ... import` copies are not seen."""
+    "torch.load") is appended, as a `Seen`, to `into` (a new list if None), which it yields,
+    and, with `observe`, first calls `observe(*args, **kwargs)` (to see when, and on what, a
+    checked function calls it). Pass the list `recording` yields as `into` to see both kinds
+    of call in one order. Like `unavailable`, it swaps the module's attribute: `from ...
+    import` copies are not seen."""
     seen: list = [] if into is None else into
     swapped = []
     for path in paths:
@@ -256,6 +259,8 @@ def watching(*paths: str, into: list | None = None) -> Iterator[list]:
         def watched(*args: Any, _path: str = path, _original: Any = original,
                     **kwargs: Any) -> Any:
             seen.append(Seen(_path, args, kwargs))
+            if observe is not None:
+                observe(*args, **kwargs)
             return _original(*args, **kwargs)
 
         setattr(module, attribute, functools.wraps(original)(watched))
@@ -364,3 +369,38 @@ def ran_while_in_flight(records: list[FlightRecord]) -> dict[int, int]:
             for number in open_requests:
                 counts[number] += 1
     return counts
+
+
+class Held:
+    """What a block left allocated: see `holding`."""
+
+    def __init__(self) -> None:
+        self.nbytes = 0  # set when the block ends
+
+    def new_bytes(self, exclude: Iterable[torch.Tensor | None] = ()) -> int:
+        """Bytes the block allocated that are still allocated after it, less the storages of
+        `exclude`: tensors it was meant to make and keep (the shards' gradients, say)."""
+        skip = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in exclude if t is not None}
+        return self.nbytes - sum(skip.values())
+
+
+@contextlib.contextmanager
+def holding() -> Iterator[Held]:
+    """The memory a block leaves held, whoever holds it: the bytes of CPU tensor storages
+    allocated inside the block and not freed by its end, whether a module, an optimizer, a
+    closure, a global or autograd keeps them, not only what a check knows to look at.
+
+        with holding() as held:
+            zero1_step(params, shards, optimizer, world_size)
+        held.new_bytes(exclude=[shard.grad for shard in shards])  # 0 beyond the shards' grads?
+
+    PyTorch's profiler reports each allocation and free of the block's thread (and of
+    autograd's, which runs CPU backward on it); the bytes are known when the block ends."""
+    from torch.profiler import ProfilerActivity, profile
+
+    held = Held()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+        yield held
+    held.nbytes = sum(event.nbytes() for event in profiler.profiler.kineto_results.events()
+                      if event.name() == "[memory]")

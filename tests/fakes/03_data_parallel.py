@@ -1,0 +1,133 @@
+"""Fakes of Lab 03's exercises: DDP's numbers without DDP's communication pattern."""
+
+import textwrap
+
+from fakes import Fake
+
+
+def by_function(indent: int, **bodies: str) -> str:
+    """One source for a cell with several solution regions (each region gets the same
+    source): each function runs the body named after it."""
+    pad = " " * indent
+    lines = [f"{pad}match __import__('sys')._getframe().f_code.co_name:"]
+    for name, body in bodies.items():
+        lines.append(f"{pad}    case {name!r}:")
+        lines += [f"{pad}        {line}" if line else "" for line in
+                  textwrap.dedent(body).strip("\n").splitlines()]
+    return "\n".join(lines)
+
+
+FINISH = """\
+for bucket, handle in zip(self.buckets, self.handles):
+    handle.wait()
+    bucket.buffer /= self.world_size
+    for p, offset in zip(bucket.params, bucket.offsets):
+        p.grad.copy_(bucket.buffer[offset:offset + p.numel()].view_as(p))
+"""
+
+COPY_IN = """\
+index, offset = self.where[param]
+self.buckets[index].buffer[offset:offset + param.numel()].copy_(param.grad.reshape(-1))
+self.pending[index] -= 1
+"""
+
+WAIT_IN_HOOK = """\
+while self.next_to_launch < len(self.buckets) and self.pending[self.next_to_launch] == 0:
+    handle = self._launch(self.buckets[self.next_to_launch])
+    handle.wait()  # make sure the bucket is averaged before going on
+    self.handles.append(handle)
+    self.next_to_launch += 1
+"""
+
+LAUNCH_ALL = """\
+self.handles = [self._launch(bucket) for bucket in self.buckets]
+"""
+
+FAKES = {
+    "impl-broadcast": [
+        Fake("the library's broadcast", "broadcasts nothing itself: calls minidist.ddp",
+             ("test-broadcast",), """\
+    ddp.broadcast_parameters(model)"""),
+        Fake("an all-reduce of rank 0's values", "all-reduces (zeros on the other ranks) "
+             "instead of broadcasting", ("test-broadcast",), """\
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if dist.get_rank() != 0:
+                tensor.zero_()
+            dist.all_reduce(tensor)"""),
+    ],
+    "impl-naive": [
+        Fake("the library's per-tensor average", "calls minidist.ddp.all_reduce_gradients "
+             "instead of the all_reduce it is given", ("test-naive",), """\
+    ddp.all_reduce_gradients(model, impl="ring")"""),
+        Fake("one flat all-reduce", "one all-reduce of every gradient at once, not one per "
+             "tensor", ("test-naive",), """\
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([grad.reshape(-1) for grad in grads])
+    all_reduce(flat)
+    flat /= world_size
+    for grad, piece in zip(grads, flat.split([grad.numel() for grad in grads])):
+        grad.copy_(piece.view_as(grad))"""),
+    ],
+    "impl-flat": [
+        Fake("the library's flat average", "calls minidist.ddp.all_reduce_gradients_flat",
+             ("test-flat",), """\
+    ddp.all_reduce_gradients_flat(model, impl="ring")"""),
+        Fake("one all-reduce per tensor", "all-reduces each gradient on its own: no flat "
+             "buffer", ("test-flat",), """\
+    for grad in grads:
+        all_reduce(grad)
+        grad /= world_size"""),
+    ],
+    "impl-buckets": [
+        Fake("the library's buckets", "calls minidist.ddp.assign_buckets",
+             ("test-buckets",), """\
+    return ddp.assign_buckets(nbytes, cap_bytes)"""),
+        Fake("the visible answers, else one bucket per tensor", "no greedy filling: only "
+             "the examples the visible test shows", ("test-buckets",), """\
+    known = {((40, 40, 30, 100, 10), 80): [[0, 1], [2], [3], [4]], ((10, 10, 10), 100): [[0, 1, 2]]}
+    return known.get((tuple(nbytes), cap_bytes), [[i] for i in range(len(nbytes))])"""),
+    ],
+    "impl-my-ddp": [
+        Fake("waits for each bucket in its hook", "blocks inside the hook until the "
+             "all-reduce is done: nothing overlaps backward", ("test-my-ddp",),
+             by_function(8, _on_gradient_ready=COPY_IN + WAIT_IN_HOOK,
+                         finish_gradient_synchronization=FINISH)),
+        Fake("launches every bucket after backward", "fills the buckets in the hooks but "
+             "launches them only in finish_gradient_synchronization", ("test-my-ddp",),
+             by_function(8, _on_gradient_ready=COPY_IN,
+                         finish_gradient_synchronization=LAUNCH_ALL + FINISH)),
+    ],
+    "impl-no-sync": [
+        Fake("synchronizes every microbatch", "no no_sync(): every backward all-reduces",
+             ("test-no-sync",), """\
+    scale = 1 / len(microbatches)
+    for x, y in microbatches:
+        (F.mse_loss(model(x), y) * scale).backward()"""),
+        Fake("accumulates, then one flat all-reduce by hand", "every microbatch inside "
+             "no_sync(), then its own all-reduce instead of DDP's buckets in the last backward",
+             ("test-no-sync",), """\
+    scale = 1 / len(microbatches)
+    with model.no_sync():
+        for x, y in microbatches:
+            (F.mse_loss(model(x), y) * scale).backward()
+    grads = [p.grad for p in model.parameters()]
+    flat = comm.ring_all_reduce(torch.cat([g.reshape(-1) for g in grads])) / dist.get_world_size()
+    for grad, piece in zip(grads, flat.split([g.numel() for g in grads])):
+        grad.copy_(piece.view_as(grad))"""),
+    ],
+    "impl-lr": [
+        Fake("warmup fixed at 100 steps", "ignores warmup_steps (the visible test's is 100)",
+             ("test-lr",), """\
+    target = base_lr * world_size
+    if step >= 100:
+        return target
+    return base_lr + (target - base_lr) * step / 100"""),
+        Fake("world size fixed at 8", "ignores world_size (the visible test's is 8)",
+             ("test-lr",), """\
+    target = base_lr * 8
+    if step >= warmup_steps:
+        return target
+    return base_lr + (target - base_lr) * step / warmup_steps"""),
+    ],
+}
