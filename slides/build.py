@@ -549,8 +549,8 @@ def _check_path(decks: dict[str, str]) -> None:
     steps = {step.lab: step for step in PATH}
     if [step.lab for step in PATH] != sorted(steps):
         sys.exit("slides/build.py: PATH lists a lab twice or out of order")
-    for deck in decks.keys() - steps.keys():
-        sys.exit(f"slides/{deck}.md has no step in PATH (slides/build.py): add its "
+    if unlisted := sorted(decks.keys() - steps.keys()):
+        sys.exit(f"slides/{unlisted[0]}.md has no step in PATH (slides/build.py): add its "
                  "prerequisites, objectives and self-check there")
     for step in PATH:
         where = f"PATH's step {step.lab} (slides/build.py)"
