@@ -22,7 +22,17 @@ from matplotlib.axes import Axes  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.patches import FancyArrowPatch, Rectangle  # noqa: E402
 
-from minidist import flops, gantt, memory, moe, pipeline, planner, traffic  # noqa: E402
+from minidist import (  # noqa: E402
+    flops,
+    fsdp1,
+    gantt,
+    memory,
+    moe,
+    pipeline,
+    planner,
+    tiers,
+    traffic,
+)
 from minidist.comm import chunk_bounds  # noqa: E402
 from minidist.context_parallel import LAYOUTS, forward_times, positions  # noqa: E402
 from minidist.cost import (  # noqa: E402
@@ -1336,6 +1346,155 @@ def scaling_efficiency() -> Figure:
     return fig
 
 
+# --- Lab 12: memory beyond the GPU ---------------------------------------------------------------
+
+# Assumptions the slides state: a multi-threaded CPU Adam's parameters/s; NVMe read, write B/s
+OFFLOAD_CPU_RATE = 2e9
+OFFLOAD_DISK = (3e9, 2e9)
+
+
+def tiers_bytes() -> Figure:
+    """Where each byte of a 7B model's training state lives, per rank of 8 under ZeRO-2, for
+    each offload tier (minidist.tiers)."""
+    fig, ax = plt.subplots(figsize=(10, 4))
+    labels = {None: "no offload", "host": "offload to host", "nvme": "offload to NVMe"}
+    for i, tier in enumerate(tiers.OFFLOAD):
+        state = tiers.model_state_by_tier(7e9, 2, 8, tier)
+        for j, part in enumerate(("device", "host", "nvme")):
+            value = getattr(state, part) / GB
+            ax.bar(i * 4 + j, value, color=COLORS(j), label=part if i == 0 else None)
+            if value:
+                ax.text(i * 4 + j, value, f"{value:.1f}", ha="center", va="bottom", fontsize=10)
+    ax.set_xticks([i * 4 + 1 for i in range(3)], [labels[t] for t in tiers.OFFLOAD])
+    ax.set_ylabel("GB per rank")
+    ax.set_title("7B, mixed-precision Adam, ZeRO-2 on N = 8: what each tier holds per rank")
+    ax.legend(title="tier", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def offload_transfer_timeline() -> Figure:
+    """One offloaded step, schematic (not to scale): each layer's gradient slice leaves for the
+    host as backward produces it, the CPU steps, the parameters come back; the durations for
+    7B on 8 H100s are written beside each lane (minidist.tiers)."""
+    psi, n, compute = 6.7e9, 8, 3.33
+    moved = tiers.offload_transfer_bytes(psi, n)
+    pcie = tiers.PCIE_BANDWIDTH["gen5"]
+    fig, ax = _canvas(15, 3.8, (-2.6, 24), (0, 4.3))
+    lanes = {"GPU": 3.3, "PCIe → host": 2.35, "CPU": 1.4, "PCIe → GPU": 0.45}
+    for name, y in lanes.items():
+        ax.text(-0.15, y + 0.3, name, ha="right", va="center", fontsize=11)
+    _box(ax, 0, lanes["GPU"], 3, 0.6, "forward", "#9dc3e6", size=10)
+    ax.text(6, lanes["GPU"] + 0.85, "backward, layer by layer", ha="center", fontsize=10)
+    layers = 6
+    for k in range(layers):  # backward runs the layers last to first
+        _box(ax, 3 + k, lanes["GPU"], 1, 0.6, f"L{layers - k}", "#9dc3e6", size=9)
+        _box(ax, 4 + k, lanes["PCIe → host"], 0.6, 0.6, "", "#f4b183")
+    _box(ax, 9.6, lanes["CPU"], 4, 0.6, "AdamW, Ψ/N params", "#a9d18e", size=10)
+    _box(ax, 13.6, lanes["PCIe → GPU"], 0.8, 0.6, "", "#f4b183")
+    _box(ax, 14.4, lanes["GPU"], 2.6, 0.6, "next forward", "#dbe9f6", size=10)
+    notes = {"PCIe → host": f"2Ψ/N = {moved.to_host / GB:.2f} GB: "
+                            f"{moved.to_host / pcie * 1e3:.0f} ms, under backward",
+             "CPU": f"{psi / n / 1e6:.0f} M parameters at the CPU's rate",
+             "PCIe → GPU": f"2Ψ/N back: {moved.to_device / pcie * 1e3:.0f} ms"}
+    for lane, text in notes.items():
+        ax.text(17.3, lanes[lane] + 0.3, text, ha="left", va="center", fontsize=10,
+                color="0.25")
+    ax.set_title(f"ZeRO-Offload step, schematic; 7B on 8 H100s (PCIe Gen5, 64 GB/s): compute "
+                 f"{compute} s", fontsize=11)
+    return fig
+
+
+def offload_step_time() -> Figure:
+    """The time model's parts for 7B on 8 H100s: no offload, host, NVMe."""
+    fig, ax = plt.subplots(figsize=(10, 3.8))
+    parts = ("compute", "to_host", "optimizer", "disk", "to_device")
+    rows = {"no offload": tiers.offload_step_time(6.7e9, 8, 3.33, None, 64e9, OFFLOAD_CPU_RATE),
+            "host": tiers.offload_step_time(6.7e9, 8, 3.33, "host", 64e9, OFFLOAD_CPU_RATE),
+            "NVMe": tiers.offload_step_time(6.7e9, 8, 3.33, "nvme", 64e9, OFFLOAD_CPU_RATE,
+                                            *OFFLOAD_DISK)}
+    for i, time in enumerate(rows.values()):
+        left = 0.0
+        for j, part in enumerate(parts):
+            value = getattr(time, part)
+            ax.barh(i, value, left=left, color=COLORS(j), label=part if i == 0 else None)
+            left += value
+        ax.text(left, i, f" {left:.1f} s", va="center")
+    ax.set_yticks(range(len(rows)), list(rows))
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds per step")
+    ax.set_title("7B on 8 H100s, ZeRO-2: what offload adds (CPU Adam 2 G param/s, NVMe read 3 "
+                 "GB/s, write 2 GB/s: assumed)", fontsize=11)
+    ax.legend(fontsize=9, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.22))
+    fig.tight_layout()
+    return fig
+
+
+def fsdp1_fsdp2_map() -> Figure:
+    """FSDP1's options, each with its FSDP2 equivalent."""
+    rows = [("ShardingStrategy.FULL_SHARD", "fully_shard(..., reshard_after_forward=True)"),
+            ("ShardingStrategy.SHARD_GRAD_OP", "fully_shard(..., reshard_after_forward=False)"),
+            ("ShardingStrategy.NO_SHARD", "DistributedDataParallel"),
+            ("ShardingStrategy.HYBRID_SHARD", "fully_shard(..., mesh=2-D (replicate, shard))"),
+            ("auto_wrap_policy=ModuleWrapPolicy({Block})", "fully_shard(block) each, then root"),
+            ("backward_prefetch=BACKWARD_PRE", "prefetching by default"),
+            ("mixed_precision=MixedPrecision(...)", "mp_policy=MixedPrecisionPolicy(...)"),
+            ("cpu_offload=CPUOffload(offload_params=True)", "offload_policy=CPUOffloadPolicy()")]
+    fig, ax = _canvas(12, 4.8, (0, 12), (-0.6, len(rows) + 0.9))
+    ax.text(2.7, len(rows) + 0.4, "FSDP1: FullyShardedDataParallel(model, ...)", ha="center",
+            fontsize=12, weight="bold")
+    ax.text(9.3, len(rows) + 0.4, "FSDP2: fully_shard", ha="center", fontsize=12, weight="bold")
+    for i, (one, two) in enumerate(rows):
+        y = len(rows) - 1 - i
+        on_cpu = "CPUOffload" not in one
+        _box(ax, 0, y + 0.1, 5.4, 0.75, one, "#dbe9f6", size=10, family="monospace")
+        _box(ax, 6.6, y + 0.1, 5.4, 0.75, two, "#e2f0d9" if on_cpu else "#fbe5d6", size=10,
+             family="monospace")
+        _arrow(ax, (5.45, y + 0.47), (6.55, y + 0.47), style="<|-|>")
+    ax.text(0, -0.35, "orange: needs a GPU (torch 2.13 on CPU raises); the rest run on CPU with "
+            "gloo", fontsize=10, color="0.3")
+    return fig
+
+
+def held_after_forward() -> Figure:
+    """Parameter bytes a rank holds between forward and backward, per FSDP1 strategy, for a
+    7B-like model of 32 blocks in bf16 on 8 GPUs (2 nodes of 4 for HYBRID_SHARD)."""
+    blocks, root = [6.4e9 / 32] * 32, 0.3e9
+    fig, ax = plt.subplots(figsize=(10, 3.8))
+    for i, name in enumerate(fsdp1.STRATEGIES):
+        held = fsdp1.parameter_bytes_after_forward(name, blocks, root, 8, shard_size=4,
+                                                   bytes_per_element=2) / GB
+        ax.bar(i, held, color=COLORS(i))
+        ax.text(i, held, f"{held:.1f} GB", ha="center", va="bottom")
+    ax.set_xticks(range(4), list(fsdp1.STRATEGIES))
+    ax.set_ylabel("GB of parameters per rank")
+    ax.set_title("Held from the end of forward to the start of backward (6.7B params, bf16, "
+                 "N = 8)", fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
+def clipping_pieces() -> Figure:
+    """Whose squares add up to the global norm on a tp2·pp2 model."""
+    fig, ax = _canvas(11, 3.6, (0, 11), (0, 4))
+    for stage in range(2):
+        for tp in range(2):
+            x, y = 0.4 + stage * 5.4, 2.1 - tp * 1.7
+            rank = stage * 2 + tp
+            _box(ax, x, y, 2.4, 1.2, f"rank {rank}\nsplit weights\n(a 1/t piece)", "#9dc3e6",
+                 size=9)
+            counted = tp == 0
+            _box(ax, x + 2.5, y, 2.2, 1.2,
+                 "replicated:\nLayerNorms, biases\n" + ("counted here" if counted else
+                                                        "NOT counted"),
+                 "#a9d18e" if counted else "#eeeeee", size=9)
+        ax.text(0.4 + stage * 5.4 + 2.3, 3.55, f"pipeline stage {stage}", ha="center",
+                fontsize=11, weight="bold")
+    ax.text(5.5, 0.05, "‖g‖² = the coloured squares summed over every rank: an all-reduce "
+            "(SUM) of one number over TP, then over PP", ha="center", fontsize=11)
+    return fig
+
+
 # --- Lab 13: long context ----------------------------------------------------------------------
 
 CP_COLORS = ["#9dc3e6", "#f4b183", "#a9d18e", "#ffd966"]
@@ -1539,6 +1698,12 @@ FIGURES: dict[str, Callable[[], Figure]] = {
     "straggler-timeline": straggler_timeline,
     "mfu-and-hfu-by-recompute": mfu_and_hfu_by_recompute,
     "scaling-efficiency": scaling_efficiency,
+    "tiers-bytes": tiers_bytes,
+    "offload-transfer-timeline": offload_transfer_timeline,
+    "offload-step-time": offload_step_time,
+    "fsdp1-fsdp2-map": fsdp1_fsdp2_map,
+    "held-after-forward": held_after_forward,
+    "clipping-pieces": clipping_pieces,
     "long-context-activations": long_context_activations,
     "ring-attention-steps": ring_attention_steps,
     "online-softmax-merge": online_softmax_merge,

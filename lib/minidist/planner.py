@@ -12,6 +12,7 @@ interleaved schedule needs m a multiple of p) or do not fit in memory, and ranks
 a predicted step time:
 
     step = compute + pipeline bubble + exposed communication (TP + PP + DP + CP)
+           (+ with the optimizer state offloaded: what PCIe, the CPU step and the disk add)
 
 Context parallelism (`plan(..., context_parallel=(1, 2, 4, ...))`, off by default) splits every
 sequence over cp GPUs: it divides the activations (each GPU holds s/cp tokens of every layer)
@@ -45,6 +46,7 @@ from minidist.cost import collective_time
 from minidist.flops import hardware_flops_per_token, model_flops_per_token
 from minidist.memory import GB, RECOMPUTE, activation_bytes, bytes_per_param, model_state_bytes
 from minidist.pipeline import bubble_relative_to_ideal, inflight_microbatches
+from minidist.tiers import OFFLOAD, PCIE_BANDWIDTH, model_state_by_tier, offload_step_time
 from minidist.traffic import (
     data_parallel_traffic,
     pipeline_traffic,
@@ -101,6 +103,15 @@ class Cluster:
     peak_flops: float
     intra_node_latency: float = 5e-6
     inter_node_latency: float = 1e-5
+    # Offload (minidist.tiers): each GPU's PCIe link to the host (bytes/s per direction), and
+    # what only a measurement gives: the host's optimizer rate (parameters/s per GPU,
+    # minidist.offload.measure_optimizer_throughput), disk bandwidths (measure_disk) and the
+    # host memory per GPU. None: unknown, so layouts that offload there are rejected.
+    pcie_bandwidth: float = PCIE_BANDWIDTH["gen4"]
+    host_optimizer_throughput: float | None = None
+    nvme_read_bandwidth: float | None = None
+    nvme_write_bandwidth: float | None = None
+    host_memory: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("gpus", "gpu_memory", "gpus_per_node", "intra_node_bandwidth",
@@ -115,13 +126,13 @@ class Cluster:
     def dgx_a100(cls, gpus: int) -> Cluster:
         """A100 80 GB nodes of 8: NVLink 3 (600 GB/s both ways), 8 x 200 Gb/s InfiniBand
         (25 GB/s per GPU), 312 TFLOP/s bf16 dense (NVIDIA A100 datasheet)."""
-        return cls(gpus, 80 * GB, 8, 300e9, 25e9, 312e12)
+        return cls(gpus, 80 * GB, 8, 300e9, 25e9, 312e12, pcie_bandwidth=PCIE_BANDWIDTH["gen4"])
 
     @classmethod
     def dgx_h100(cls, gpus: int) -> Cluster:
         """H100 SXM 80 GB nodes of 8: NVLink 4 (900 GB/s both ways), 8 x 400 Gb/s
         InfiniBand (50 GB/s per GPU), 989 TFLOP/s bf16 dense (NVIDIA H100 datasheet)."""
-        return cls(gpus, 80 * GB, 8, 450e9, 50e9, 989e12)
+        return cls(gpus, 80 * GB, 8, 450e9, 50e9, 989e12, pcie_bandwidth=PCIE_BANDWIDTH["gen5"])
 
     def link(self, span: int) -> tuple[float, float]:
         """(alpha, beta) of a group whose ranks span `span` consecutive GPUs."""
@@ -146,6 +157,7 @@ class Layout:
     recompute: str | None
     chunks: int = 1
     cp: int = 1
+    offload: str | None = None  # where the optimizer state goes: None, "host" or "nvme"
 
     @property
     def schedule(self) -> str:
@@ -158,18 +170,23 @@ class Layout:
     def __str__(self) -> str:
         v = f" v={self.chunks}" if self.chunks > 1 else ""
         cp = f" CP{self.cp}" if self.cp > 1 else ""
+        offload = f" offload={self.offload}" if self.offload else ""
         return (f"TP{self.tp} PP{self.pp} DP{self.dp}{cp} ZeRO-{self.zero_stage} "
-                f"b={self.micro_batch} m={self.microbatches}{v} recompute={self.recompute}")
+                f"b={self.micro_batch} m={self.microbatches}{v} recompute={self.recompute}"
+                f"{offload}")
 
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes on the fullest GPU: its model state, and the activations it holds at peak."""
+    """Bytes on the fullest GPU: its model state, and the activations it holds at peak; with
+    offload, also what its share of the host memory and of the disk holds (not in `total`)."""
 
     params: float
     grads: float
     optimizer: float
     activations: float
+    host: float = 0.0
+    nvme: float = 0.0
 
     @property
     def total(self) -> float:
@@ -186,11 +203,12 @@ class StepTime:
     pp_comm: float
     dp_comm: float
     cp_comm: float = 0.0
+    offload: float = 0.0  # PCIe transfers, the CPU's optimizer step and disk I/O not hidden
 
     @property
     def total(self) -> float:
         return (self.compute + self.bubble + self.tp_comm + self.pp_comm + self.dp_comm
-                + self.cp_comm)
+                + self.cp_comm + self.offload)
 
 
 @dataclass(frozen=True)
@@ -258,6 +276,11 @@ def pipeline_rank_memory(layout: Layout, model: Model, rank: int,
     if rank == lay.pp - 1:
         activations += LOGIT_BYTES * model.seq_len * lay.micro_batch * model.vocab / (
             lay.tp * lay.cp)
+    if lay.offload is not None:  # the optimizer state (and the gradient shards) leave the GPU
+        tiers = model_state_by_tier(model.num_params / (lay.tp * lay.pp), lay.zero_stage,
+                                    lay.dp, lay.offload, precision, optimizer)
+        kept_grads = grads if lay.zero_stage < 2 else 0.0
+        return MemoryEstimate(params, kept_grads, 0.0, activations, tiers.host, tiers.nvme)
     return MemoryEstimate(params, grads, state.optimizer, activations)
 
 
@@ -342,7 +365,14 @@ def estimate_time(layout: Layout, model: Model, cluster: Cluster, global_batch: 
             dp_comm = m * max(0.0, t[0] - backward_mb) + t[1]
         else:
             dp_comm = m * (max(0.0, t[0] - forward_mb) + max(0.0, t[1] + t[2] - backward_mb))
-    return StepTime(compute, bubble, tp_comm, pp_comm, dp_comm, cp_comm)
+    offload = 0.0
+    if lay.offload is not None:  # the last microbatch's backward hides the gradients' way out
+        parts = offload_step_time(
+            model.num_params / (lay.tp * lay.pp), lay.dp, compute / m, lay.offload,
+            cluster.pcie_bandwidth, cluster.host_optimizer_throughput,
+            cluster.nvme_read_bandwidth, cluster.nvme_write_bandwidth)
+        offload = parts.total - parts.compute
+    return StepTime(compute, bubble, tp_comm, pp_comm, dp_comm, cp_comm, offload)
 
 
 def check_rules(layout: Layout, model: Model, cluster: Cluster,
@@ -380,6 +410,17 @@ def check_rules(layout: Layout, model: Model, cluster: Cluster,
         reasons.append(Reason(
             "m-multiple-of-p", f"m={lay.microbatches} is not a multiple of p={lay.pp}: the "
                                "interleaved schedule runs microbatches in groups of p"))
+    if lay.offload is not None and cluster.host_optimizer_throughput is None:
+        reasons.append(Reason(
+            "offload-unmeasured", f"offload={lay.offload} needs the host's optimizer rate: set "
+                                  "Cluster(host_optimizer_throughput=...), measured by "
+                                  "minidist.offload.measure_optimizer_throughput"))
+    if lay.offload == "nvme" and None in (cluster.nvme_read_bandwidth,
+                                          cluster.nvme_write_bandwidth):
+        reasons.append(Reason(
+            "offload-unmeasured", "offload=nvme needs Cluster(nvme_read_bandwidth=..., "
+                                  "nvme_write_bandwidth=...), measured by "
+                                  "minidist.offload.measure_disk"))
     return reasons
 
 
@@ -392,7 +433,8 @@ def evaluate(layout: Layout, model: Model, cluster: Cluster, global_batch: int, 
     if not enforce_rules:
         reasons = [r for r in reasons if r.rule != "tp-crosses-nodes"]
     memory = time = None
-    structural = {"tp-heads", "tp-seq", "cp-seq", "pp-layers", "batch", "m-multiple-of-p"}
+    structural = {"tp-heads", "tp-seq", "cp-seq", "pp-layers", "batch", "m-multiple-of-p",
+                  "offload-unmeasured"}
     if not structural & {r.rule for r in reasons}:
         memory = estimate_memory(layout, model)
         time = estimate_time(layout, model, cluster, global_batch, compute_efficiency)
@@ -401,6 +443,10 @@ def evaluate(layout: Layout, model: Model, cluster: Cluster, global_batch: int, 
             reasons.append(Reason(
                 "memory", f"over memory by {(memory.total - usable) / GB:.1f} GB: needs "
                           f"{memory.total / GB:.1f} GB of the {usable / GB:.1f} GB usable per GPU"))
+        if memory.host and cluster.host_memory is not None and memory.host > cluster.host_memory:
+            reasons.append(Reason(
+                "host-memory", f"the offloaded state needs {memory.host / GB:.1f} GB of host "
+                               f"memory per GPU, more than its {cluster.host_memory / GB:.1f} GB"))
     tokens = global_batch * model.seq_len
     model_flops = tokens * model_flops_per_token(model.num_params, model.layers, model.hidden,
                                                  model.seq_len)
@@ -418,10 +464,14 @@ def _divisors(n: int) -> list[int]:
 def candidate_layouts(cluster: Cluster, global_batch: int,
                       micro_batches: tuple[int, ...] = (1, 2, 4, 8),
                       chunks: tuple[int, ...] = (1, 2),
-                      context_parallel: tuple[int, ...] = (1,)) -> list[Layout]:
+                      context_parallel: tuple[int, ...] = (1,),
+                      offload: tuple[str | None, ...] = (None,)) -> list[Layout]:
     """Every tp x pp x dp x cp = gpus (cp from `context_parallel`), ZeRO stage, micro-batch
-    size, chunks and recompute. ZeRO stages > 0 are only tried with DP·CP > 1 (with one
-    replica they shard nothing), chunks > 1 only with PP > 1."""
+    size, chunks, recompute and offload tier. ZeRO stages > 0 are only tried with DP·CP > 1
+    (with one replica they shard nothing), chunks > 1 only with PP > 1."""
+    for tier in offload:
+        if tier not in OFFLOAD:
+            raise ValueError(f"offload={offload!r}: each must be one of {OFFLOAD}")
     layouts = []
     for tp, pp, cp in itertools.product(_divisors(cluster.gpus), _divisors(cluster.gpus),
                                         context_parallel):
@@ -433,7 +483,8 @@ def candidate_layouts(cluster: Cluster, global_batch: int,
             if (zero and dp * cp == 1) or (v > 1 and pp == 1):
                 continue
             m = max(1, global_batch // (dp * b))
-            layouts.append(Layout(tp, pp, dp, zero, b, m, recompute, v, cp))
+            layouts += [Layout(tp, pp, dp, zero, b, m, recompute, v, cp, tier)
+                        for tier in offload]
     return layouts
 
 
@@ -548,9 +599,11 @@ class Plan:
 
 def plan(model: Model, cluster: Cluster, global_batch: int, *, usable_memory: float = 0.9,
          compute_efficiency: float = 0.6, micro_batches: tuple[int, ...] = (1, 2, 4, 8),
-         chunks: tuple[int, ...] = (1, 2), context_parallel: tuple[int, ...] = (1,)) -> Plan:
+         chunks: tuple[int, ...] = (1, 2), context_parallel: tuple[int, ...] = (1,),
+         offload: tuple[str | None, ...] = (None,)) -> Plan:
     """Evaluate every candidate layout of `model` on `cluster` for `global_batch` sequences,
-    with context parallelism of each degree in `context_parallel` (1: none).
+    with context parallelism of each degree in `context_parallel` (1: none) and the optimizer
+    state in each tier of `offload` (None: on the GPU).
 
     `usable_memory`: the share of GPU memory the estimate may fill (the rest is for the
     CUDA context, communication buffers and fragmentation). `compute_efficiency`: the share
@@ -562,7 +615,7 @@ def plan(model: Model, cluster: Cluster, global_batch: int, *, usable_memory: fl
     settings = {"usable_memory": usable_memory, "compute_efficiency": compute_efficiency}
     evaluations = [evaluate(layout, model, cluster, global_batch, **settings)
                    for layout in candidate_layouts(cluster, global_batch, micro_batches, chunks,
-                                                   context_parallel)]
+                                                   context_parallel, offload)]
     return Plan(model, cluster, global_batch, evaluations, settings)
 
 
