@@ -64,6 +64,79 @@ def test_every_ready_lab_has_a_deck_for_self_study():
     assert "slides/index.html" in readme, "README.md does not point self-learners to the index"
 
 
+def _readme_labs() -> list[str]:
+    """The lab folders (NN_topic) of README's lab table, by number."""
+    numbers = re.findall(r"^\| (\d\d) ", (REPO / "README.md").read_text(), re.MULTILINE)
+    assert numbers, "README.md has no lab table (rows like `| 00 first ranks | ... |`)"
+    folders = {path.name[:2]: path.name for path in (REPO / "labs").glob("[0-9][0-9]_*")}
+    missing = [number for number in numbers if number not in folders]
+    assert not missing, f"README.md lists labs {missing} that labs/ does not have"
+    return [folders[number] for number in numbers]
+
+
+def _items(step: str, kind: str) -> list[str]:
+    found = re.search(rf'<(ul|ol) class="{kind}">(.*?)</\1>', step, re.DOTALL)
+    return re.findall(r"<li>(.*?)</li>", found[2], re.DOTALL) if found else []
+
+
+def test_index_is_a_path_with_prerequisites_objectives_and_a_self_check_per_lab():
+    index = (SLIDES / "index.html").read_text()
+    steps = dict(re.findall(r'<section class="lab" id="lab-(\d\d)">(.*?)</section>', index,
+                            re.DOTALL))
+    for lab in _readme_labs():
+        number = lab[:2]
+        step = steps.get(number)
+        assert step, f"slides/index.html has no step for lab {lab} (from slides/build.py's PATH)"
+        needs = _items(step, "prerequisites")
+        assert needs, f"index.html: lab {lab} names no prerequisites"
+        earlier = re.findall(r'href="#lab-(\d\d)"', " ".join(needs))
+        assert all(other < number for other in earlier), (
+            f"index.html: lab {lab} needs labs {earlier}, which do not all come before it")
+        assert 2 <= len(_items(step, "objectives")) <= 4, (
+            f"index.html: lab {lab} should have 2-4 objectives")
+        gate = _items(step, "self-check")
+        assert 2 <= len(gate) <= 3, f"index.html: lab {lab} should have 2-3 self-check questions"
+        for question in gate:
+            answer = re.search(r"<p>\S.*?</p>\s*<details><summary>Answer</summary><p>\S.*?</p>"
+                               r"</details>", question, re.DOTALL)
+            assert answer, f"index.html: lab {lab}: a self-check question without a hidden answer"
+        copy = f"my-labs/{lab}/{lab}.ipynb"
+        assert f'href="../{copy}"' in step and "make lab" in step, (
+            f"index.html: lab {lab} does not link the learner's copy {copy} (after `make lab`)")
+        if (SLIDES / f"{lab}.md").exists():
+            assert f'href="{lab}.html"' in step, f"index.html: lab {lab} does not link its deck"
+        else:
+            assert "deck coming" in step, f"index.html: lab {lab} has no deck and does not say so"
+    # Every link but the learners' copies (made by `make lab`) and anchors leads to a file.
+    dead = [target for target in re.findall(r'href="([^"#][^"]*)"', index)
+            if not target.startswith("../my-labs/") and not (SLIDES / target).exists()]
+    assert not dead, f"slides/index.html links to files that do not exist: {dead}"
+
+
+def test_index_lists_a_lab_whose_deck_is_not_written_yet():
+    import build
+
+    sources = {path.stem: path.read_text() for path in sorted(SLIDES.glob("[0-9][0-9]_*.md"))}
+    absent = next(iter(sources))
+    page = build.index({name: text for name, text in sources.items() if name != absent})
+    step = re.search(rf'id="lab-{absent[:2]}">(.*?)</section>', page, re.DOTALL)[1]
+    assert "deck coming" in step and f'href="{absent}.html"' not in step, step
+    assert len(re.findall(r'<section class="lab"', page)) == len(build.PATH)
+
+
+def test_every_deck_has_check_yourself_then_answers():
+    for deck in DECKS:
+        titles = [re.search(r"<h[12]>(.*?)</h[12]>", slide) for slide in sections(deck)]
+        titles = [title[1] if title else "" for title in titles]
+        assert "Check yourself" in titles, f"slides/{deck.name} has no 'Check yourself' slide"
+        at = titles.index("Check yourself")
+        assert titles[at + 1:at + 2] == ["Answers"], (
+            f"slides/{deck.name}: the slide after 'Check yourself' is not 'Answers'")
+        questions, answers = (len(re.findall(r"<li>", sections(deck)[n])) for n in (at, at + 1))
+        assert questions >= 2 and answers == questions, (
+            f"slides/{deck.name}: {questions} questions and {answers} answers")
+
+
 # --- In a browser ------------------------------------------------------------------------------
 
 
