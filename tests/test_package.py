@@ -15,7 +15,8 @@ PACKAGE = REPO / "lib" / "minidist"
 # Bottom to top: a module may import only modules before it in this list.
 STACK = [
     "_checks", "cost", "memory", "traffic", "flops", "pipeline", "gantt", "planner", "widgets",
-    "_supervisor", "launch", "comm", "bandwidth", "diagrams", "models", "footprint", "sharding",
+    "_supervisor", "launch", "comm", "network", "bandwidth", "diagrams", "models", "footprint",
+    "sharding",
     "param_server", "compression", "ddp", "zero", "fsdp", "tensor_parallel", "pipeline_exec",
     "mesh", "moe", "parallelize", "checkpoint", "train", "profiling",
 ]
