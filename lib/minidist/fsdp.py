@@ -178,7 +178,7 @@ class _GatheredParams(torch.autograd.Function):
     @staticmethod
     def forward(ctx, shard, full, unit, flat, *shapes):
         ctx.unit, ctx.flat = unit, flat
-        return views(full, list(shapes))
+        return tuple(views(full, list(shapes)))  # a list would be one non-differentiable output
 
     @staticmethod
     def backward(ctx, *grads):

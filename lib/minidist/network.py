@@ -390,8 +390,13 @@ class _Emulation:
         peer = members(group)[dst]
         nbytes = sum(tensor.numel() * tensor.element_size() for tensor in tensors)
         port = self.ports[self.tiers.tier(self.rank, peer)]
-        return port.post(nbytes, self.tiers.link(self.rank, peer),
-                         lambda: send(group, tensors, dst, *args, **kwargs))
+        grad_mode = torch.is_grad_enabled()  # thread-local: the sending thread runs in it too
+
+        def start_send() -> dist.Work:
+            with torch.set_grad_enabled(grad_mode):
+                return send(group, tensors, dst, *args, **kwargs)
+
+        return port.post(nbytes, self.tiers.link(self.rank, peer), start_send)
 
     def drain(self) -> None:
         for port in self.ports.values():
