@@ -108,6 +108,13 @@ class TwoTier:
         return hash((self.ranks_per_node, self.intra, self.inter,
                      tuple(sorted(self.degraded.items())), self.emulated))
 
+    def __str__(self) -> str:
+        degraded = "".join(f"; node {node} at {kept:.0%} between nodes"
+                           for node, kept in sorted(self.degraded.items()))
+        return (f"{self.ranks_per_node} ranks per node; inside a node {_speed(self.intra)}; "
+                f"between nodes {_speed(self.inter)}{degraded}"
+                + ("; EMULATED" if self.emulated else ""))
+
     @property
     def intra(self) -> AlphaBeta:
         """The link between two ranks of one node."""
@@ -214,6 +221,10 @@ class TwoTier:
             halving = [(d / p, exchanges[d]) for d in reversed(distances)]
             middle = halving + halving[::-1]
         return fold + middle + fold
+
+
+def _speed(link: AlphaBeta) -> str:
+    return f"{link.bandwidth / 1e6:g} MB/s, {link.alpha * 1e6:g} us"
 
 
 # --- Hierarchical all-reduce -----------------------------------------------------------------
