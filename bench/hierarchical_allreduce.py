@@ -47,7 +47,8 @@ def _time(rank: int, world_size: int, tiers: TwoTier, sizes: list[int],
     medians = {}
     for nbytes in sizes:
         tensor = torch.zeros(nbytes // 4)
-        times = time_in_turns({impl: (lambda impl=impl: collectives.all_reduce(tensor, impl=impl))
+        times = time_in_turns({impl: (lambda impl=impl, tensor=tensor:
+                                      collectives.all_reduce(tensor, impl=impl))
                                for impl in ("ring", "hierarchical")}, rounds)
         medians[nbytes] = {impl: statistics.median(seconds) for impl, seconds in times.items()}
     return medians
