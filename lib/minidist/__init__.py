@@ -15,6 +15,9 @@ One module per idea, each importing only modules listed before it:
     comm    collectives built only from point-to-point send/recv: ring, recursive doubling,
             tree and Rabenseifner all-reduces, `auto` choosing by the fitted alpha-beta
             model; count_traffic, the one counter of what any parallelism sends
+    network nodes and links: an EMULATED two-tier network (ranks per node, fast links inside,
+            slow between, a degraded node) that delays every send, its alpha-beta model,
+            hierarchical all-reduce, a pairwise link sweep; a Mesh declares it
     bandwidth  an nccl-tests-style bandwidth benchmark and its plot
     diagrams  pictures of the collectives and of tensor-parallel splits
     models  the plain MLP, transformer block and tiny GPT every parallel version is checked on
