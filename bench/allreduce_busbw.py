@@ -5,7 +5,7 @@
                                     [--target-time 0.04]
 
 Sweeps every power of two from 1 KiB to 64 MiB on each world size, timing the backend's own
-all-reduce (gloo on CPU), `comm.all_reduce(algorithm="auto")` and each algorithm in the same
+all-reduce (gloo on CPU), `collectives.all_reduce(impl="auto")` and each algorithm in the same
 ranks, taking turns, and prints each one's busbw as a ratio of the backend's. It checks the
 course's target: "auto" reaches at least 0.8x the backend's bus bandwidth at every size, at
 N = 2 and N = 4; the last line says PASS or FAIL.
@@ -23,6 +23,26 @@ verdict. The fit is a measurement in one launch too: where algorithms are close 
 10-25% of each other at 4 MiB and up on 2 ranks), what it picks changes from fit to fit.
 Time it on an otherwise idle machine: other processes on the cores make the numbers
 meaningless.
+
+Why minidist.streaming is as it is: what each choice was measured to do on the course's
+2-core VM, 2 ranks unless stated (gloo = 1.0):
+- Segments. Whole messages left the link idle during every addition and the CPU idle during
+  every transfer: the ring reached only ~0.7x gloo from 8 MiB. About four segments of
+  256 KiB to 1 MiB traded that overlap best against the tens of microseconds a message costs.
+- Receives posted before sends: a gloo send waits until its receive is posted. Recursive
+  doubling went from 0.75-0.9x to 0.9-1.05x at 256 KiB to 4 MiB.
+- Receive buffers kept between calls: glibc hands blocks over 32 MB back to the OS, and
+  faulting one back in on every call took about as long as moving the data (ring all-reduce
+  of 64 MiB: 0.6x, then ~0.9x).
+- The streamed ring (each segment forwarded as soon as it is added, a step's receives posted
+  one step ahead, two reduce buffers in turn): ~5% at N = 2 and N = 4, in alternating runs.
+- The pipelined tree: whole messages ran at ~0.8x at 32-64 MiB, pipelined ~1.0x (~0.94x at
+  64 MiB). Its segments are 2-4 MiB, from 4 MiB up only: with the ring's 256 KiB segments its
+  two-way traffic halved its speed at 512 KiB - 1 MiB on shared cores.
+- Sends and receives posted straight on the process group: dist.isend and dist.irecv check
+  their arguments and translate ranks on every call, tens of microseconds a segment.
+- fit_links: 9 rounds, not 5: with 5, one of three bench runs picked the ring at 1 MiB, at
+  about half the tree's speed. About 1.5 s on 2 ranks, 4 s on 4.
 """
 
 from __future__ import annotations
@@ -30,7 +50,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from minidist.bandwidth import Row, fit_links, measure
+from minidist.bandwidth import Row, measure, measure_links
 from minidist.cost import ALL_REDUCE_ALGORITHMS
 
 TARGET_RATIO = 0.8
@@ -103,7 +123,7 @@ def main() -> None:
     for world_size in args.world_sizes:
         sweeps, picks = [], {}
         for _ in range(args.sweeps):
-            links = fit_links(world_size, timeout=600)
+            links = measure_links(world_size, timeout=600)
             sweeps.append(measure(
                 world_size, sizes, implementations=("torch", *OURS), repeats=args.repeats,
                 target_time=args.target_time, timeout=600, link=links,

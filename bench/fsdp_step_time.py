@@ -5,9 +5,9 @@
 A TinyGPT of 10.5 M parameters on gloo CPU ranks (one thread each), each wrapped as its
 library's user would: ours with its default units (each embedding, each transformer block,
 the norm, the head), PyTorch's with `fully_shard` on each block and on the whole model.
-Forward, backward, SGD step, timed by `step_timing`: the two take turns, and the ratio is the
-median over rounds of (ours / torch). The last line says PASS or FAIL against the target
-(issue 15: <= 1.10).
+Forward, backward, SGD step, timed by `minidist.timing.time_in_turns`: the two take turns, and
+the ratio is the median over rounds of (ours / torch). The last line says PASS or FAIL against
+the target (<= 1.10).
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ import functools
 import statistics
 
 import torch
-from step_timing import alternating_step_times, median_ratio
 from torch.distributed.fsdp import fully_shard
 
 from minidist.fsdp import FullyShardedDataParallel
 from minidist.launch import run
 from minidist.models import TinyGPT
+from minidist.timing import median_ratio, time_in_turns
 
 TARGET_RATIO = 1.10
 VOCAB, HIDDEN, HEADS, LAYERS, SEQ = 8192, 256, 4, 8, 64
@@ -48,7 +48,7 @@ def _rounds(rank: int, world_size: int, rounds: int) -> dict[str, list[float]]:
         optimizers[kind].step()
         optimizers[kind].zero_grad()
 
-    return alternating_step_times({kind: functools.partial(step, kind) for kind in models},
+    return time_in_turns({kind: functools.partial(step, kind) for kind in models},
                                   rounds)
 
 

@@ -18,7 +18,6 @@ import functools
 import statistics
 
 import torch
-from step_timing import alternating_step_times, median_ratio
 from torch.distributed import pipelining
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import (
@@ -32,6 +31,7 @@ from minidist.launch import run
 from minidist.mesh import Mesh
 from minidist.models import TinyGPT, lm_loss
 from minidist.parallelize import TinyGPTStage, parallelize
+from minidist.timing import median_ratio, time_in_turns
 
 TARGET_RATIO = 1.2
 DP, PP, TP, MICROBATCHES = 2, 2, 2, 2
@@ -81,11 +81,11 @@ class _TorchStep:
 
 
 def _rounds(rank: int, world_size: int, rounds: int) -> dict[str, list[float]]:
-    mesh = Mesh(dp=DP, pp=PP, tp=TP)
+    mesh = Mesh(pp=PP, dp=DP, tp=TP)
     steps = {"torch": _TorchStep(mesh).step,
              "minidist": parallelize(_model(), mesh, _adamw, MICROBATCHES).step}
     ids = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
-    return alternating_step_times(
+    return time_in_turns(
         {kind: functools.partial(step, ids[:, :-1], ids[:, 1:]) for kind, step in steps.items()},
         rounds)
 

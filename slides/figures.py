@@ -33,14 +33,15 @@ from minidist.cost import (  # noqa: E402
     parameter_server_time,
     ring_bytes_sent,
 )
-from minidist.ddp import Event, assign_buckets, plot_timeline  # noqa: E402
+from minidist.ddp import assign_buckets, plot_timeline  # noqa: E402
 from minidist.diagrams import draw_collectives, draw_linear_splits, draw_two_tiers  # noqa: E402
 from minidist.mesh import group_ranks  # noqa: E402
 from minidist.network import ALGORITHMS as TWO_TIER_ALGORITHMS  # noqa: E402
 from minidist.network import TwoTier, hierarchical_bytes  # noqa: E402
 from minidist.param_server import stale_gradient_descent  # noqa: E402
 from minidist.planner import MODELS, Cluster  # noqa: E402
-from minidist.profiling import ProfiledEvent, ProfileTimeline  # noqa: E402
+from minidist.profiling import ProfileTimeline  # noqa: E402
+from minidist.timeline import Event  # noqa: E402
 from minidist.widgets import draw_memory, memory_by_zero_stage  # noqa: E402
 
 GB = memory.GB
@@ -509,8 +510,8 @@ def _end_of_backward() -> float:
 
 def ddp_bucket_timeline() -> Figure:
     """minidist.ddp.plot_timeline on a modelled backward: 8 layers, 50 MB buckets."""
-    events = [Event("gradient", "", ready, ready) for ready, _ in reversed(_tensors())]
-    events += [Event("all_reduce", f"bucket {index}", start, end)
+    events = [Event(0, "gradient", "", ready, ready) for ready, _ in reversed(_tensors())]
+    events += [Event(0, "all_reduce", f"bucket {index}", start, end)
                for index, (start, end) in enumerate(_bucketed_spans(50e6))]
     fig, ax = plt.subplots(figsize=(10, 3.6))
     plot_timeline(events, ax=ax, title="bucketed DDP, modelled: 8 layers (2 ms of backward "
@@ -1250,9 +1251,9 @@ def _modelled_timeline(communication: list[tuple[float, float]], compute_end: fl
     late = max(slow.values(), default=0.0)
     events = []
     for rank in range(ranks):
-        events.append(ProfiledEvent(rank, "backward", "compute", 1, 0.0,
-                                    compute_end + slow.get(rank, 0.0)))
-        events += [ProfiledEvent(rank, "all_reduce", "communication", 2, start + late, end + late)
+        events.append(Event(rank, "compute", "backward", 0.0, compute_end + slow.get(rank, 0.0),
+                            1))
+        events += [Event(rank, "communication", "all_reduce", start + late, end + late, 2)
                    for start, end in communication]
     end = max(e.end for e in events)
     return ProfileTimeline(ranks, events, {rank: [(0.0, end)] for rank in range(ranks)})
@@ -1442,7 +1443,7 @@ def degraded_link_timeline() -> Figure:
                     + nbytes / n * tiers.link(r, (r + 1) % n).beta for r in range(n)}
             end = start + max(took.values())
             for r in range(n):
-                events.append(timeline.Event(r, "send", str(step + 1), start, start + took[r]))
+                events.append(Event(r, "send", str(step + 1), start, start + took[r]))
                 if start + took[r] < end:
                     waiting[f"rank {r}"].append((start + took[r], end))
             start = end

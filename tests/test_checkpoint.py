@@ -53,7 +53,7 @@ def _reshard(rank: int, world_size: int, sources: dict[str, Path | None], out: P
             result[f"{kind}_sampler"] = state["sampler_position"]
             result[f"{kind}_lr"] = optimizer.param_groups[0]["lr"]
         if kind == "fsdp":
-            result["fsdp_gathered"] = model.gather_full_params()
+            result["fsdp_gathered"] = model.full_state_dict()
         checkpoint.save(state, out / kind)
     return result
 

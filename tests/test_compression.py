@@ -1,5 +1,5 @@
 """minidist.compression inside minidist.ddp on 2 gloo ranks, in one launch: the bytes PowerSGD
-and top-k send (counted by comm.count_traffic), and the loss after 50 steps of Lab 10's problem
+and top-k send (counted by traffic.count_traffic), and the loss after 50 steps of Lab 10's problem
 against no compression and against PyTorch's powerSGD_hook on PyTorch's DDP."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
-from minidist import comm
 from minidist.compression import Int8, PowerSGD, TopK
 from minidist.ddp import DistributedDataParallel
 from minidist.launch import run
 from minidist.models import MLP
+from minidist.traffic import count_traffic
 
 WORLD, STEPS, BATCH = 2, 50, 32  # BATCH per rank
 
@@ -50,7 +50,7 @@ def _ranks(rank: int, world_size: int) -> dict[str, object]:
     x, y = batches[0]
     for name, compression in (("powersgd", PowerSGD(2)), ("topk", TopK(0.05))):
         ddp = DistributedDataParallel(_student(), compression=compression)
-        with comm.count_traffic() as log:
+        with count_traffic() as log:
             F.mse_loss(ddp(x), y).backward()
         found[f"{name} log"] = (log.bytes_sent, log.per_collective())
     losses = {}

@@ -1,4 +1,4 @@
-"""minidist.cost: the alpha-beta model against REFERENCE.md's communication table."""
+"""minidist.cost: the alpha-beta model against the formulas of REFERENCES.md#collectives."""
 
 from __future__ import annotations
 

@@ -17,7 +17,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from minidist import comm
 from minidist.ddp import (
     DistributedDataParallel,
     all_reduce_gradients,
@@ -26,6 +25,7 @@ from minidist.ddp import (
 )
 from minidist.launch import run
 from minidist.models import MLP, TinyGPT
+from minidist.traffic import count_traffic
 
 STEPS = 3
 TOLERANCE = 1e-6  # fp32, max |difference| of any parameter after STEPS steps
@@ -136,9 +136,9 @@ def _check_equals_single_process_and_torch(rank: int, world_size: int) -> list[s
                 failures.append(f"{kind}: torch DDP differs from single process by {d:.2e}")
         for all_reduce in ("torch", "ring"):
             for cap in (25, SMALL_BUCKET_MB):
-                ours = DistributedDataParallel(build(rank), cap, all_reduce=all_reduce)
+                ours = DistributedDataParallel(build(rank), cap, impl=all_reduce)
                 _train(ours, kind, batches, rank, world_size)
-                label = f"{kind}, all_reduce={all_reduce}, bucket_cap_mb={cap}"
+                label = f"{kind}, impl={all_reduce}, bucket_cap_mb={cap}"
                 if kind != "batchnorm":
                     if (d := _max_difference(ours.module, reference)) > TOLERANCE:
                         failures.append(f"{label}: differs from single process by {d:.2e}")
@@ -160,8 +160,8 @@ def _check_simple_variants(rank: int, world_size: int) -> list[str]:
         for batch in batches:
             optimizer.zero_grad()
             _loss(model, "mlp", *_mine(batch, rank, world_size)).backward()
-            with comm.count_traffic() as counter:
-                sync(model, all_reduce="ring")
+            with count_traffic() as counter:
+                sync(model, impl="ring")
             optimizer.step()
         if (d := _max_difference(model, reference)) > TOLERANCE:
             failures.append(f"{sync.__name__}: differs from single process by {d:.2e}")
@@ -187,14 +187,14 @@ def _check_bytes_and_buckets(rank: int, world_size: int) -> list[str]:
         expected[-1].append(name)
         filled += size
     for cap, layout in ((cap_mb, expected), (25, [[name for name, _ in sizes]])):
-        ddp = DistributedDataParallel(_mlp(rank), cap, all_reduce="ring")
+        ddp = DistributedDataParallel(_mlp(rank), cap, impl="ring")
         if [bucket.names for bucket in ddp.buckets] != layout:
             failures.append(f"cap {cap} MiB: buckets {[b.names for b in ddp.buckets]}")
         for bucket in ddp.buckets:
             if bucket.nbytes > cap * 2**20 and len(bucket.names) > 1:
                 failures.append(f"cap {cap} MiB: bucket {bucket.index} holds {bucket.nbytes} B")
         x, y = _mine(_batches("mlp", 4 * world_size)[0], rank, world_size)
-        with comm.count_traffic() as counter:
+        with count_traffic() as counter:
             _loss(ddp, "mlp", x, y).backward()
         theory = 2 * (world_size - 1) / world_size * psi * 4
         if abs(counter.bytes_sent - theory) > 0.01 * theory:
@@ -232,13 +232,13 @@ def _check_no_sync(rank: int, world_size: int) -> list[str]:
     batches = _batches("mlp", 4 * world_size)
     reference = _train(_mlp(0), "mlp", batches, 0, 1, split=False)
     for all_reduce in ("torch", "ring"):
-        ddp = DistributedDataParallel(_mlp(rank), SMALL_BUCKET_MB, all_reduce=all_reduce)
+        ddp = DistributedDataParallel(_mlp(rank), SMALL_BUCKET_MB, impl=all_reduce)
         optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
         for batch in batches:
             x, y = _mine(batch, rank, world_size)
             optimizer.zero_grad()
             ddp.events = []  # what the last synchronized backward recorded
-            with comm.count_traffic() as counter, ddp.no_sync():
+            with count_traffic() as counter, ddp.no_sync():
                 for micro_x, micro_y in zip(x[:-1].split(1), y[:-1].split(1), strict=True):
                     (_loss(ddp, "mlp", micro_x, micro_y) * (1 / len(x))).backward()
             if counter.bytes_sent or any(e.kind == "all_reduce" for e in ddp.events):
@@ -319,8 +319,8 @@ def _check_bad_input(rank: int, world_size: int) -> list[str]:
         expect(ValueError, ["frozen", "layers.0.0.weight"],
                lambda: DistributedDataParallel(_mlp(0).requires_grad_(rank == 0)))
     expect(ValueError, ["bucket_cap_mb=0"], lambda: DistributedDataParallel(_mlp(0), 0))
-    expect(ValueError, ["all_reduce='nccl'"],
-           lambda: DistributedDataParallel(_mlp(0), all_reduce="nccl"))
+    expect(ValueError, ["impl='nccl'"],
+           lambda: DistributedDataParallel(_mlp(0), impl="nccl"))
 
     ddp = DistributedDataParallel(_mlp(0))
     x = torch.randn(2, 12)

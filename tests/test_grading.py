@@ -4,8 +4,10 @@ Each lab is graded in a temporary copy of the course, never the repo's own grade
 labs/, with the instructor commands of solutions/README.md. Submissions are what a student
 would hand in: the released notebook with every answer cell filled in from the solution
 ("solution"), left untouched ("untouched"), or with one quiz answer wrong, one quiz cell
-looping forever and another deadlocking two ranks ("mistaken"). The solution's autograde run
-is also the lab's timed run: each lab is executed three times in all.
+looping forever and another deadlocking two ranks ("mistaken"). The plausible fakes of the lab's
+exercises (tests/fakes/) go in rounds, one submission per round: the first round in the
+mistaken submission, the others in submissions of their own, all graded together. The
+solution's autograde run is also the lab's timed run.
 
 Quiz cells follow the labs' convention: an autograded-answer cell whose solution region only
 assigns `answer_<name> = ...`, each answer checked by exactly one test cell.
@@ -41,6 +43,7 @@ from nbgrader.api import Gradebook
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))  # tools/grading/, the instructors' tooling
+from fakes import Fake, fakes_of, rounds  # noqa: E402
 from grading.feedback import HideHiddenTests, markdown_with_mathml  # noqa: E402
 
 LABS = sorted({notebook.parent.name for notebook in REPO.glob("solutions/*/*.ipynb")})
@@ -435,6 +438,20 @@ class Mistaken:
     hang_s: dict[str, float]  # how long the looping and the deadlocking cell ran
     wrong_cells: set[str]  # the test cells that check the wrong answer
     stuck_cells: set[str]  # the test cells that check the answers that hang
+    faked: dict[str, list[Fake]]  # the submission (student id) each round of fakes is in
+    faked_cells: set[str]  # the test cells that check the first round's fakes
+    rounds_s: float  # how long the other rounds' notebooks ran, in the same autograde
+
+
+def faked_submission(course: Course, lab: str, fakes: dict[str, Fake],
+                     replaced: dict[str, list[str]] | None = None) -> NotebookNode:
+    """The solution with each faked exercise's solution region replaced by its fake."""
+    replaced = dict(replaced or {})
+    for cell, fake in fakes.items():
+        assert cell in {nbgrader_meta(c).get("grade_id") for c in course.solution.cells}, (
+            f"tests/fakes/{lab}.py fakes {cell!r}, which is no cell of solutions/{lab}")
+        replaced[cell] = fake.source.splitlines()
+    return answered(course.released, course.solution, replaced)
 
 
 @pytest.fixture(scope="module")
@@ -451,14 +468,21 @@ def mistaken(lab: str, course: Course, graded: Graded) -> Mistaken:
         loop_quiz: INFINITE_LOOP,
         deadlock_quiz: DEADLOCK,
     }
-    course.submit(lab, "mistaken", answered(course.released, course.solution, replaced))
+    fake_rounds = rounds(fakes_of(lab))
+    first = fake_rounds[0] if fake_rounds else {}
+    course.submit(lab, "mistaken", faked_submission(course, lab, first, replaced))
+    faked = {"mistaken": list(first.values())}
+    for k, fakes in enumerate(fake_rounds[1:], start=1):
+        course.submit(lab, f"fakes-{k}", faked_submission(course, lab, fakes))
+        faked[f"fakes-{k}"] = list(fakes.values())
     course.run(COLLECT, lab)
     # Three times the slowest cell of the solution's run, which ran under the same load, and
     # minidist's half of that, still 1.5 times it. Never above the real per-cell limit: one
     # cell slowed by a busy machine must not turn this run into minutes of waiting on the hangs.
     cell_timeout = min(LAB_BUDGET_S, max(15, math.ceil(3 * graded.executed.slowest_cell_s)))
     minidist_timeout = cell_timeout // 2
-    # Autograde skips the submissions already graded: this grades "mistaken" only.
+    # Autograde skips the submissions already graded: this grades "mistaken" (and the rounds
+    # of fakes) only.
     ran = course.run(
         f"{AUTOGRADE} --Execute.timeout={cell_timeout}", lab, MINIDIST_TIMEOUT=str(minidist_timeout)
     )
@@ -476,7 +500,12 @@ def mistaken(lab: str, course: Course, graded: Graded) -> Mistaken:
         for cell, start, end in cell_spans(executed) if line in cell.source.splitlines()
     }
     wrong = {checking_cell(course.solution, name) for name in wrong_names}
-    return Mistaken(ran, execution_times(executed), cell_timeout, hang_s, wrong, stuck)
+    faked_cells = {cell for fake in first.values() for cell in fake.checked_by}
+    rounds_s = sum(execution_times(read_notebook(
+        course.root / "autograded" / student / lab / f"{lab}.ipynb")).seconds
+        for student in faked if student != "mistaken")
+    return Mistaken(ran, execution_times(executed), cell_timeout, hang_s, wrong, stuck, faked,
+                    faked_cells, rounds_s)
 
 
 # --- Tests ---------------------------------------------------------------------------------
@@ -581,7 +610,7 @@ def test_d_wrong_answer_loses_only_its_points(lab: str, course: Course, mistaken
     assert {cell: submitted[cell][0] for cell in mistaken.wrong_cells} == dict.fromkeys(
         mistaken.wrong_cells, 0
     )
-    for cell in mistaken.wrong_cells | mistaken.stuck_cells:
+    for cell in mistaken.wrong_cells | mistaken.stuck_cells | mistaken.faked_cells:
         del solution[cell], submitted[cell]
     assert submitted == solution
 
@@ -597,9 +626,12 @@ def test_e_hangs_are_bounded_and_cleaned_up(lab: str, course: Course, mistaken: 
     for hang, limit in limits.items():
         assert mistaken.hang_s[hang] <= limit, (
             f"the {hang} should end within {limit} s; it ran {mistaken.hang_s[hang]:.1f} s")
-    overhead = mistaken.ran.seconds - mistaken.executed.seconds
-    assert overhead <= 30, (
-        f"autograde should end within 30 s of its last cell; it took {overhead:.0f} s more")
+    # Each further round of fakes is one more notebook: its own kernel start and end.
+    notebooks = len(mistaken.faked)
+    overhead = mistaken.ran.seconds - mistaken.executed.seconds - mistaken.rounds_s
+    assert overhead <= 30 * notebooks, (
+        f"autograde should end within 30 s of each notebook's last cell; it took "
+        f"{overhead:.0f} s more for {notebooks} notebook(s)")
     assert "Interrupting kernel" in mistaken.ran.output  # the loop was stopped, the kernel kept
     assert {cell: submitted[cell][0] for cell in mistaken.stuck_cells} == dict.fromkeys(
         mistaken.stuck_cells, 0
@@ -656,3 +688,20 @@ def test_g_solution_runs_headless_within_budget(lab: str, graded: Graded) -> Non
     assert executed.seconds <= LAB_BUDGET_S, (
         f"{lab} should run top to bottom in {LAB_BUDGET_S} s; it took {executed.seconds:.1f} s"
     )
+
+
+def test_i_every_fake_scores_zero_on_the_checks_of_its_exercise(
+    lab: str, course: Course, mistaken: Mistaken
+) -> None:
+    """A fake gets the final numbers right while skipping the mechanism its exercise teaches
+    (tests/fakes/); it must earn nothing on the cells that check that exercise, while the
+    solution, graded in the same course, earns full marks (test b)."""
+    if not any(mistaken.faked.values()):
+        pytest.skip(f"{lab} has no fakes yet (tests/fakes/{lab}.py)")
+    earned = []
+    for student, fakes in mistaken.faked.items():
+        got = scores(course.root, lab, student)
+        for fake in fakes:
+            earned += [f"{fake.name!r} ({fake.skips}) earned {got[cell][0]} of {got[cell][1]} "
+                       f"on {cell}" for cell in fake.checked_by if got[cell][0] > 0]
+    assert not earned, f"{lab}: fakes earned points:\n" + "\n".join(earned)

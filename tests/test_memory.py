@@ -1,5 +1,5 @@
 """minidist's arithmetic (memory, pipeline formulas, traffic, flops) against every row and
-worked value of REFERENCE.md, and its bad inputs."""
+worked value of REFERENCES.md#by-lab's sources, and its bad inputs."""
 
 import math
 import re

@@ -3,12 +3,12 @@ experts (outputs, gradients, dropped tokens)."""
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
-from minidist import comm
 from minidist.launch import run
+from minidist.mesh import Mesh
 from minidist.moe import MoELayer
+from minidist.traffic import count_traffic
 
 HIDDEN, FFN, EXPERTS, TOP_K, BATCH, SEQ = 8, 16, 4, 2, 2, 5
 WORLD = 4
@@ -16,9 +16,10 @@ TOL = 1e-5
 CONFIGS = [(ep, factor) for ep in (2, 4) for factor in (None, 1.0)]
 
 
-def _data():
+def _data(group=None):
+    """The whole layer (every expert here: a single process, or a group of one rank)."""
     torch.manual_seed(0)
-    full = MoELayer(HIDDEN, FFN, EXPERTS, TOP_K)
+    full = MoELayer(HIDDEN, FFN, EXPERTS, TOP_K, group=group)
     inputs = torch.randn(WORLD, BATCH, SEQ, HIDDEN)
     output_weights = torch.randn(WORLD, BATCH, SEQ, HIDDEN)  # loss = sum(out * w), per rank
     return full, inputs, output_weights
@@ -41,16 +42,15 @@ def reference(full: MoELayer, x: torch.Tensor, capacity_factor: float | None):
 
 
 def _expert_parallel(rank: int, world_size: int) -> list[dict]:
-    full, inputs, output_weights = _data()
-    groups = {ep: [dist.new_group(list(range(start, start + ep)))
-                   for start in range(0, world_size, ep)] for ep in (2, 4)}
+    meshes = {ep: Mesh(dp=world_size // ep, ep=ep) for ep in (1, 2, 4)}
+    full, inputs, output_weights = _data(meshes[1].group("ep"))
     results = []
     for ep, factor in CONFIGS:
-        group = groups[ep][rank // ep]
+        group = meshes[ep].group("ep")
         layer = MoELayer(HIDDEN, FFN, EXPERTS, TOP_K, group=group,
                          capacity_factor=factor).load_from(full)
         x = inputs[rank].clone().requires_grad_()
-        with comm.count_traffic() as log:
+        with count_traffic() as log:
             out = layer(x)
             (out * output_weights[rank]).sum().backward()
         results.append({
@@ -62,7 +62,7 @@ def _expert_parallel(rank: int, world_size: int) -> list[dict]:
                            for when in ("forward", "backward", "counts")},
         })
     with pytest.raises(ValueError) as error:
-        MoELayer(HIDDEN, FFN, 6, TOP_K, group=groups[4][0])
+        MoELayer(HIDDEN, FFN, 6, TOP_K, group=meshes[4].group("ep"))
     results.append(str(error.value))
     return results
 

@@ -9,10 +9,12 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from minidist.launch import run
-from minidist.mesh import DIMS, Mesh, group_ranks
+from minidist.mesh import Mesh, group_ranks
 from minidist.models import TinyGPT
 from minidist.parallelize import parallelize
 from minidist.traffic import mesh_traffic
+
+DIMS = ("pp", "dp", "tp")  # Megatron's order, slowest first: Mesh(pp=, dp=, tp=)
 
 # One worker runs every test here, so the 8-rank launch (the module fixture) runs once.
 pytestmark = pytest.mark.xdist_group("parallel3d")
@@ -54,7 +56,7 @@ def _train_every_layout(rank: int, world_size: int) -> dict:
     ids, targets = _batch()
     results, meshes = {}, {}
     for dp, pp, tp, m, zero, sp, schedule in LAYOUTS:
-        mesh = meshes[dp, pp, tp] = Mesh(dp=dp, pp=pp, tp=tp)
+        mesh = meshes[dp, pp, tp] = Mesh(pp=pp, dp=dp, tp=tp)
         theirs = init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=DIMS)
         groups = {
             "ours": {d: mesh.ranks(d) for d in DIMS},
@@ -85,7 +87,7 @@ def _train_every_layout(rank: int, world_size: int) -> dict:
         "layers": _error(lambda: parallelize(_model(layers=2), meshes[2, 4, 1], _adamw, 2)),
         "batch": _error(lambda: parallelize(model, meshes[2, 2, 2], _adamw, 2).step(
             ids[:6], targets[:6])),
-        "world": _error(lambda: Mesh(dp=2, pp=2, tp=4)),
+        "world": _error(lambda: Mesh(pp=2, dp=2, tp=4)),
     }
     return results
 

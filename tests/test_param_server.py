@@ -14,7 +14,7 @@ from minidist.cost import all_reduce_time, parameter_server_time
 from minidist.launch import run
 from minidist.models import MLP
 from minidist.param_server import ParameterServer, stale_gradient_descent
-from minidist.traffic import parameter_server_traffic
+from minidist.traffic import count_traffic, parameter_server_traffic
 
 WORKERS, SERVERS = [0, 1, 2, 3], [4, 5]
 STEPS = 5
@@ -67,7 +67,7 @@ def _ranks(rank: int, world_size: int) -> dict[str, object]:
             continue
         model = _model()
         ps = ParameterServer(model, WORKERS, servers, _sgd)
-        with comm.count_traffic() as log:
+        with count_traffic() as log:
             if ps.is_server:
                 ps.serve(STEPS)
             else:

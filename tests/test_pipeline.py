@@ -1,7 +1,8 @@
-"""minidist.pipeline (schedules, validator, simulator), pipeline_exec (real ranks) and gantt.
+"""minidist.pipeline (schedules, validator, simulator), pipeline_exec (real ranks),
+pipeline_harness (from a notebook, against PyTorch) and gantt.
 
-The simulator is checked against the formulas of REFERENCE.md, written out here (not imported
-from the library), on every p <= 8, m <= 32.
+The simulator is checked against the formulas of REFERENCES.md#pipelines, written out here
+(not imported from the library), on every p <= 8, m <= 32.
 """
 
 from __future__ import annotations
@@ -11,15 +12,15 @@ import pytest
 import torch
 from torch import nn
 
-from minidist import gantt, launch, pipeline_exec
+from minidist import gantt, launch, pipeline_exec, pipeline_harness
 from minidist.models import TinyGPT, lm_loss
 from minidist.pipeline import (
     Action,
     Costs,
     Schedule,
     ScheduleError,
-    Span,
     Timeline,
+    action_event,
     schedule,
     simulate,
     validate,
@@ -244,7 +245,7 @@ def grads_from_both_executors(rank: int, world_size: int) -> list:
     for name, v in SCHEDULES:
         s = schedule(name, world_size, 4, chunks=v)
         runs = []
-        for step in (pipeline_exec.execute, pipeline_exec.torch_step):
+        for step in (pipeline_exec.execute, pipeline_harness.torch_step):
             stages = gpt_stages(s.num_stages)
             mine = {k: stages[k] for k in s.stages_of(rank)}
             output = step(s, mine, inputs, targets, lm_loss)
@@ -259,8 +260,8 @@ def test_executor_gradients_equal_single_process_and_pytorch() -> None:
     per_rank = launch.run(grads_from_both_executors, 4, timeout=120)
     for index, (name, v) in enumerate(SCHEDULES):
         s = schedule(name, 4, 4, chunks=v)
-        expected, _ = pipeline_exec.reference_grads(lambda s=s: gpt_stages(s.num_stages),
-                                                    inputs, targets, lm_loss)
+        expected, _ = pipeline_harness.reference_grads(lambda s=s: gpt_stages(s.num_stages),
+                                                       inputs, targets, lm_loss)
         ours = {k: g for runs in per_rank for k, g in runs[index][0][0].items()}
         theirs = {k: g for runs in per_rank for k, g in runs[index][1][0].items()}
         assert ours.keys() == theirs.keys() == expected.keys()
@@ -268,9 +269,9 @@ def test_executor_gradients_equal_single_process_and_pytorch() -> None:
             assert (ours[key] - grad).abs().max() <= 1e-5, (name, key)
             assert (theirs[key] - grad).abs().max() <= 1e-5, (name, key)
         traces = [runs[index][0][1] for runs in per_rank]
-        timeline = Timeline(s, [trace.spans for trace in traces], measured=True)
+        timeline = Timeline(s, [trace.events for trace in traces], measured=True)
         assert timeline.peak_inflight == simulate(s).peak_inflight
-        assert [[sp.action for sp in spans] for spans in timeline.spans] == [
+        assert [[e.detail for e in events] for events in timeline.events] == [
             s.compute(rank) for rank in range(4)]
         torch_orders = [runs[index][1][1] for runs in per_rank]
         if torch_orders[0] is not None:  # PyTorch runs these from an action list: same order
@@ -298,7 +299,7 @@ def timed_runs(rank: int, world_size: int, configs: list[tuple[str, int, int]]) 
         stages = mlp_stages(s.num_stages)
         mine = {k: stages[k] for k in s.stages_of(rank)}
         traces.append(pipeline_exec.execute(s, mine, inputs, targets, nn.functional.mse_loss,
-                                            time_unit=TIME_UNIT_S).spans)
+                                            time_unit=TIME_UNIT_S).events)
     return traces
 
 
@@ -313,7 +314,7 @@ def test_measured_bubble_matches_the_simulator() -> None:
         per_rank = launch.run(timed_runs, 4, todo, timeout=120)
         for index, (name, m, v) in enumerate(todo):
             s = schedule(name, 4, m, chunks=v)
-            measured = Timeline(s, [spans[index] for spans in per_rank], measured=True)
+            measured = Timeline(s, [events[index] for events in per_rank], measured=True)
             gap = abs(measured.bubble_fraction - simulate(s).bubble_fraction)
             best[name, m, v] = min(gap, best.get((name, m, v), 1.0))
         todo = [config for config in todo if best[config] > 0.03]
@@ -327,12 +328,12 @@ def test_deadlock_on_real_ranks_names_what_each_rank_waits_for() -> None:
                            "rank 1: F0<0 F0 B0<2 F0>2 B0 B0>0\n"
                            "rank 2: F0<1 F0 B0 B0>1")
     with pytest.raises(ScheduleError):
-        pipeline_exec.run_pipeline(s, lambda: mlp_stages(3), torch.randn(4, 8),
-                                   torch.randn(4, 8), nn.functional.mse_loss)
+        pipeline_harness.run_pipeline(s, lambda: mlp_stages(3), torch.randn(4, 8),
+                                      torch.randn(4, 8), nn.functional.mse_loss)
     with pytest.raises(pipeline_exec.PipelineDeadlock) as caught:
-        pipeline_exec.run_pipeline(s, lambda: mlp_stages(3), torch.randn(4, 8),
-                                   torch.randn(4, 8), nn.functional.mse_loss, timeout=1.0,
-                                   check=False)
+        pipeline_harness.run_pipeline(s, lambda: mlp_stages(3), torch.randn(4, 8),
+                                      torch.randn(4, 8), nn.functional.mse_loss, timeout=1.0,
+                                      check=False)
     message = str(caught.value)
     assert message.startswith("pipeline deadlock: rank(s) 0, 1, 2 stuck (time limit 1 s")
     assert ("rank 2 is stuck at action 0 (F0<1): waiting to receive the activation of "
@@ -347,9 +348,9 @@ def test_deadlock_on_real_ranks_names_what_each_rank_waits_for() -> None:
 def test_gantt_draws_simulated_and_measured_timelines() -> None:
     simulated = simulate(schedule("zb-h1", 4, 8))
     s = schedule("1f1b", 2, 2)
-    spans = [[Span(r, a, 0.1 * i, 0.1 * i + 0.05) for i, a in enumerate(s.compute(r))]
-             for r in range(2)]
-    measured = Timeline(s, spans, measured=True)
+    events = [[action_event(r, a, 0.1 * i, 0.1 * i + 0.05) for i, a in enumerate(s.compute(r))]
+              for r in range(2)]
+    measured = Timeline(s, events, measured=True)
     figure = gantt.draw_all([simulated, measured], same_scale=False)
     titles = [ax.get_title(loc="left") for ax in figure.axes]
     assert titles[0] == "zb-h1 (simulated), p=4, m=8: bubble 11.1%"

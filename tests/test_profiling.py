@@ -105,7 +105,8 @@ def test_chrome_trace_is_valid_and_holds_every_rank(timelines, tmp_path):
     kinds = {e["cat"] for e in complete}
     assert kinds == {"step", "compute", "communication"}, kinds
     figure = timeline.plot("DDP buckets")
-    assert len(figure.axes[0].get_yticklabels()) == 2
+    assert [t.get_text() for t in figure.axes[0].get_yticklabels()] == [
+        "rank 0 compute", "rank 0 communication", "rank 1 compute", "rank 1 communication"]
 
 
 def test_profiled_ranks_print_nothing_of_their_own(capfd):

@@ -17,24 +17,6 @@ CITED = re.compile(r"REFERENCES\.md#([A-Za-z0-9_-]+)")
 BARE = re.compile(r"\bREFERENCE\b")
 SKIPPED_DIRS = {".git", ".venv", "node_modules", "my-labs", "release", "__pycache__"}
 
-# Citations of the singular page that wait for the minidist refactor (issue 28: lib/ and the
-# labs belong to it) to point to REFERENCES.md instead, with the anchor each should use.
-# Remove an entry when its file is fixed; the test fails until then, and fails again if a
-# listed file no longer needs its entry, so the list only shrinks.
-PENDING = {
-    "lib/minidist/sharding.py": "REFERENCES.md#zero",
-    "lib/minidist/mesh.py": "REFERENCES.md#megatron-lm-code",
-    "lib/minidist/moe.py": "REFERENCES.md#gshard",
-    "lib/minidist/memory.py": "REFERENCES.md#notation",
-    "solutions/05_tensor_parallel/05_tensor_parallel.ipynb": "REFERENCES.md#notation",
-    "labs/05_tensor_parallel/05_tensor_parallel.ipynb": "REFERENCES.md#notation",
-    "tests/test_memory.py": "REFERENCES.md#by-lab",
-    "tests/test_pipeline.py": "REFERENCES.md#pipelines",
-    "tests/test_tensor_parallel.py": "REFERENCES.md#tensor-and-sequence-parallel",
-    "tests/test_cost.py": "REFERENCES.md#collectives",
-}
-
-
 def repository_files() -> list[Path]:
     """The files of the working tree that git would commit (tracked or not ignored); every file
     outside the usual build and environment folders where there is no git."""
@@ -112,10 +94,7 @@ def test_nothing_cites_the_singular_course_page():
     for name, number, line in text_lines():
         if name != own and BARE.search(line):
             found.setdefault(name, []).append(f"{name}:{number}: {line.strip()[:100]}")
-    new = [hit for name, hits in sorted(found.items()) if name not in PENDING for hit in hits]
-    assert not new, (
+    hits = [hit for _, lines in sorted(found.items()) for hit in lines]
+    assert not hits, (
         "these cite a page the repository does not have; cite REFERENCES.md#<anchor> instead:\n"
-        + "\n".join(new))
-    fixed = sorted(set(PENDING) - set(found))
-    assert not fixed, (
-        f"{fixed} no longer cite the singular page: remove them from PENDING in {own}")
+        + "\n".join(hits))

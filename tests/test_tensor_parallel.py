@@ -1,5 +1,6 @@
 """minidist.tensor_parallel against the unsharded modules, PyTorch's DTensor tensor parallel,
-and the communication and memory the Megatron papers state (REFERENCE.md)."""
+and the communication and memory the Megatron papers state
+(REFERENCES.md#tensor-and-sequence-parallel)."""
 
 import pytest
 import torch
@@ -7,11 +8,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from minidist import comm
 from minidist import tensor_parallel as tp
 from minidist.footprint import saved_activations
 from minidist.launch import run
 from minidist.models import TransformerBlock
+from minidist.traffic import count_traffic
 
 B, S, H, HEADS, FFN, VOCAB = 2, 8, 16, 4, 32, 12
 TOL = 1e-5
@@ -77,7 +78,7 @@ def _block_check(rank: int, t: int, sequence_parallel: bool) -> dict:
     sharded.load_from(block)
     mine = x.detach().chunk(t, dim=1)[rank] if sequence_parallel else x.detach()
     mine = mine.clone().requires_grad_()
-    with comm.count_traffic() as log:
+    with count_traffic() as log:
         out = sharded(mine)
         out.square().sum().backward()
     expected_out = reference.chunk(t, dim=1)[rank] if sequence_parallel else reference
@@ -140,7 +141,7 @@ def _async_column_check(rank: int, t: int) -> dict[str, object]:
     for cls in (tp.ColumnParallelLinear, tp.AsyncColumnParallelLinear):
         layer = cls(H, FFN, sequence_parallel=True).double().load_from(linear)
         x = mine.clone().requires_grad_()
-        with comm.count_traffic() as log:
+        with count_traffic() as log:
             y = layer(x)
             (y * y.detach().sin()).sum().backward()
         found[cls.__name__] = [y, x.grad, layer.weight.grad, layer.bias.grad]

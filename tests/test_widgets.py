@@ -71,11 +71,11 @@ def test_bubble_explorer_measures_and_prints_the_bubble():
     assert "75.0% of the timeline measured, 75.0% by bubble_fraction" in explorer.message
     explorer.controls["microbatches"].value = 8
     assert "27.3%" in explorer.message and "37.5% relative to ideal" in explorer.message
-    spans = [span for spans in explorer.data.spans for span in spans]
-    assert len(spans) == 4 * 8 * 2  # F and B per rank per microbatch
+    events = [event for events in explorer.data.events for event in events]
+    assert len(events) == 4 * 8 * 2  # F and B per rank per microbatch
     explorer.controls["schedule"].value = "zb-h1"
     assert "11.1% of the timeline" in explorer.message  # 3 / (3·8 + 3)
-    assert {span.action.kind for spans in explorer.data.spans for span in spans} == {"F", "B", "W"}
+    assert {e.kind for events in explorer.data.events for e in events} == {"F", "B", "W"}
     explorer.controls["schedule"].value = "interleaved"
     explorer.controls["chunks"].value = 2
     assert f"{pipeline.bubble_fraction('interleaved', 4, 8, 2):.1%}" in explorer.message
@@ -100,7 +100,7 @@ def test_bubble_explorer_and_lab_06_simulator_agree(monkeypatch):
                         continue  # the explorer says why these are not possible
                     explorer = BubbleExplorer(name, p, m, v)
                     lab_06 = pipeline.simulate(pipeline.schedule(name, p, m, v))
-                    assert explorer.data.spans == lab_06.spans, (name, p, m, v)
+                    assert explorer.data.events == lab_06.events, (name, p, m, v)
                     assert explorer.data.bubble_fraction == lab_06.bubble_fraction
                     assert explorer.data.bubble_fraction == pytest.approx(
                         pipeline.bubble_fraction(name, p, m, v)), (name, p, m, v)

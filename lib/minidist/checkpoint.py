@@ -58,6 +58,12 @@ from minidist import collectives
 from minidist.fsdp import FullyShardedDataParallel
 from minidist.zero import ZeroOptimizer
 
+__all__ = [
+    "COMPLETE", "METADATA", "FORMAT", "CheckpointError", "Shard", "PerRank", "Stateful",
+    "checkpoint_path", "save", "read_metadata", "load", "latest_checkpoint", "read_full",
+    "ModelState", "OptimizerState", "RNGState",
+]
+
 COMPLETE = "COMPLETE"
 METADATA = "metadata.json"
 FORMAT = "minidist-checkpoint/1"

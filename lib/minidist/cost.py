@@ -67,6 +67,13 @@ import numpy as np
 
 from minidist._checks import positive_int
 
+__all__ = [
+    "COLLECTIVES", "RING_COLLECTIVES", "ALL_REDUCE_ALGORITHMS", "busbw_factor", "ring_bytes_sent",
+    "collective_time", "all_reduce_coefficients", "reduction_coefficient", "all_reduce_time",
+    "best_all_reduce", "crossover_size", "all_reduce_bytes_sent", "AlphaBeta", "fit_alpha_beta",
+    "fit_all_reduce", "AlgorithmLinks", "parameter_server_time",
+]
+
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "send")
 RING_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 ALL_REDUCE_ALGORITHMS = ("ring", "recursive_doubling", "tree", "rabenseifner")

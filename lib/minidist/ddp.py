@@ -26,6 +26,29 @@ minidist's algorithms from send/recv ("ring", "auto", ...), whose bytes it count
 through minidist's send/recv, as PyTorch's DDP communication hooks do.
 
 `group` is the data-parallel process group (e.g. `mesh.group("dp")`); None: every rank.
+
+DistributedDataParallel, in detail:
+
+- `impl` picks the all-reduce: "torch" is the backend's; the others are minidist's own, whose
+  bytes `traffic.count_traffic()` counts: 2(N-1)/N times each bucket per rank for "ring".
+- `compression` (TopK, PowerSGD, Int8 from `minidist.compression`) replaces each bucket's
+  all-reduce with a compressed sum through minidist's send/recv.
+- `no_sync()`: backward inside it only accumulates local gradients; the first backward after
+  it averages the sum. Run forward and backward both inside. `set_requires_gradient_sync`
+  does the same for a pipeline, whose forwards and backwards interleave.
+- Frozen parameters are broadcast at wrap time, then left alone; tied parameters are one.
+- Buffers are broadcast from rank 0 at wrap time and, with `broadcast_buffers=True`, before
+  every forward (BatchNorm's running statistics stay equal across ranks).
+- A trainable parameter that gets no gradient raises an error naming it at the end of that
+  backward; with `find_unused_parameters=True` it counts as a zero gradient instead.
+- `events` records the last synchronized backward (`timeline.Event`s): "gradient" when each
+  gradient arrived, "all_reduce" from each bucket's launch to its completion;
+  `plot_timeline` draws them.
+
+Differences from torch.nn.parallel.DistributedDataParallel: no smaller first bucket and no
+rebuilding of the buckets in gradient-arrival order after the first step; gradients are copied
+into buckets and back (its default, gradient_as_bucket_view=False); a parameter unused on
+every rank gets a zero gradient under find_unused_parameters (it leaves it None).
 """
 
 from __future__ import annotations
@@ -234,33 +257,13 @@ class DistributedDataParallel(nn.Module):
 
     At wrap time every rank's model must have the same parameter and buffer names, shapes and
     dtypes (values may differ: rank 0's are copied to all). A post-accumulate-grad hook on each
-    trainable parameter copies its gradient into a bucket as soon as backward produces it;
-    buckets hold at most `bucket_cap_mb` MiB (a bigger parameter gets one to itself), filled in
-    reverse `parameters()` order. A full bucket starts an asynchronous all-reduce at once, in
-    bucket order, while backward goes on. When backward ends, `finish_gradient_synchronization`
-    runs by itself: it waits for every all-reduce and writes the averaged gradients back into
-    `.grad`, as PyTorch's DDP has them when `loss.backward()` returns.
-
-    - `impl` picks the all-reduce (`minidist.collectives`): "torch" is the backend's; the
-      others are minidist's own, whose bytes `traffic.count_traffic()` counts: 2(N-1)/N times
-      each bucket per rank for "ring".
-    - `compression` (TopK, PowerSGD, Int8 from `minidist.compression`) replaces each
-      bucket's all-reduce with a compressed sum through minidist's send/recv.
-    - `no_sync()`: backward inside it only accumulates local gradients; the first backward
-      after it averages the sum. Run forward and backward both inside.
-    - Frozen parameters are broadcast at wrap time, then left alone; tied parameters are one.
-    - Buffers are broadcast from rank 0 at wrap time and, with `broadcast_buffers=True`, before
-      every forward (BatchNorm's running statistics stay equal across ranks).
-    - A trainable parameter that gets no gradient raises an error naming it at the end of that
-      backward; with `find_unused_parameters=True` it counts as a zero gradient instead.
-    - `events` records the last synchronized backward (`timeline.Event`s): "gradient" when
-      each gradient arrived, "all_reduce" from each bucket's launch to its completion;
-      `plot_timeline` draws them.
-
-    Differences from torch.nn.parallel.DistributedDataParallel: no smaller first bucket and no
-    rebuilding of the buckets in gradient-arrival order after the first step; gradients are
-    copied into buckets and back (its default, gradient_as_bucket_view=False); a parameter
-    unused on every rank gets a zero gradient under find_unused_parameters (it leaves it None).
+    trainable parameter copies its gradient into a bucket as soon as backward produces it
+    (`make_buckets`); a full bucket starts an asynchronous all-reduce at once, in bucket order,
+    while backward goes on. When backward ends, `finish_gradient_synchronization` runs by
+    itself: it waits for every all-reduce and writes the averages back into `.grad`, as
+    PyTorch's DDP has them when `loss.backward()` returns. The module docstring lists the
+    options and how this differs from PyTorch's. (About 135 lines: set-up, forward and the
+    hooks of one backward read best in one place; PyTorch's checks are apart, below.)
     """
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, *, impl: str = "torch",
@@ -310,7 +313,7 @@ class DistributedDataParallel(nn.Module):
         """Whether the following backwards all-reduce (FSDP2's name for it): a pipeline turns
         it off for all but a stage's last backward of the step, whose forwards ran long
         before. Unlike no_sync(), the forwards are then not checked against it."""
-        self._sync, self._check_forwards = sync, False
+        self._sync, self._check_forwards, self._forward_synced = sync, False, None
 
     # --- During backward ---------------------------------------------------------------------
 
@@ -324,10 +327,7 @@ class DistributedDataParallel(nn.Module):
         name = bucket.names[position]
         if id(param) in step.arrived:
             self._step = None
-            raise RuntimeError(
-                f"the gradient of {name!r} arrived twice in one backward (reentrant "
-                f"checkpointing, or a second backward through part of the graph); "
-                f"DistributedDataParallel all-reduces each gradient once per backward")
+            _raise_twice(name)
         step.arrived.add(id(param))
         now = clock()
         self.events.append(Event(self.rank, "gradient", name, now, now))
@@ -411,6 +411,13 @@ def _check_no_sync_matches(forward_synced: bool | None, synced: bool) -> None:
             f"backward ran {backward} no_sync() but its forward ran {forward}: put both the "
             f"forward and the backward of each microbatch inside `with model.no_sync():`, or "
             f"both outside it")
+
+
+def _raise_twice(name: str) -> None:
+    raise RuntimeError(
+        f"the gradient of {name!r} arrived twice in one backward (reentrant checkpointing, or "
+        f"a second backward through part of the graph); DistributedDataParallel all-reduces "
+        f"each gradient once per backward")
 
 
 def _raise_unused(rank: int, names: list[str]) -> None:

@@ -21,6 +21,9 @@ if TYPE_CHECKING:
 
     from minidist.network import TwoTier
 
+__all__ = ["Layout", "COLLECTIVES", "draw_collectives", "draw_linear_splits",
+           "draw_two_tiers"]
+
 Layout = list[list[str]]  # per rank, the label of each chunk box ("" = empty)
 
 COLLECTIVES = ("broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter", "send_recv")

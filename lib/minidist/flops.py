@@ -10,6 +10,11 @@ from __future__ import annotations
 from minidist._checks import one_of, positive, positive_int
 from minidist.memory import RECOMPUTE
 
+__all__ = [
+    "model_flops_per_token", "hardware_flops_per_token", "mfu", "hfu",
+    "strong_scaling_efficiency", "weak_scaling_efficiency",
+]
+
 
 def model_flops_per_token(num_params: float, layers: int, hidden: int, seq_len: int) -> float:
     """FLOPs of forward plus backward per token: 6Ψ + 12·L·h·s (PaLM, Appendix B): 2Ψ per

@@ -16,6 +16,8 @@ import torch
 
 from minidist.memory import ModelStateBytes
 
+__all__ = ["storage_bytes", "model_state_footprint", "SavedTensor", "saved_activations"]
+
 
 def _storage(tensor: torch.Tensor) -> tuple[int, int]:
     storage = tensor.untyped_storage()

@@ -178,7 +178,7 @@ class _GatheredParams(torch.autograd.Function):
     @staticmethod
     def forward(ctx, shard, full, unit, flat, *shapes):
         ctx.unit, ctx.flat = unit, flat
-        return tuple(views(full, list(shapes)))  # a list would be one non-differentiable output
+        return tuple(views(full, list(shapes)))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -219,6 +219,54 @@ def _contains(unit_path: str, path: str) -> bool:
     return unit_path == "" or path == unit_path or path.startswith(unit_path + ".")
 
 
+def _unit_paths(model: nn.Module, chosen: list[nn.Module]) -> list[str]:
+    """The chosen units' paths in the model, the root ("") first."""
+    paths = {module: path for path, module in model.named_modules()}
+    for unit in chosen:
+        if unit not in paths:
+            raise ValueError(f"units() returned a {type(unit).__name__} that is not inside "
+                             f"the wrapped {type(model).__name__}: return its submodules only")
+        if isinstance(unit, (nn.ModuleList, nn.ModuleDict)):
+            raise ValueError(f"units() returned {paths[unit]!r}, a {type(unit).__name__}: it is "
+                             f"never called, so its hooks would never gather; return its "
+                             f"children instead")
+    return list(dict.fromkeys(["", *(paths[unit] for unit in chosen)]))
+
+
+def _make_units(model: nn.Module, unit_paths: list[str],
+                owner: FullyShardedDataParallel) -> list[_Unit]:
+    """Place each parameter in the innermost unit containing all its users, flatten each
+    unit's trainable and frozen parameters, and turn the originals into plain attributes
+    (set to views of the gathered buffer while it exists). A chosen unit left with no
+    parameters (its only one was tied and moved up) gets no hooks."""
+    names: dict[nn.Parameter, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(param, []).append(name)
+    placed: dict[str, list[tuple[_Slot, nn.Parameter]]] = {path: [] for path in unit_paths}
+    for param, param_names in names.items():
+        owners = [name.rpartition(".")[0] for name in param_names]
+        ancestor = _closest_common_ancestor(owners)
+        unit_path = max((p for p in unit_paths if _contains(p, ancestor)), key=len)
+        users = [(model.get_submodule(module), name.rpartition(".")[2])
+                 for module, name in zip(owners, param_names, strict=True)]
+        placed[unit_path].append((_Slot(param_names, users, param.shape), param))
+    units = []
+    for path, slots in placed.items():
+        flats = []
+        for trainable in (True, False):
+            mine = [(slot, p) for slot, p in slots if p.requires_grad == trainable]
+            if mine:
+                flats.append(_Flat([s for s, _ in mine], [p for _, p in mine], owner.group,
+                                   trainable))
+        if flats or path == "":  # the root keeps its hooks: they start and end each step
+            units.append(_Unit(path, flats, owner))
+    for slots in placed.values():
+        for slot, _ in slots:
+            for module, attribute in slot.users:
+                module._parameters.pop(attribute, None)
+    return units
+
+
 class FullyShardedDataParallel(nn.Module):
     """ZeRO-3 around `module`: 1/N of every unit's parameters per rank, gathered on demand.
 
@@ -231,6 +279,8 @@ class FullyShardedDataParallel(nn.Module):
     them form the root unit, and tied parameters go to the unit of the closest module
     containing all their users. `impl="ring"` runs minidist's own all-gathers and
     reduce-scatters (`minidist.collectives`), whose bytes `traffic.count_traffic()` counts.
+    (About 135 lines: the hooks around each unit and what they share read best together; the
+    units are built by `_make_units`, the gathering is `_Unit`'s.)
     """
 
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None,
@@ -250,7 +300,7 @@ class FullyShardedDataParallel(nn.Module):
         self._state_keys = list(module.state_dict())  # full_state_dict returns these
         self.gathered: set[str] = set()  # names of the units whose parameters are in memory
         self.peak_gathered = 0
-        self.units = self._make_units(self._unit_paths(units(module)))
+        self.units = _make_units(module, _unit_paths(module, units(module)), self)
         for unit in self.units:
             for flat in unit.flats:
                 kind = "shard" if flat.shard.requires_grad else "frozen_shard"
@@ -259,52 +309,6 @@ class FullyShardedDataParallel(nn.Module):
         for index, unit in enumerate(self.units):
             module.get_submodule(unit.name).register_forward_pre_hook(self._before_forward(index))
             module.get_submodule(unit.name).register_forward_hook(self._after_forward(index))
-
-    def _unit_paths(self, chosen: list[nn.Module]) -> list[str]:
-        """The chosen units' paths in the model, the root ("") first."""
-        paths = {module: path for path, module in self.module.named_modules()}
-        for unit in chosen:
-            if unit not in paths:
-                raise ValueError(f"units() returned a {type(unit).__name__} that is not inside "
-                                 f"the wrapped {type(self.module).__name__}: return its "
-                                 f"submodules only")
-            if isinstance(unit, (nn.ModuleList, nn.ModuleDict)):
-                raise ValueError(f"units() returned {paths[unit]!r}, a "
-                                 f"{type(unit).__name__}: it is never called, so its hooks "
-                                 f"would never gather; return its children instead")
-        return list(dict.fromkeys(["", *(paths[unit] for unit in chosen)]))
-
-    def _make_units(self, unit_paths: list[str]) -> list[_Unit]:
-        """Place each parameter in the innermost unit containing all its users, flatten each
-        unit's trainable and frozen parameters, and turn the originals into plain attributes
-        (set to views of the gathered buffer while it exists). A chosen unit left with no
-        parameters (its only one was tied and moved up) gets no hooks."""
-        names: dict[nn.Parameter, list[str]] = {}
-        for name, param in self.module.named_parameters(remove_duplicate=False):
-            names.setdefault(param, []).append(name)
-        placed: dict[str, list[tuple[_Slot, nn.Parameter]]] = {path: [] for path in unit_paths}
-        for param, param_names in names.items():
-            owners = [name.rpartition(".")[0] for name in param_names]
-            ancestor = _closest_common_ancestor(owners)
-            unit_path = max((p for p in unit_paths if _contains(p, ancestor)), key=len)
-            users = [(self.module.get_submodule(owner), name.rpartition(".")[2])
-                     for owner, name in zip(owners, param_names, strict=True)]
-            placed[unit_path].append((_Slot(param_names, users, param.shape), param))
-        units = []
-        for path, slots in placed.items():
-            flats = []
-            for trainable in (True, False):
-                mine = [(slot, p) for slot, p in slots if p.requires_grad == trainable]
-                if mine:
-                    flats.append(_Flat([s for s, _ in mine], [p for _, p in mine], self.group,
-                                       trainable))
-            if flats or path == "":  # the root keeps its hooks: they start and end each step
-                units.append(_Unit(path, flats, self))
-        for slots in placed.values():
-            for slot, _ in slots:
-                for module, attribute in slot.users:
-                    module._parameters.pop(attribute, None)
-        return units
 
     def _before_forward(self, index: int):
         unit = self.units[index]

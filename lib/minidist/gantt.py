@@ -22,9 +22,9 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-__all__ = ["HATCHES", "draw_on", "draw", "draw_all"]
+__all__ = ["draw", "draw_all"]
 
-HATCHES = {"F": "", "B": "///", "W": "..."}
+_HATCHES = {"F": "", "B": "///", "W": "..."}
 
 
 def _title(timeline: Timeline, name: str | None) -> str:
@@ -36,7 +36,7 @@ def _title(timeline: Timeline, name: str | None) -> str:
     return f"{name}: bubble {timeline.bubble_fraction:.1%}"
 
 
-def draw_on(ax: Axes, timeline: Timeline, title: str | None = None) -> None:
+def _draw_on(ax: Axes, timeline: Timeline, title: str | None = None) -> None:
     """Draw `timeline` on the matplotlib axes `ax` with `minidist.timeline.draw`. The title is
     `title` (default: the schedule's name, p, m, and whether it was simulated or measured),
     then the bubble."""
@@ -52,14 +52,14 @@ def draw_on(ax: Axes, timeline: Timeline, title: str | None = None) -> None:
         chunk = action.stage // schedule.ranks
         shade = 1.0 - 0.35 * chunk / max(schedule.chunks - 1, 1)  # paler: later chunk
         return {"facecolor": to_rgba(colors(action.microbatch % colors.N), shade),
-                "edgecolor": "black", "linewidth": 0.6, "hatch": HATCHES[action.kind] or None}
+                "edgecolor": "black", "linewidth": 0.6, "hatch": _HATCHES[action.kind] or None}
 
     lanes = [f"rank {r}" for r in range(schedule.ranks)]
     end = timeline.start + timeline.makespan
     kinds = ["F", "B", "W"] if schedule.split_backward else ["F", "B"]
     names = {"F": "forward", "B": "input grad." if schedule.split_backward else "backward",
              "W": "weight grad."}
-    legend = [(names[k], {"hatch": HATCHES[k]}) for k in kinds]
+    legend = [(names[k], {"hatch": _HATCHES[k]}) for k in kinds]
     legend.append(("idle", {"facecolor": IDLE_COLOR, "edgecolor": "#bbbbbb", "hatch": "xx"}))
     plot_events([e for events in timeline.events for e in events], style=style,
          label=lambda e: e.detail.label(show_stage=False), lanes=lanes,
@@ -87,7 +87,7 @@ def draw_all(timelines: Sequence[Timeline], titles: Sequence[str] | None = None,
     fig, axes = plt.subplots(len(timelines), 1, figsize=(10, sum(heights)), squeeze=False,
                              height_ratios=heights)
     for index, (ax, timeline) in enumerate(zip(axes[:, 0], timelines, strict=True)):
-        draw_on(ax, timeline, titles[index] if titles else None)
+        _draw_on(ax, timeline, titles[index] if titles else None)
     if same_scale:
         right = max(ax.get_xlim()[1] for ax in axes[:, 0])
         for ax in axes[:, 0]:

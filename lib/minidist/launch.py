@@ -47,6 +47,11 @@ import torch.distributed as dist
 from minidist._checks import positive_int
 from minidist._supervisor import Failure, RanksFailed, RanksStuck, Supervisor, to_cpu
 
+__all__ = [
+    "DEFAULT_TIMEOUT_S", "RankError", "RankTimeout", "RunInterrupted", "default_backend",
+    "device", "run",
+]
+
 DEFAULT_TIMEOUT_S = float(os.environ.get("MINIDIST_TIMEOUT", "30"))
 """Seconds `run` waits for all ranks when no timeout is given; `MINIDIST_TIMEOUT` overrides it
 (graders set it below their per-cell limit)."""

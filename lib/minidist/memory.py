@@ -6,7 +6,7 @@ bytes (`GiB`), is what `nvidia-smi` and PyTorch's memory counters print. What a 
 stage holds in flight is `minidist.pipeline.inflight_microbatches`; what each strategy sends,
 `minidist.traffic`; FLOPs and MFU, `minidist.flops`.
 
-Notation (as in the course's REFERENCE page): Ψ parameters, N data-parallel ranks, t
+Notation (as in REFERENCES.md#notation): Ψ parameters, N data-parallel ranks, t
 tensor-parallel degree, s sequence length, b microbatch size, h hidden size, a attention
 heads, L layers.
 
@@ -23,6 +23,12 @@ import math
 from dataclasses import dataclass
 
 from minidist._checks import one_of, positive, positive_int
+
+__all__ = [
+    "GB", "GiB", "Precision", "PRECISIONS", "OPTIMIZER_STATES", "ModelStateBytes",
+    "bytes_per_param", "model_state_bytes", "min_gpus_for_model_state", "ActivationTerm",
+    "activation_terms", "RECOMPUTE", "activation_bytes",
+]
 
 GB = 1e9
 GiB = 2**30

@@ -84,8 +84,8 @@ class Mesh:
         if product != world:
             shape = "·".join(f"{name}={size}" for name, size in sizes.items())
             raise ValueError(
-                f"{shape} makes {product} ranks but the job has {world}: choose sizes whose "
-                f"product is {world}, or start {product} ranks")
+                f"{shape} makes {product} ranks but the job has {world} ranks: choose sizes "
+                f"whose product is {world}, or start {product} ranks")
         if network is not None and not isinstance(network, TwoTier):
             raise ValueError(f"network={network!r}: give a minidist.network.TwoTier, e.g. "
                              f"TwoTier(ranks_per_node=2)")

@@ -16,6 +16,8 @@ from torch import nn
 
 from minidist._checks import positive_int
 
+__all__ = ["MLP", "Attention", "attend", "FeedForward", "TransformerBlock", "TinyGPT", "lm_loss"]
+
 
 class MLP(nn.Module):
     """`depth` Linear+GELU layers of width `hidden`, then a Linear to `out_features`."""

@@ -43,12 +43,11 @@ from minidist.models import FeedForward
 
 __all__ = [
     "route", "capacity_of", "within_capacity", "tokens_per_expert", "split_sizes",
-    "exchange_counts", "AllToAll", "all_to_all", "run_experts", "dispatch_and_combine",
-    "group_size", "MoELayer",
+    "exchange_counts", "AllToAll", "all_to_all", "run_experts", "dispatch_and_combine", "MoELayer",
 ]
 
 
-def group_size(group: dist.ProcessGroup | None) -> int:
+def _group_size(group: dist.ProcessGroup | None) -> int:
     """Ranks in the expert-parallel `group`: 1 when torch.distributed is not initialized."""
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
@@ -136,7 +135,7 @@ def dispatch_and_combine(outgoing: torch.Tensor, counts: torch.Tensor, experts: 
     by expert, `counts` [E] how many go to each expert. Counts -> split sizes -> all-to-all
     -> this rank's experts -> all-to-all back; returns each row's expert output, in
     `outgoing`'s order. In a group of one rank every expert is local and nothing is sent."""
-    if group_size(group) == 1:
+    if _group_size(group) == 1:
         return run_experts(experts, outgoing, counts.view(1, -1))
     received_counts = exchange_counts(counts, group)
     send = split_sizes(counts, dist.get_world_size(group))
@@ -170,7 +169,7 @@ class MoELayer(nn.Module):
                              f"go to more experts than there are; use top_k <= {experts}")
         if capacity_factor is not None:
             positive(capacity_factor=capacity_factor)
-        self.ranks = group_size(group)
+        self.ranks = _group_size(group)
         if experts % self.ranks:
             raise ValueError(
                 f"experts={experts} is not divisible by the expert-parallel group's "

@@ -45,9 +45,10 @@ from minidist.ddp import DistributedDataParallel, broadcast_parameters
 from minidist.mesh import Mesh
 from minidist.models import TinyGPT, lm_loss
 from minidist.tensor_parallel import (
-    GatherFromSequenceParallel,
+    SEQUENCE_DIM,
+    GatherAlong,
     ParallelTransformerBlock,
-    ScatterToSequenceParallel,
+    SplitAlong,
 )
 from minidist.zero import ZeroOptimizer
 
@@ -57,7 +58,7 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 SCHEDULES = ("gpipe", "1f1b")
 """Schedules whose backward is one pass (the split backward of zero-bubble schedules would run
 the tensor-parallel collectives twice)."""
-PIPELINE_WAIT_S = 120.0
+_PIPELINE_WAIT_S = 120.0
 """How long a pipeline rank waits for a message before it reports a deadlock: generous, since
 8 ranks on a 2-core laptop take turns."""
 
@@ -76,7 +77,7 @@ class TinyGPTStage(nn.Module):
         self.blocks = nn.ModuleList(
             copy.deepcopy(block) if tp_group is None else ParallelTransformerBlock(
                 block.attn.q_proj.in_features, block.attn.heads, block.mlp.fc1.out_features,
-                sequence_parallel, group=tp_group).load_from(block)
+                tp_group, sequence_parallel).load_from(block)
             for block in model.blocks[first:end])
         self.norm = copy.deepcopy(model.norm) if is_last else None
         self.head = copy.deepcopy(model.head) if is_last else None
@@ -85,12 +86,12 @@ class TinyGPTStage(nn.Module):
         if self.is_first:
             x = self.embeddings(x)
             if self.sequence_parallel:
-                x = ScatterToSequenceParallel.apply(x, self.tp_group)
+                x = SplitAlong.apply(x, SEQUENCE_DIM, self.tp_group)
         for block in self.blocks:
             x = block(x)
         if self.is_last:
             if self.sequence_parallel:
-                x = GatherFromSequenceParallel.apply(x, self.tp_group)
+                x = GatherAlong.apply(x, SEQUENCE_DIM, self.tp_group)
             x = self.head(self.norm(x))
         return x
 
@@ -167,7 +168,7 @@ class Parallel3D:
                 self.schedule, {self.stage_index: self.module},
                 ids[mine] if self.stage.is_first else None,
                 targets[mine] if self.stage.is_last else None,
-                lm_loss, timeout=PIPELINE_WAIT_S,
+                lm_loss, timeout=_PIPELINE_WAIT_S,
                 group=self.mesh.group("pp"))
             self.optimizer.step()
         self.traffic = self._per_dimension(log)

@@ -48,6 +48,8 @@ from minidist._checks import positive, positive_int, require_process_group
 from minidist.comm import chunk_bounds
 from minidist.flat import copy_back, flatten
 
+__all__ = ["ParameterServer", "stale_gradient_descent"]
+
 
 class ParameterServer:
     """One training job's servers and workers; build it on every one of their ranks.

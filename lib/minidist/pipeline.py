@@ -52,6 +52,12 @@ from typing import NamedTuple
 from minidist._checks import one_of, positive, positive_int
 from minidist.timeline import Event
 
+__all__ = [
+    "SCHEDULES", "COMPUTE", "COMMUNICATION", "ScheduleError", "Action", "peer", "Schedule",
+    "schedule", "validate", "Costs", "action_event", "Timeline", "simulate", "ZB_COSTS",
+    "bubble_time", "bubble_fraction", "bubble_relative_to_ideal", "inflight_microbatches",
+]
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")
 """Every schedule minidist knows. `schedule` generates all but "zb-h2", whose bubble and
 memory the formulas below give."""

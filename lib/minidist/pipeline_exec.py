@@ -127,13 +127,13 @@ def check_stages(stages: Sequence[nn.Module], example: torch.Tensor) -> list[tor
 # --- Before the first microbatch: the shapes each stage will receive ---------------------------
 
 _DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
-Shape = tuple[torch.Size, torch.dtype]
+_Shape = tuple[torch.Size, torch.dtype]
 
 
 def exchange_shapes(schedule: Schedule, stages: dict[int, nn.Module],
                     first_input: torch.Tensor | None, first_target: torch.Tensor | None,
                     loss_fn: LossFn, group: dist.ProcessGroup | None
-                    ) -> tuple[dict[int, Shape], dict[int, Shape]]:
+                    ) -> tuple[dict[int, _Shape], dict[int, _Shape]]:
     """Walk the pipeline once: stage k's owner runs one microbatch's forward and backward
     (warming it up: the first backward in a process imports sympy, ~0.3 s, and would otherwise
     be timed) and tells stage k+1's owner the shape of what it will send. Returns (shape and
@@ -142,8 +142,8 @@ def exchange_shapes(schedule: Schedule, stages: dict[int, nn.Module],
     shape = first_input.shape if first_input is not None else None
     dtype = first_input.dtype if first_input is not None else torch.float32
     meta = torch.zeros(2 + 8, dtype=torch.int64)  # dtype code, ndim, up to 8 sizes
-    outputs: dict[int, Shape] = {}
-    incoming: dict[int, Shape] = {}
+    outputs: dict[int, _Shape] = {}
+    incoming: dict[int, _Shape] = {}
     last = schedule.num_stages - 1
     with uncounted():
         for k in sorted(stages):
@@ -242,8 +242,76 @@ class RankTrace:
     losses: list[float]
 
 
+class _Mailbox:
+    """One rank's point-to-point messages: sends posted and kept until the end, receives posted
+    ahead of their place, and every wait bounded, ending in the deadlock report."""
+
+    def __init__(self, schedule: Schedule, rank: int, group: dist.ProcessGroup | None,
+                 timeout: float):
+        self.schedule, self.rank, self.group = schedule, rank, group
+        self.actions = schedule.actions[rank]
+        self.timeout = datetime.timedelta(seconds=timeout)
+        self.reporter = _Reporter(rank, schedule.ranks, group, timeout)
+        self.sends: list[tuple[int, Action, dist.Work, torch.Tensor]] = []
+        self.receives: dict[Action, tuple[dist.Work, torch.Tensor]] = {}  # posted, not waited
+
+    def send(self, index: int, action: Action, tensor: torch.Tensor) -> None:
+        request = dist.isend(tensor.contiguous(),
+                             _global(self.group, peer(self.schedule, action)),
+                             group=self.group, tag=_tag(self.schedule, action))
+        self.sends.append((index, action, request, tensor))  # keep it alive until sent
+
+    # A receive is posted (irecv) ahead of its place in the list: when the rank starts the
+    # compute action before it, so that the transfer overlaps that computation. It is waited
+    # for at its place. Posting early never blocks, so this cannot add a deadlock.
+    def post_receives(self, start: int, shape_of: Callable[[Action], _Shape]) -> None:
+        """Post the receives from `start` up to the next compute action."""
+        for action in itertools.takewhile(lambda a: not a.is_compute, self.actions[start:]):
+            if action.kind.startswith("RECV") and action not in self.receives:
+                shape, dtype = shape_of(action)
+                buffer = torch.empty(shape, dtype=dtype)
+                request = dist.irecv(buffer, _global(self.group, peer(self.schedule, action)),
+                                     group=self.group, tag=_tag(self.schedule, action))
+                self.receives[action] = (request, buffer)
+
+    def receive(self, index: int, action: Action) -> torch.Tensor:
+        request, buffer = self.receives.pop(action)
+        self.wait(index, request, action.describe(self.schedule))
+        return buffer
+
+    def finish(self) -> None:
+        """Wait until every send has been received."""
+        for index, action, request, _ in self.sends:
+            self.wait(index, request, f"wait until rank {peer(self.schedule, action)} receives "
+                                      f"what action {index} sent "
+                                      f"({action.describe(self.schedule)})")
+        self.reporter.publish("finished all its actions")
+
+    def wait(self, index: int, request: dist.Work, doing: str) -> None:
+        """Wait for a send or receive of the schedule; past the time limit, report a deadlock.
+        A rank that gives up waiting closes its connections, so a peer still waiting on it
+        sees "connection closed" rather than a timeout: that rank is stuck as well."""
+        try:
+            request.wait(self.timeout)
+        except RuntimeError as error:
+            text = str(error).lower()
+            if "timed out" in text:
+                why = ""
+            elif "connection closed" in text or "connection reset" in text:
+                why = " (until a peer gave up waiting and closed its connection)"
+            else:
+                raise
+            label = self.actions[index].label(self.schedule, self.schedule.chunks > 1)
+            self.reporter.publish(f"is stuck at action {index} ({label}): waiting to "
+                                  f"{doing}{why}")
+            raise self.reporter.deadlock() from None
+
+
 class _Executor:
-    """The state of one rank while it runs its action list."""
+    """The state of one rank while it runs its action list: what each action computes, and
+    the activations and gradients it keeps per (stage, microbatch) until the backward that
+    frees them. (About 135 lines: one short method per kind of action, in one place with the
+    table that dispatches them; the messages are `_Mailbox`'s.)"""
 
     def __init__(self, schedule: Schedule, stages: dict[int, nn.Module],
                  inputs: torch.Tensor | None, targets: torch.Tensor | None, loss_fn: LossFn,
@@ -253,32 +321,26 @@ class _Executor:
         self.rank = dist.get_rank(group)  # the pipeline rank: this rank's place in the group
         self.actions = schedule.actions[self.rank]
         self.loss_fn, self.costs, self.time_unit = loss_fn, costs, time_unit
-        self.timeout = datetime.timedelta(seconds=timeout)
         self.last = schedule.num_stages - 1
         m = schedule.microbatches
         self.inputs = split_microbatches(inputs, m) if 0 in stages else []
         self.targets = split_microbatches(targets, m) if self.last in stages else []
-        self.reporter = _Reporter(self.rank, schedule.ranks, group, timeout)
+        self.mailbox = _Mailbox(schedule, self.rank, group, timeout)
         # Per (stage, microbatch): the stage's input (a leaf that collects its gradient), its
         # output (the loss on the last stage), the gradient of its output, of its input.
         self.stage_input: dict[tuple[int, int], torch.Tensor] = {}
         self.stage_output: dict[tuple[int, int], torch.Tensor] = {}
         self.output_grad: dict[tuple[int, int], torch.Tensor] = {}
         self.input_grad: dict[tuple[int, int], torch.Tensor] = {}
-        self.sends: list[tuple[int, Action, dist.Work, torch.Tensor]] = []
-        self.receives: dict[Action, tuple[dist.Work, torch.Tensor]] = {}  # posted, not waited
         self.events: list[Event] = []
         self.losses: list[float] = []
         # the last action of each stage that accumulates weight gradients: sync happens there
         accumulates = "W" if schedule.split_backward else "B"
         self.syncs = {k: max(i for i, a in enumerate(self.actions)
                              if a.kind == accumulates and a.stage == k) for k in stages}
-        self.outputs: dict[int, Shape] = {}
-        self.incoming: dict[int, Shape] = {}
+        self.outputs: dict[int, _Shape] = {}
+        self.incoming: dict[int, _Shape] = {}
         self.index = 0  # position in this rank's action list
-
-    def local(self, stage: int) -> bool:
-        return stage in self.stages
 
     def run(self) -> RankTrace:
         self.outputs, self.incoming = exchange_shapes(
@@ -286,58 +348,36 @@ class _Executor:
             self.targets[0] if self.targets else None, self.loss_fn, self.group)
         with uncounted():
             collectives.barrier(self.group, when="start the clock together")
-        self.post_receives(0)
+        self.mailbox.post_receives(0, self.shape_of)
         for index, action in enumerate(self.actions):
             self.index = index
             if action.is_compute:
-                self.post_receives(index + 1)
+                self.mailbox.post_receives(index + 1, self.shape_of)
             self.ACTIONS[action.kind](self, action)
-        for index, action, request, _ in self.sends:
-            self.index = index
-            self.wait(request, f"wait until rank {peer(self.schedule, action)} receives what "
-                               f"action {index} sent ({action.describe(self.schedule)})")
-        self.reporter.publish("finished all its actions")
+        self.mailbox.finish()
         return RankTrace(self.rank, self.events, self.losses)
+
+    def shape_of(self, receive: Action) -> _Shape:
+        """What a receive brings: the previous stage's output, or this stage's output grad."""
+        return (self.incoming if receive.kind == "RECV_F" else self.outputs)[receive.stage]
 
     # --- Communication ---
 
     def send_activation(self, action: Action) -> None:
-        self.send(action, self.stage_output[action.stage, action.microbatch].detach())
+        output = self.stage_output[action.stage, action.microbatch].detach()
+        self.mailbox.send(self.index, action, output)
 
     def send_gradient(self, action: Action) -> None:
-        self.send(action, self.input_grad.pop((action.stage, action.microbatch)))
-
-    def send(self, action: Action, tensor: torch.Tensor) -> None:
-        request = dist.isend(tensor.contiguous(),
-                             _global(self.group, peer(self.schedule, action)),
-                             group=self.group, tag=_tag(self.schedule, action))
-        self.sends.append((self.index, action, request, tensor))  # keep it alive until sent
-
-    # A receive is posted (irecv) ahead of its place in the list: when the rank starts the
-    # compute action before it, so that the transfer overlaps that computation. It is waited
-    # for at its place. Posting early never blocks, so this cannot add a deadlock.
-    def post_receives(self, start: int) -> None:
-        """Post the receives from `start` up to the next compute action."""
-        for action in itertools.takewhile(lambda a: not a.is_compute, self.actions[start:]):
-            if action.kind.startswith("RECV") and action not in self.receives:
-                shape, dtype = (self.incoming[action.stage] if action.kind == "RECV_F"
-                                else self.outputs[action.stage])
-                buffer = torch.empty(shape, dtype=dtype)
-                request = dist.irecv(buffer, _global(self.group, peer(self.schedule, action)),
-                                     group=self.group, tag=_tag(self.schedule, action))
-                self.receives[action] = (request, buffer)
-
-    def receive(self, action: Action) -> torch.Tensor:
-        request, buffer = self.receives.pop(action)
-        self.wait(request, action.describe(self.schedule))
-        return buffer
+        grad = self.input_grad.pop((action.stage, action.microbatch))
+        self.mailbox.send(self.index, action, grad)
 
     def receive_activation(self, action: Action) -> None:
-        buffer = self.receive(action)
+        buffer = self.mailbox.receive(self.index, action)
         self.stage_input[action.stage, action.microbatch] = buffer.requires_grad_()
 
     def receive_gradient(self, action: Action) -> None:
-        self.output_grad[action.stage, action.microbatch] = self.receive(action)
+        grad = self.mailbox.receive(self.index, action)
+        self.output_grad[action.stage, action.microbatch] = grad
 
     # --- Compute ---
 
@@ -350,7 +390,7 @@ class _Executor:
                 loss = self.loss_fn(out, self.targets[j])
                 self.losses.append(loss.item())
                 out = loss / self.schedule.microbatches
-            elif self.local(k + 1):
+            elif k + 1 in self.stages:
                 self.stage_input[k + 1, j] = out.detach().requires_grad_()
             self.stage_output[k, j] = out
 
@@ -394,7 +434,7 @@ class _Executor:
     def grad_of_output(self, k: int, j: int) -> torch.Tensor | None:
         if k == self.last:
             return None  # the output is the loss
-        if self.local(k + 1):
+        if k + 1 in self.stages:
             return self.input_grad[k + 1, j]
         return self.output_grad[k, j]
 
@@ -407,26 +447,6 @@ class _Executor:
     def timed(self, action: Action) -> _Timed:
         seconds = self.costs.of(action, self.schedule.split_backward) * self.time_unit
         return _Timed(self, action, seconds)
-
-    def wait(self, request: dist.Work, doing: str) -> None:
-        """Wait for a send or receive of the schedule; past the time limit, report a deadlock.
-        A rank that gives up waiting closes its connections, so a peer still waiting on it
-        sees "connection closed" rather than a timeout: that rank is stuck as well."""
-        try:
-            request.wait(self.timeout)
-        except RuntimeError as error:
-            text = str(error).lower()
-            if "timed out" in text:
-                why = ""
-            elif "connection closed" in text or "connection reset" in text:
-                why = " (until a peer gave up waiting and closed its connection)"
-            else:
-                raise
-            action = self.actions[self.index]
-            label = action.label(self.schedule, self.schedule.chunks > 1)
-            self.reporter.publish(f"is stuck at action {self.index} ({label}): waiting to "
-                                  f"{doing}{why}")
-            raise self.reporter.deadlock() from None
 
 
 def _tag(schedule: Schedule, action: Action) -> int:

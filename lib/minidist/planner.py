@@ -38,6 +38,12 @@ from minidist.memory import GB, RECOMPUTE, activation_bytes, bytes_per_param, mo
 from minidist.pipeline import bubble_relative_to_ideal, inflight_microbatches
 from minidist.traffic import data_parallel_traffic, pipeline_traffic, tensor_parallel_traffic
 
+__all__ = [
+    "Model", "MODELS", "Cluster", "Layout", "MemoryEstimate", "StepTime", "Reason", "Evaluation",
+    "LOGIT_BYTES", "pipeline_rank_memory", "estimate_memory", "estimate_time", "check_rules",
+    "evaluate", "candidate_layouts", "Plan", "plan", "RuleCheck", "rules_of_thumb",
+]
+
 
 @dataclass(frozen=True)
 class Model:

@@ -63,6 +63,12 @@ from minidist.timeline import IDLE_COLOR, Event, clock, plot_events
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
+__all__ = [
+    "KINDS", "COMMUNICATION_PREFIXES", "COMPUTE_PREFIX", "Interval", "is_communication", "merge",
+    "total", "intersect", "subtract", "ProfileTimeline", "overlap_fraction", "classify",
+    "profile_ranks", "measure_peak_flops",
+]
+
 KINDS = ("compute", "communication")
 COMMUNICATION_PREFIXES = ("c10d::", "gloo:", "nccl:")
 """Event names that are communication: the c10d operators callers enter, and the work events

@@ -43,8 +43,7 @@ from minidist.models import TransformerBlock, attend
 
 __all__ = [
     "SEQUENCE_DIM", "CopyToParallel", "ReduceFromParallel", "ReduceScatterToSequenceParallel",
-    "ScatterToSequenceParallel", "GatherFromSequenceParallel", "GatherFeatures",
-    "SplitFeatures", "GatherSequenceThenLinears", "ColumnParallelLinear",
+    "GatherAlong", "SplitAlong", "GatherSequenceThenLinears", "ColumnParallelLinear",
     "ChunkedGatherThenLinear", "AsyncColumnParallelLinear", "RowParallelLinear",
     "exit_parallel_region", "ParallelMLP", "ParallelAttention", "ParallelTransformerBlock",
     "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
@@ -121,59 +120,35 @@ class ReduceScatterToSequenceParallel(torch.autograd.Function):
         return _gather_along(grad, SEQUENCE_DIM, ctx.group, "backward"), None
 
 
-class ScatterToSequenceParallel(torch.autograd.Function):
-    """Enter the sequence-parallel region from a replicated activation: keep this rank's slice
-    of the sequence forward (no communication), all-gather the gradient backward."""
+class GatherAlong(torch.autograd.Function):
+    """All-gather dim `dim` forward; backward keeps this rank's slice of the gradient, which
+    every rank computed whole and alike. On the features (dim -1): a column-parallel layer's
+    gathered output. On the sequence (`SEQUENCE_DIM`): leaving the sequence-parallel region
+    for replicated layers."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split(x, SEQUENCE_DIM, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_along(grad, SEQUENCE_DIM, ctx.group, "backward"), None
-
-
-class GatherFromSequenceParallel(torch.autograd.Function):
-    """Leave the sequence-parallel region for replicated layers: all-gather the sequence
-    forward; backward keeps this rank's slice of the gradient, which every rank computed
-    whole and alike."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_along(x, SEQUENCE_DIM, group, "forward")
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _gather_along(x, dim, group, "forward")
 
     @staticmethod
     def backward(ctx, grad):
-        return _split(grad, SEQUENCE_DIM, ctx.group), None
+        return _split(grad, ctx.dim, ctx.group), None, None
 
 
-class GatherFeatures(torch.autograd.Function):
-    """All-gather the last dim forward, keep this rank's slice of the gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_along(x, -1, group, "forward")
+class SplitAlong(torch.autograd.Function):
+    """Keep this rank's slice of dim `dim` forward (no communication); all-gather the
+    gradient backward. On the sequence: entering the sequence-parallel region from a
+    replicated activation. On the features: a row-parallel layer's input, split here."""
 
     @staticmethod
-    def backward(ctx, grad):
-        return _split(grad, -1, ctx.group), None
-
-
-class SplitFeatures(torch.autograd.Function):
-    """Keep this rank's slice of the last dim forward, all-gather the gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split(x, -1, group)
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _split(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_along(grad, -1, ctx.group, "backward"), None
+        return _gather_along(grad, ctx.dim, ctx.group, "backward"), None, None
 
 
 class GatherSequenceThenLinears(torch.autograd.Function):
@@ -259,7 +234,7 @@ class ColumnParallelLinear(nn.Module):
             if self.copy_input:
                 x = CopyToParallel.apply(x, self.group)
             y = F.linear(x, self.weight, self.bias)
-        return GatherFeatures.apply(y, self.group) if self.gather_output else y
+        return GatherAlong.apply(y, -1, self.group) if self.gather_output else y
 
     @torch.no_grad()
     def load_from(self, linear: nn.Linear) -> ColumnParallelLinear:
@@ -329,7 +304,7 @@ class AsyncColumnParallelLinear(ColumnParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = ChunkedGatherThenLinear.apply(x, self.group, self.weight, self.bias)
-        return GatherFeatures.apply(y, self.group) if self.gather_output else y
+        return GatherAlong.apply(y, -1, self.group) if self.gather_output else y
 
 
 class RowParallelLinear(nn.Module):
@@ -358,7 +333,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
-            x = SplitFeatures.apply(x, self.group)
+            x = SplitAlong.apply(x, -1, self.group)
         if x.shape[-1] != self.local_in:
             raise ValueError(
                 f"RowParallelLinear expects this rank's {self.local_in} of {self.in_features} "
@@ -451,8 +426,8 @@ class ParallelTransformerBlock(nn.Module):
     rank. With it, each rank holds its seq/t slice of the sequence in and out, and the
     LayerNorms run on that slice only."""
 
-    def __init__(self, hidden: int, heads: int, ffn_hidden: int, sequence_parallel: bool = False,
-                 group: dist.ProcessGroup | None = None):
+    def __init__(self, hidden: int, heads: int, ffn_hidden: int,
+                 group: dist.ProcessGroup | None = None, sequence_parallel: bool = False):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
         self.norm1 = nn.LayerNorm(hidden)

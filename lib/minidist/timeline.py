@@ -67,6 +67,7 @@ def plot_events(events: Sequence[Event],
     counts as busy or idle (hatched grey underneath, so idle shows); `notes[lane]` text after
     the lane's end; `legend` (label, style) pairs. Returns the axes."""
     import matplotlib.pyplot as plt
+    from matplotlib.collections import PatchCollection
     from matplotlib.patches import Patch, Rectangle
 
     order = list(lanes) if lanes is not None else list(dict.fromkeys(map(lane, events)))
@@ -78,22 +79,31 @@ def plot_events(events: Sequence[Event],
     ends = [(e.end if e.end is not None else e.start) for e in events]
     right = right if right is not None else max([(end - origin) * scale for end in ends]
                                                 + [0.0])
-    for name, intervals in (spans or {}).items():
-        for start, end in intervals:
-            ax.add_patch(Rectangle(((start - origin) * scale, row[name] + 0.1),
-                                   (end - start) * scale, 0.8, facecolor=IDLE_COLOR,
-                                   edgecolor="#bbbbbb", hatch="xx", linewidth=0.0))
+    idle = [Rectangle(((start - origin) * scale, row[name] + 0.1), (end - start) * scale, 0.8)
+            for name, intervals in (spans or {}).items() for start, end in intervals]
+    if idle:
+        ax.add_collection(PatchCollection(idle, facecolor=IDLE_COLOR, edgecolor="#bbbbbb",
+                                          hatch="xx", linewidth=0.0))
+    # One collection per kind of outline: hundreds of boxes draw fast.
+    boxes: dict[tuple, tuple[list[Rectangle], list]] = {}
     for event in events:
         y, left = row[lane(event)], (event.start - origin) * scale
-        props = {"facecolor": "tab:blue", "edgecolor": "none", **style(event)}
+        props = {"facecolor": "tab:blue", "edgecolor": "none", "linewidth": 0.0, "hatch": None,
+                 **style(event)}
         if event.end is None or event.end == event.start:
             ax.vlines(left, y + 0.15, y + 0.85, color=props["facecolor"], linewidth=1)
             continue
         width = (event.end - event.start) * scale
-        ax.add_patch(Rectangle((left, y + 0.1), width, 0.8, **props))
+        outline = (props["hatch"], props["edgecolor"], props["linewidth"])
+        rectangles, faces = boxes.setdefault(outline, ([], []))
+        rectangles.append(Rectangle((left, y + 0.1), width, 0.8))
+        faces.append(props["facecolor"])
         text = label(event)
         if text and width >= len(text) * right / 120:  # room for it at fontsize 7
             ax.text(left + width / 2, y + 0.5, text, ha="center", va="center", fontsize=7)
+    for (hatch, edgecolor, linewidth), (rectangles, faces) in boxes.items():
+        ax.add_collection(PatchCollection(rectangles, facecolors=faces, edgecolor=edgecolor,
+                                          linewidth=linewidth, hatch=hatch))
     for name, text in (notes or {}).items():
         ax.text(right * 1.01, row[name] + 0.5, text, va="center", fontsize=8)
     ax.set_xlim(0, right * (1.12 if notes else 1.02) or 1.0)

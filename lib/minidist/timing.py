@@ -14,6 +14,7 @@ rank's times come from an all-gather), outside any `count_traffic` log.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable, Mapping
 
 import torch
@@ -23,7 +24,7 @@ from minidist import comm
 from minidist.timeline import clock
 from minidist.traffic import uncounted
 
-__all__ = ["time_in_turns", "barrier"]
+__all__ = ["time_in_turns", "median_ratio", "barrier"]
 
 
 def barrier(group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu") -> None:
@@ -63,6 +64,11 @@ def time_in_turns(calls: Mapping[str, Callable[[], object]], rounds: int,
                 timings[round_, i] = (clock() - start) / counts[name]
     slowest = _gather(timings.view(-1), group).amax(dim=0).view(rounds, len(names))
     return {name: slowest[:, i].tolist() for i, name in enumerate(names)}
+
+
+def median_ratio(times: Mapping[str, list[float]], ours: str, theirs: str) -> float:
+    """The median over rounds of (ours / theirs): a round's two timings met the same load."""
+    return statistics.median(a / b for a, b in zip(times[ours], times[theirs], strict=True))
 
 
 def _gather(values: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

@@ -72,6 +72,11 @@ from minidist.launch import run
 from minidist.models import TinyGPT
 from minidist.zero import ZeroOptimizer
 
+__all__ = [
+    "TrainConfig", "SyntheticTokens", "ResumableSampler", "GradientGuard", "CollectiveTimeout",
+    "train", "parse_args", "main",
+]
+
 
 @dataclass
 class TrainConfig:

@@ -23,6 +23,8 @@ from minidist.planner import MODELS, Layout, MemoryEstimate, Model, pipeline_ran
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
+__all__ = ["memory_by_zero_stage", "PARTS", "draw_memory", "MemoryCalculator", "BubbleExplorer"]
+
 # --- Memory per rank --------------------------------------------------------------------------
 
 
