@@ -10,19 +10,20 @@ loopback, all equally fast. This module makes a laptop feel the difference:
     collectives.all_reduce(t, impl="hierarchical")   # reduce-scatter in the node, all-reduce
                                                      # across nodes, all-gather in the node
 
-**It is an emulation.** While a Mesh built with an emulated `TwoTier` exists, every
-point-to-point message this process sends (minidist's algorithms, and a student's own
-dist.send / dist.isend, all of which end in torch's ProcessGroup.send) is held back for the
-time its link would take: it leaves when the sending rank's port for that tier is free, takes
-nbytes * beta on it, and arrives alpha later; only then does the real send start. Messages on
-one port queue behind each other (a port per rank and tier, as a GPU has its NVLinks and its
-own network port); a delayed isend returns at once, so overlap still overlaps. The emulated
-links are scaled down (25 MB/s between nodes, not 50 GB/s) so that the real loopback transfer
-underneath is small beside them and a laptop measures them in milliseconds; ratios, not
-absolute times, carry over to a cluster. torch's own collectives (dist.all_reduce, gloo's and
-NCCL's) run in C++ and bypass the emulation: compare minidist's algorithms with each other
-under it, never with torch's. On a real cluster the links are real: build the mesh with
-`TwoTier(..., emulated=False)` to tell minidist where the nodes are without delaying anything.
+**It is an emulation.** Once a Mesh is built with an emulated `TwoTier` (until `detach()`, or
+the next Mesh built with a network), every point-to-point message this process sends
+(minidist's algorithms, and a student's own dist.send / dist.isend, all of which end in torch's
+ProcessGroup.send) is held back for the time its link would take: it leaves when the sending
+rank's port for that tier is free, takes nbytes * beta on it, and arrives alpha later; only
+then does the real send start. Messages on one port queue behind each other (a port per rank
+and tier, as a GPU has its NVLinks and its own network port); a delayed isend returns at once,
+so overlap still overlaps. The emulated links are scaled down (25 MB/s between nodes, not 50
+GB/s) so that the real loopback transfer underneath is small beside them and a laptop measures
+them in milliseconds; ratios, not absolute times, carry over to a cluster. torch's own
+collectives (dist.all_reduce, gloo's and NCCL's) run in C++ and bypass the emulation: compare
+minidist's algorithms with each other under it, never with torch's. On a real cluster the links
+are real: build the mesh with `TwoTier(..., emulated=False)` to tell minidist where the nodes
+are without delaying anything.
 
 A degraded link (`degraded={node: fraction}`) keeps only that fraction of its inter-node
 bandwidth, both ways: the seeds' incident of an InfiniBand link silently running at half speed.
@@ -289,7 +290,7 @@ def detach() -> None:
     global _job, _emulation
     if _emulation is not None:
         route_sends(None)
-        _emulation.drain()
+        _emulation.close()
     _job = _emulation = None
 
 
@@ -372,9 +373,13 @@ class _Port:
             self.inbox.put((start_send, work))
         return work
 
+    def close(self) -> None:
+        """Let the delivery thread end once what is queued has been sent."""
+        self.inbox.put(None)
+
     def _deliver(self) -> None:
-        while True:
-            start_send, work = self.inbox.get()
+        while (item := self.inbox.get()) is not None:
+            start_send, work = item
             delay = work.arrives - time.monotonic()
             if delay > 0:
                 time.sleep(delay)
@@ -409,9 +414,11 @@ class _Emulation:
 
         return port.post(nbytes, self.tiers.link(self.rank, peer), start_send)
 
-    def drain(self) -> None:
+    def close(self) -> None:
+        """Wait until every message posted has been sent, then end the delivery threads."""
         for port in self.ports.values():
             port.idle.wait()
+            port.close()
 
 
 # --- Finding a slow link ---------------------------------------------------------------------
