@@ -3,7 +3,7 @@
 degraded link. Both blocks of cluster_setup/README.md section 4 run word for word.
 
 What is asserted is an ordering (hierarchical all-reduce sends two thirds of the flat ring's
-bytes over each node's link here, on links shaped 8x or more below the loopback's speed) and
+bytes over each node's link here, on links shaped 20x or more below the loopback's speed) and
 which pairs a check names, never a speed.
 """
 
