@@ -1,4 +1,5 @@
-"""What one GPU shows of Lab 08: matmul FLOP/s, TinyGPT MFU, model-state memory per ZeRO stage.
+"""What one GPU shows of Labs 08 and 12: matmul FLOP/s, TinyGPT MFU, model-state memory per ZeRO
+stage, and what offloading the optimizer state to the host frees.
 
     python bench/gpu_check.py [--peak-tflops 989]
 
@@ -13,6 +14,15 @@
    parameters and gradients, and fp32 master weights with AdamW's m and v, each kept whole or
    as the 1/N shard the stage gives a rank, then one AdamW step on the fp32 master shard. One
    GPU holds one rank's share; no collective runs.
+4. Lab 12, ZeRO-Offload on one GPU (a one-rank NCCL group): TinyGPT in bf16 trained one step
+   by `minidist.zero.ZeroOptimizer(stage=2)` with the optimizer state on the GPU and with
+   `offload="host"`; `torch.cuda.memory_allocated` after the step (gradients freed) drops by
+   the fp32 master weights and AdamW's m and v, 12Ψ bytes (`minidist.tiers`), and the bytes
+   moved per step equal `tiers.offload_transfer_bytes`.
+5. Lab 12, minidist's `FullyShardedDataParallel(offload="host")` against PyTorch's FSDP2
+   `fully_shard(..., offload_policy=CPUOffloadPolicy())` (which needs a GPU): 3 AdamW steps
+   from the same weights, the largest parameter difference; and the GPU memory each holds
+   after the step against the same model without offload.
 
 Without a GPU it says so and exits 0.
 """
@@ -24,10 +34,13 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 
-from minidist import flops, memory
+from minidist import flops, memory, offload, tiers
+from minidist.fsdp import FullyShardedDataParallel
 from minidist.models import TinyGPT
 from minidist.profiling import measure_peak_flops
+from minidist.zero import ZeroOptimizer
 
 # Dense bf16 tensor-core peak FLOP/s from NVIDIA's datasheets (the sparsity figures are twice
 # these). Matched against torch.cuda.get_device_name(), most specific first.
@@ -97,6 +110,81 @@ def zero_stage_bytes(num_params: int, stage: int, ranks: int,
     return held, peak
 
 
+def one_rank_group() -> None:
+    """A process group of this process alone (NCCL), for minidist's ZeRO and FSDP."""
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def offloaded_zero_bytes(device: torch.device) -> dict:
+    """GPU bytes held after one ZeroOptimizer(stage=2) step and zero_grad, with the AdamW state
+    on the GPU and on the host; and the bytes the offloaded step moved."""
+    found = {}
+    for target in (None, "host"):
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated(device)
+        torch.manual_seed(0)
+        model = TinyGPT(VOCAB, HIDDEN, HEADS, LAYERS, SEQ).to(device, torch.bfloat16)
+        optimizer = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=2,
+                                  offload=target, lr=1e-4)
+        ids = torch.randint(0, VOCAB, (2, SEQ), device=device)
+        with offload.transfers() as moved:
+            model.loss(ids, ids).backward()
+            optimizer.step()
+        optimizer.zero_grad()
+        torch.cuda.synchronize(device)
+        found[target] = torch.cuda.memory_allocated(device) - base
+        found["psi"] = sum(p.numel() for p in model.parameters())
+        if target:
+            found["moved"] = moved.totals
+        del model, optimizer
+    return found
+
+
+def fsdp_against_cpu_offload_policy(device: torch.device, steps: int = 3) -> dict:
+    """Largest parameter difference after `steps` AdamW steps between minidist's FSDP with
+    offload="host" and FSDP2 with CPUOffloadPolicy, and the GPU bytes each (and minidist's
+    FSDP without offload) holds after its last step."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    def small() -> TinyGPT:
+        torch.manual_seed(0)
+        return TinyGPT(4096, 512, 8, 4, 256).to(device)
+
+    ids = torch.randint(0, 4096, (4, 257), device=device, generator=None)
+    trained, held = {}, {}
+    for name in ("minidist, on the GPU", "minidist, offload='host'", "FSDP2 CPUOffloadPolicy"):
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated(device)
+        if name.startswith("FSDP2"):
+            model = small()
+            mesh = init_device_mesh("cuda", (1,))
+            for block in model.blocks:
+                fully_shard(block, mesh=mesh, offload_policy=CPUOffloadPolicy())
+            fully_shard(model, mesh=mesh, offload_policy=CPUOffloadPolicy())
+        else:
+            model = FullyShardedDataParallel(
+                small(), offload="host" if "offload" in name else None)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for _ in range(steps):
+            optimizer.zero_grad()
+            model.loss(ids[:, :-1], ids[:, 1:]).backward()
+            optimizer.step()
+        optimizer.zero_grad()
+        torch.cuda.synchronize(device)
+        held[name] = torch.cuda.memory_allocated(device) - base
+        trained[name] = ({k: v.full_tensor().cpu() for k, v in model.state_dict().items()}
+                         if name.startswith("FSDP2")
+                         else {k: v.cpu() for k, v in model.full_state_dict().items()})
+        del model, optimizer
+    ours, theirs = trained["minidist, offload='host'"], trained["FSDP2 CPUOffloadPolicy"]
+    return {"difference": max((ours[k] - theirs[k]).abs().max().item() for k in theirs),
+            "held": held}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--peak-tflops", type=float,
@@ -135,6 +223,28 @@ def main() -> int:
         predicted = memory.model_state_bytes(num_params, stage, ZERO_RANKS).total
         print(f"   {stage:5d} {predicted / MiB:23.1f} {held / MiB:10.1f} "
               f"{held / predicted:16.3f} {peak / MiB:10.1f}")
+
+    one_rank_group()
+    found = offloaded_zero_bytes(device)
+    psi = found["psi"]
+    drop = found[None] - found["host"]
+    state = tiers.model_state_by_tier(psi, 2, 1)
+    formula = state.device - tiers.model_state_by_tier(psi, 2, 1, "host").device
+    formula -= memory.bytes_per_param().grads * psi  # gradients are freed in both runs
+    print(f"\n4. ZeRO-2 + offload on one GPU, TinyGPT Ψ = {psi / 1e6:.0f} M, bf16, AdamW: "
+          f"memory_allocated after the step {found[None] / MiB:.1f} MiB on the GPU, "
+          f"{found['host'] / MiB:.1f} MiB offloaded")
+    print(f"   drop {drop / MiB:.1f} MiB; formula (fp32 master + m + v = 12Ψ) "
+          f"{formula / MiB:.1f} MiB: ratio {drop / formula:.3f}")
+    expected = tiers.offload_transfer_bytes(psi, 1)
+    print(f"   moved per step: {found['moved']}; formula {expected}")
+
+    compared = fsdp_against_cpu_offload_policy(device)
+    print("\n5. FSDP offload against FSDP2 CPUOffloadPolicy, 3 AdamW steps: largest parameter "
+          f"difference {compared['difference']:.2e}")
+    for name, held in compared["held"].items():
+        print(f"   {name:28s} memory_allocated after the step {held / MiB:8.1f} MiB")
+    dist.destroy_process_group()
     return 0
 
 

@@ -13,12 +13,15 @@ slide carries `**Covers:**`, `**Lab:**` and `**Time:**` lines, which the index r
 reveal.js, its notes and search plugins, KaTeX (fonts included) and every figure are inlined,
 so a deck is one HTML file that opens offline. They come from the npm registry, pinned in
 slides/package-lock.json; the builder runs `npm ci` when slides/node_modules does not match.
+PDFs are printed by the system's Chromium, driven by Playwright (the Python package pinned in
+requirements.txt; it never downloads a browser of its own).
 """
 
 from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import functools
 import html
 import json
@@ -33,7 +36,6 @@ import mistune
 SLIDES = Path(__file__).resolve().parent
 sys.path.insert(0, str(SLIDES))
 import figures  # noqa: E402  (slides/figures.py, next to this file)
-from browser import Browser, find_chromium  # noqa: E402
 
 MODULES = SLIDES / "node_modules"
 PDF_DIR = SLIDES / "pdf"
@@ -228,6 +230,55 @@ from; the citations on the slides link to it.</p>
 """
 
 
+# --- Printing, in the system's Chromium ------------------------------------------------------
+
+CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome")
+# A headless Chromium that contacts nobody by itself (and runs as root in CI containers).
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run",
+                 "--disable-default-apps", "--disable-extensions", "--hide-scrollbars",
+                 "--mute-audio", "--disable-dev-shm-usage"]
+WIDTH, HEIGHT = 1280, 720
+
+
+def find_chromium() -> str | None:
+    """The path of an installed Chromium (or Chrome), or None."""
+    return next((found for name in CHROMIUM_NAMES if (found := shutil.which(name))), None)
+
+
+@contextlib.contextmanager
+def chromium(path: str):
+    """A headless Chromium (a Playwright Browser) started from `path`, closed afterwards."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=path, args=CHROMIUM_ARGS)
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+def print_deck(browser, deck: Path) -> bytes:
+    """A reveal.js deck printed to PDF (opened with ?print-pdf, once reveal has laid out its
+    pages): one page per slide, with the speaker notes under the slide."""
+    page = browser.new_page(viewport={"width": WIDTH, "height": HEIGHT})
+    try:
+        page.goto(deck.resolve().as_uri() + "?print-pdf")
+        page.wait_for_function("document.querySelectorAll('.pdf-page').length > 0 && "
+                               "document.querySelectorAll('.pdf-page').length === "
+                               "document.querySelectorAll('.slides section').length")
+        cut = page.evaluate("[...document.querySelectorAll('.pdf-page')].map((p, i) => "
+                            "[i + 1, p.querySelector('.speaker-notes-pdf')]).filter(([, n]) => "
+                            "n && n.scrollHeight > n.clientHeight + 1).map(([i]) => i)")
+        if cut:
+            raise ValueError(f"{deck.name}: the notes of slides {cut} do not fit under the slide "
+                             "when printed; shorten them")
+        return page.pdf(prefer_css_page_size=True, print_background=True)
+    finally:
+        page.close()
+
+
 # --- Main ----------------------------------------------------------------------------------------
 
 
@@ -256,16 +307,16 @@ def main() -> None:
     for path, text in built.items():
         path.write_text(text)
         print(f"wrote {path.relative_to(SLIDES.parent)}")
-    chromium = find_chromium()
-    if chromium is None:
+    path = find_chromium()
+    if path is None:
         print("no Chromium found: PDFs not built (install the `chromium` package for them)")
         return
     PDF_DIR.mkdir(exist_ok=True)
-    with Browser(chromium) as browser:
+    with chromium(path) as browser:
         for deck in built:
             if deck.name != "index.html":
                 pdf = PDF_DIR / deck.with_suffix(".pdf").name
-                pdf.write_bytes(browser.print_deck(deck))
+                pdf.write_bytes(print_deck(browser, deck))
                 print(f"wrote {pdf.relative_to(SLIDES.parent)}")
 
 

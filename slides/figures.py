@@ -22,8 +22,19 @@ from matplotlib.axes import Axes  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.patches import FancyArrowPatch, Rectangle  # noqa: E402
 
-from minidist import flops, gantt, memory, moe, pipeline, planner, timeline, traffic  # noqa: E402
+from minidist import (  # noqa: E402
+    flops,
+    fsdp1,
+    gantt,
+    memory,
+    moe,
+    pipeline,
+    planner,
+    tiers,
+    traffic,
+)
 from minidist.comm import chunk_bounds  # noqa: E402
+from minidist.context_parallel import LAYOUTS, forward_times, positions  # noqa: E402
 from minidist.cost import (  # noqa: E402
     ALL_REDUCE_ALGORITHMS,
     all_reduce_time,
@@ -41,7 +52,7 @@ from minidist.network import TwoTier, hierarchical_bytes  # noqa: E402
 from minidist.param_server import stale_gradient_descent  # noqa: E402
 from minidist.planner import MODELS, Cluster  # noqa: E402
 from minidist.profiling import ProfileTimeline  # noqa: E402
-from minidist.timeline import Event  # noqa: E402
+from minidist.timeline import Event, plot_events  # noqa: E402
 from minidist.widgets import draw_memory, memory_by_zero_stage  # noqa: E402
 
 GB = memory.GB
@@ -1337,6 +1348,298 @@ def scaling_efficiency() -> Figure:
     return fig
 
 
+# --- Lab 12: memory beyond the GPU ---------------------------------------------------------------
+
+# Assumptions the slides state: a multi-threaded CPU Adam's parameters/s; NVMe read, write B/s
+OFFLOAD_CPU_RATE = 2e9
+OFFLOAD_DISK = (3e9, 2e9)
+
+
+def tiers_bytes() -> Figure:
+    """Where each byte of a 7B model's training state lives, per rank of 8 under ZeRO-2, for
+    each offload tier (minidist.tiers)."""
+    fig, ax = plt.subplots(figsize=(10, 4))
+    labels = {None: "no offload", "host": "offload to host", "nvme": "offload to NVMe"}
+    for i, tier in enumerate(tiers.OFFLOAD):
+        state = tiers.model_state_by_tier(7e9, 2, 8, tier)
+        for j, part in enumerate(("device", "host", "nvme")):
+            value = getattr(state, part) / GB
+            ax.bar(i * 4 + j, value, color=COLORS(j), label=part if i == 0 else None)
+            if value:
+                ax.text(i * 4 + j, value, f"{value:.1f}", ha="center", va="bottom", fontsize=10)
+    ax.set_xticks([i * 4 + 1 for i in range(3)], [labels[t] for t in tiers.OFFLOAD])
+    ax.set_ylabel("GB per rank")
+    ax.set_title("7B, mixed-precision Adam, ZeRO-2 on N = 8: what each tier holds per rank")
+    ax.legend(title="tier", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def offload_transfer_timeline() -> Figure:
+    """One offloaded step, schematic (not to scale): each layer's gradient slice leaves for the
+    host as backward produces it, the CPU steps, the parameters come back; the durations for
+    7B on 8 H100s are written beside each lane (minidist.tiers)."""
+    psi, n, compute = 6.7e9, 8, 3.33
+    moved = tiers.offload_transfer_bytes(psi, n)
+    pcie = tiers.PCIE_BANDWIDTH["gen5"]
+    fig, ax = _canvas(15, 3.8, (-2.6, 24), (0, 4.3))
+    lanes = {"GPU": 3.3, "PCIe → host": 2.35, "CPU": 1.4, "PCIe → GPU": 0.45}
+    for name, y in lanes.items():
+        ax.text(-0.15, y + 0.3, name, ha="right", va="center", fontsize=11)
+    _box(ax, 0, lanes["GPU"], 3, 0.6, "forward", "#9dc3e6", size=10)
+    ax.text(6, lanes["GPU"] + 0.85, "backward, layer by layer", ha="center", fontsize=10)
+    layers = 6
+    for k in range(layers):  # backward runs the layers last to first
+        _box(ax, 3 + k, lanes["GPU"], 1, 0.6, f"L{layers - k}", "#9dc3e6", size=9)
+        _box(ax, 4 + k, lanes["PCIe → host"], 0.6, 0.6, "", "#f4b183")
+    _box(ax, 9.6, lanes["CPU"], 4, 0.6, "AdamW, Ψ/N params", "#a9d18e", size=10)
+    _box(ax, 13.6, lanes["PCIe → GPU"], 0.8, 0.6, "", "#f4b183")
+    _box(ax, 14.4, lanes["GPU"], 2.6, 0.6, "next forward", "#dbe9f6", size=10)
+    notes = {"PCIe → host": f"2Ψ/N = {moved.to_host / GB:.2f} GB: "
+                            f"{moved.to_host / pcie * 1e3:.0f} ms, under backward",
+             "CPU": f"{psi / n / 1e6:.0f} M parameters at the CPU's rate",
+             "PCIe → GPU": f"2Ψ/N back: {moved.to_device / pcie * 1e3:.0f} ms"}
+    for lane, text in notes.items():
+        ax.text(17.3, lanes[lane] + 0.3, text, ha="left", va="center", fontsize=10,
+                color="0.25")
+    ax.set_title(f"ZeRO-Offload step, schematic; 7B on 8 H100s (PCIe Gen5, 64 GB/s): compute "
+                 f"{compute} s", fontsize=11)
+    return fig
+
+
+def offload_step_time() -> Figure:
+    """The time model's parts for 7B on 8 H100s: no offload, host, NVMe."""
+    fig, ax = plt.subplots(figsize=(10, 3.8))
+    parts = ("compute", "to_host", "optimizer", "disk", "to_device")
+    rows = {"no offload": tiers.offload_step_time(6.7e9, 8, 3.33, None, 64e9, OFFLOAD_CPU_RATE),
+            "host": tiers.offload_step_time(6.7e9, 8, 3.33, "host", 64e9, OFFLOAD_CPU_RATE),
+            "NVMe": tiers.offload_step_time(6.7e9, 8, 3.33, "nvme", 64e9, OFFLOAD_CPU_RATE,
+                                            *OFFLOAD_DISK)}
+    for i, time in enumerate(rows.values()):
+        left = 0.0
+        for j, part in enumerate(parts):
+            value = getattr(time, part)
+            ax.barh(i, value, left=left, color=COLORS(j), label=part if i == 0 else None)
+            left += value
+        ax.text(left, i, f" {left:.1f} s", va="center")
+    ax.set_yticks(range(len(rows)), list(rows))
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds per step")
+    ax.set_title("7B on 8 H100s, ZeRO-2: what offload adds (CPU Adam 2 G param/s, NVMe read 3 "
+                 "GB/s, write 2 GB/s: assumed)", fontsize=11)
+    ax.legend(fontsize=9, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.22))
+    fig.tight_layout()
+    return fig
+
+
+def fsdp1_fsdp2_map() -> Figure:
+    """FSDP1's options, each with its FSDP2 equivalent."""
+    rows = [("ShardingStrategy.FULL_SHARD", "fully_shard(..., reshard_after_forward=True)"),
+            ("ShardingStrategy.SHARD_GRAD_OP", "fully_shard(..., reshard_after_forward=False)"),
+            ("ShardingStrategy.NO_SHARD", "DistributedDataParallel"),
+            ("ShardingStrategy.HYBRID_SHARD", "fully_shard(..., mesh=2-D (replicate, shard))"),
+            ("auto_wrap_policy=ModuleWrapPolicy({Block})", "fully_shard(block) each, then root"),
+            ("backward_prefetch=BACKWARD_PRE", "prefetching by default"),
+            ("mixed_precision=MixedPrecision(...)", "mp_policy=MixedPrecisionPolicy(...)"),
+            ("cpu_offload=CPUOffload(offload_params=True)", "offload_policy=CPUOffloadPolicy()")]
+    fig, ax = _canvas(12, 4.8, (0, 12), (-0.6, len(rows) + 0.9))
+    ax.text(2.7, len(rows) + 0.4, "FSDP1: FullyShardedDataParallel(model, ...)", ha="center",
+            fontsize=12, weight="bold")
+    ax.text(9.3, len(rows) + 0.4, "FSDP2: fully_shard", ha="center", fontsize=12, weight="bold")
+    for i, (one, two) in enumerate(rows):
+        y = len(rows) - 1 - i
+        on_cpu = "CPUOffload" not in one
+        _box(ax, 0, y + 0.1, 5.4, 0.75, one, "#dbe9f6", size=10, family="monospace")
+        _box(ax, 6.6, y + 0.1, 5.4, 0.75, two, "#e2f0d9" if on_cpu else "#fbe5d6", size=10,
+             family="monospace")
+        _arrow(ax, (5.45, y + 0.47), (6.55, y + 0.47), style="<|-|>")
+    ax.text(0, -0.35, "orange: needs a GPU (torch 2.13 on CPU raises); the rest run on CPU with "
+            "gloo", fontsize=10, color="0.3")
+    return fig
+
+
+def held_after_forward() -> Figure:
+    """Parameter bytes a rank holds between forward and backward, per FSDP1 strategy, for a
+    7B-like model of 32 blocks in bf16 on 8 GPUs (2 nodes of 4 for HYBRID_SHARD)."""
+    blocks, root = [6.4e9 / 32] * 32, 0.3e9
+    fig, ax = plt.subplots(figsize=(10, 3.8))
+    for i, name in enumerate(fsdp1.STRATEGIES):
+        held = fsdp1.parameter_bytes_after_forward(name, blocks, root, 8, shard_size=4,
+                                                   bytes_per_element=2) / GB
+        ax.bar(i, held, color=COLORS(i))
+        ax.text(i, held, f"{held:.1f} GB", ha="center", va="bottom")
+    ax.set_xticks(range(4), list(fsdp1.STRATEGIES))
+    ax.set_ylabel("GB of parameters per rank")
+    ax.set_title("Held from the end of forward to the start of backward (6.7B params, bf16, "
+                 "N = 8)", fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
+def clipping_pieces() -> Figure:
+    """Whose squares add up to the global norm on a tp2·pp2 model."""
+    fig, ax = _canvas(11, 3.6, (0, 11), (0, 4))
+    for stage in range(2):
+        for tp in range(2):
+            x, y = 0.4 + stage * 5.4, 2.1 - tp * 1.7
+            rank = stage * 2 + tp
+            _box(ax, x, y, 2.4, 1.2, f"rank {rank}\nsplit weights\n(a 1/t piece)", "#9dc3e6",
+                 size=9)
+            counted = tp == 0
+            _box(ax, x + 2.5, y, 2.2, 1.2,
+                 "replicated:\nLayerNorms, biases\n" + ("counted here" if counted else
+                                                        "NOT counted"),
+                 "#a9d18e" if counted else "#eeeeee", size=9)
+        ax.text(0.4 + stage * 5.4 + 2.3, 3.55, f"pipeline stage {stage}", ha="center",
+                fontsize=11, weight="bold")
+    ax.text(5.5, 0.05, "‖g‖² = the coloured squares summed over every rank: an all-reduce "
+            "(SUM) of one number over TP, then over PP", ha="center", fontsize=11)
+    return fig
+
+
+# --- Lab 13: long context ----------------------------------------------------------------------
+
+CP_COLORS = ["#9dc3e6", "#f4b183", "#a9d18e", "#ffd966"]
+
+
+def long_context_activations() -> Figure:
+    """Activations per GPU of a 7B-like model (h = 4096, a = 32, 32 layers) against s."""
+    lengths = [2**k for k in range(13, 21)]
+    setups = {"TP8 + SP": dict(tp=8, sequence_parallel=True),
+              "TP8 + SP + selective recompute": dict(tp=8, sequence_parallel=True,
+                                                    recompute="selective"),
+              "... + CP16": dict(tp=8, sequence_parallel=True, recompute="selective", cp=16)}
+    fig, ax = plt.subplots(figsize=(10, 4))
+    for color, (label, setup) in enumerate(setups.items()):
+        cp = setup.pop("cp", 1)
+        gb = [32 * memory.activation_bytes(s, 1, 4096, 32, **setup) / cp / GB for s in lengths]
+        ax.loglog(lengths, gb, "o-", color=COLORS(color), lw=2.5, label=label)
+    ax.axhline(80, color="black", ls="--", lw=1.2, label="80 GB GPU")
+    ax.set_xticks(lengths, [f"{s // 1024}k" for s in lengths])
+    ax.set_xlabel("sequence length s (tokens)")
+    ax.set_ylabel("activations per GPU (GB)")
+    ax.set_title("7B-like model, 32 layers, b = 1, 16-bit activations (Korthikanti's formula)")
+    ax.legend(fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def ring_attention_steps(cp: int = 4) -> Figure:
+    """Which key/value block each rank holds at each step of the ring: queries stay, blocks move
+    one rank to the right per step."""
+    fig, ax = _canvas(10, 3.6, (-2.2, cp * 2.2 + 0.2), (-0.4, cp + 0.9))
+    for step in range(cp):
+        ax.text(step * 2.2 + 1.0, cp + 0.5, f"step {step}", ha="center", fontsize=12)
+        for rank in range(cp):
+            y = cp - 1 - rank
+            source = (rank - step) % cp
+            _box(ax, step * 2.2, y + 0.1, 2.0, 0.75, f"Q{rank} · K{source}V{source}",
+                 CP_COLORS[source], size=11)
+            if step < cp - 1 and rank < cp - 1:  # the block moves one rank to the right
+                _arrow(ax, (step * 2.2 + 2.0, y + 0.47), (step * 2.2 + 2.2, y - 0.53),
+                       color="0.45")
+    ax.text(cp * 1.1, -0.3, "each step every block moves to the next rank (rank 3's to rank 0); "
+            "the queries stay", ha="center", fontsize=11, color="0.3")
+    for rank in range(cp):
+        ax.text(-0.15, cp - 1 - rank + 0.47, f"rank {rank}", ha="right", va="center", fontsize=12)
+    return fig
+
+
+def online_softmax_merge() -> Figure:
+    """One query's softmax over 8 keys, computed as two blocks of 4 and merged."""
+    scores = [1.2, -0.3, 2.1, 0.4, 0.9, 2.6, -1.0, 0.2]
+    exps = [2.718281828**x for x in scores]
+    total, first, second = sum(exps), sum(exps[:4]), sum(exps[4:])
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.2), sharey=True)
+    panels = [("block A alone: softmax over keys 0-3", [e / first for e in exps[:4]] + [0] * 4),
+              ("block B alone: softmax over keys 4-7", [0] * 4 + [e / second for e in exps[4:]]),
+              ("merged: A × e^(ℓA−ℓ) + B × e^(ℓB−ℓ)", [e / total for e in exps])]
+    for ax, (title, weights) in zip(axes, panels, strict=True):
+        ax.bar(range(8), weights, color=[CP_COLORS[0]] * 4 + [CP_COLORS[1]] * 4,
+               edgecolor="0.3")
+        ax.set_title(title, fontsize=11)
+        ax.set_xticks(range(8))
+        ax.set_xlabel("key")
+    axes[0].set_ylabel("weight p_j")
+    axes[2].text(0.02, 0.93, f"e^(ℓA−ℓ) = {first / total:.2f}\ne^(ℓB−ℓ) = {second / total:.2f}",
+                 transform=axes[2].transAxes, va="top", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def zigzag_layout(cp: int = 4) -> Figure:
+    """The causal blocks (queries down, keys across, 2·cp chunks) each rank computes, and the
+    work per rank, contiguous against zigzag."""
+    chunks = 2 * cp
+    fig, axes = plt.subplots(1, 3, figsize=(12, 4), gridspec_kw={"width_ratios": [1, 1, 1.1]})
+    work = {}
+    for ax, layout in zip(axes[:2], LAYOUTS, strict=True):
+        owner = {}
+        for rank in range(cp):
+            for position in positions(chunks, rank, cp, layout).tolist():
+                owner[position] = rank
+        counts = [0.0] * cp
+        for q in range(chunks):
+            for k in range(q + 1):
+                share = 0.5 if k == q else 1.0
+                counts[owner[q]] += share
+                ax.add_patch(Rectangle((k, chunks - 1 - q), 1, 1, facecolor=CP_COLORS[owner[q]],
+                                       edgecolor="white", alpha=0.5 + 0.5 * (k < q)))
+        work[layout] = counts
+        ax.set_xlim(0, chunks)
+        ax.set_ylim(0, chunks)
+        ax.set_aspect("equal")
+        ax.set_xticks([i + 0.5 for i in range(chunks)], range(chunks))
+        ax.set_yticks([chunks - 0.5 - i for i in range(chunks)], range(chunks))
+        ax.set_xlabel("key chunk")
+        ax.set_ylabel("query chunk")
+        ax.set_title(f"{layout}: colour = rank", fontsize=12)
+    for i, layout in enumerate(LAYOUTS):
+        axes[2].bar([r + 0.4 * i for r in range(cp)], work[layout], width=0.4,
+                    color=COLORS(i), label=layout)
+    axes[2].set_xticks([r + 0.2 for r in range(cp)], [f"rank {r}" for r in range(cp)])
+    axes[2].set_ylabel("blocks of (s/2cp)² scored")
+    axes[2].set_title(f"causal work per rank, cp = {cp}", fontsize=12)
+    axes[2].legend(fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def ring_against_all_to_all() -> Figure:
+    """Bytes per rank (forward + backward) against cp at s/cp fixed, and α-β forward time
+    against s on an H100 node's NVLink (cp = 8), ring against Ulysses."""
+    from minidist.cost import AlphaBeta
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
+    cps = [2, 4, 8, 16, 32, 64]
+    width, per_rank = 8 * 128, 8192  # a TP rank's 8 heads of 128, 8k tokens per rank
+    for color, (name, formula) in enumerate((("ring", traffic.ring_attention_traffic),
+                                             ("Ulysses", traffic.ulysses_traffic))):
+        left.plot(cps, [formula(per_rank * c, 1, width, c, 2).bytes_sent / GB for c in cps],
+                  "o-", color=COLORS(color), lw=2.5, label=name)
+    left.set_xscale("log", base=2)
+    left.set_xticks(cps, [str(c) for c in cps])
+    left.set_xlabel("cp (8k tokens per rank)")
+    left.set_ylabel("GB sent per rank, fwd + bwd")
+    left.set_title("bytes per rank per attention", fontsize=12)
+    left.legend(fontsize=10)
+    nvlink, rate = AlphaBeta(alpha=5e-6, beta=1 / 450e9), 0.5 * 989e12
+    lengths = [2**k for k in range(10, 19)]
+    for color, name in enumerate(("ring", "ulysses")):
+        ratios = [forward_times(s, 1, 8, 128, 8, nvlink, rate, 2)[name]
+                  / (4 * 8 * s * (s / 8) * 128 / rate) for s in lengths]
+        right.loglog(lengths, ratios, "o-", color=COLORS(color), lw=2.5,
+                     label="ring" if name == "ring" else "Ulysses")
+    right.axhline(1, color="0.4", ls="--", lw=1.2, label="attention alone")
+    right.set_xticks(lengths, [f"{s // 1024}k" for s in lengths])
+    right.set_xlabel("sequence length s (cp = 8, 8 heads of 128, bf16)")
+    right.set_ylabel("forward time / attention's own")
+    right.set_title("α-β model: H100 NVLink, attention at 50% of peak", fontsize=12)
+    right.legend(fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
 # --- Lab 11: nodes and links -------------------------------------------------------------------
 
 LAB_NETWORK = TwoTier(ranks_per_node=2)  # Lab 11's emulated network (laptop scale)
@@ -1436,11 +1739,11 @@ def degraded_link_timeline() -> Figure:
                TwoTier(ranks_per_node=1, degraded={2: 0.5})))
     fig, axes = plt.subplots(2, 1, figsize=(11, 4.8))
     ends = []
-    for ax, (title, tiers) in zip(axes, panels, strict=True):
+    for ax, (title, links) in zip(axes, panels, strict=True):
         events, waiting, start = [], {f"rank {r}": [] for r in range(n)}, 0.0
         for step in range(2 * (n - 1)):
-            took = {r: tiers.link(r, (r + 1) % n).alpha
-                    + nbytes / n * tiers.link(r, (r + 1) % n).beta for r in range(n)}
+            took = {r: links.link(r, (r + 1) % n).alpha
+                    + nbytes / n * links.link(r, (r + 1) % n).beta for r in range(n)}
             end = start + max(took.values())
             for r in range(n):
                 events.append(Event(r, "send", str(step + 1), start, start + took[r]))
@@ -1448,8 +1751,8 @@ def degraded_link_timeline() -> Figure:
                     waiting[f"rank {r}"].append((start + took[r], end))
             start = end
         ends.append(start)
-        slow = {r for r in range(n) if tiers.link(r, (r + 1) % n) != tiers.inter}
-        timeline.plot_events(events, style=lambda e, slow=slow: {
+        slow = {r for r in range(n) if links.link(r, (r + 1) % n) != links.inter}
+        plot_events(events, style=lambda e, slow=slow: {
             "facecolor": "tab:red" if e.rank in slow else "tab:blue", "edgecolor": "white"},
             label=lambda e: e.name, spans=waiting, ax=ax, title=title)
     for ax in axes:
@@ -1465,9 +1768,9 @@ def degraded_link_timeline() -> Figure:
 def pairwise_sweep() -> Figure:
     """What a pairwise sweep of 8 nodes shows when node 5's link runs at half bandwidth
     (bandwidths from the link model)."""
-    tiers = TwoTier(ranks_per_node=1, inter_bandwidth=50e9, degraded={5: 0.5}, emulated=False)
+    links = TwoTier(ranks_per_node=1, inter_bandwidth=50e9, degraded={5: 0.5}, emulated=False)
     n = 8
-    grid = [[float("nan") if a == b else tiers.link(a, b).bandwidth / 1e9 for b in range(n)]
+    grid = [[float("nan") if a == b else links.link(a, b).bandwidth / 1e9 for b in range(n)]
             for a in range(n)]
     fig, ax = plt.subplots(figsize=(5.6, 4.4))
     image = ax.imshow(grid, cmap="viridis", vmin=0, vmax=55)
@@ -1539,6 +1842,17 @@ FIGURES: dict[str, Callable[[], Figure]] = {
     "straggler-timeline": straggler_timeline,
     "mfu-and-hfu-by-recompute": mfu_and_hfu_by_recompute,
     "scaling-efficiency": scaling_efficiency,
+    "tiers-bytes": tiers_bytes,
+    "offload-transfer-timeline": offload_transfer_timeline,
+    "offload-step-time": offload_step_time,
+    "fsdp1-fsdp2-map": fsdp1_fsdp2_map,
+    "held-after-forward": held_after_forward,
+    "clipping-pieces": clipping_pieces,
+    "long-context-activations": long_context_activations,
+    "ring-attention-steps": ring_attention_steps,
+    "online-softmax-merge": online_softmax_merge,
+    "zigzag-layout": zigzag_layout,
+    "ring-against-all-to-all": ring_against_all_to_all,
     "two-tier-network": two_tier_network,
     "hierarchical-phases": hierarchical_phases,
     "inter-node-bytes": inter_node_bytes,

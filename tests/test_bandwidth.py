@@ -37,7 +37,7 @@ def test_measure_returns_sane_rows(collective: str) -> None:
     ]
     for r in rows:
         assert (r.collective, r.world_size) == (collective, 2)
-        assert 0 < r.seconds < 1
+        assert r.seconds > 0  # no bound on speed: a busy machine is slow
         assert r.algbw == pytest.approx(r.nbytes / r.seconds)
         assert r.busbw == pytest.approx(r.algbw * busbw_factor(collective, 2))
 

@@ -196,7 +196,7 @@ def test_student_release_has_no_solutions_and_make_lab_opens_the_labs(guided: di
         labs = sorted(path.name for path in (release / "labs").iterdir())
         assert opened == labs, f"JupyterLab opened {opened}, expected copies of {labs}"
         page = requests.get(f"{url}/lab", params={"token": token}, timeout=10).text
-        for plugin in ("formgrader", "create-assignment"):
+        for plugin in ("formgrader", "create-assignment", "menu"):  # menu: an empty Nbgrader menu
             assert f"@jupyter/nbgrader:{plugin}" in page.split('"disabledExtensions"')[1][:2000]
         formgrader = requests.get(f"{url}/formgrader", params={"token": token}, timeout=10)
         assert formgrader.status_code == 404, "Formgrader is served in the students' JupyterLab"

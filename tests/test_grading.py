@@ -114,14 +114,16 @@ def is_delimiter(line: str) -> bool:
     return any(delimiter in line for delimiter in SOLUTION + HIDDEN_TESTS)
 
 
-def replace_solution(source: str, lines: list[str]) -> str:
-    """`source` with its solution region replaced by `lines`, the rest kept in place."""
+def replace_solution(source: str, lines: list[str] | tuple[list[str], ...]) -> str:
+    """`source` with its solution region replaced by `lines`, the rest kept in place; a cell
+    with several regions gets `lines` in each, or the k-th of a tuple of them in the k-th."""
     result: list[str] = []
-    in_region = False
+    in_region, region = False, 0
     for line in source.splitlines():
         if SOLUTION[0] in line:
             in_region = True
-            result += lines
+            result += lines[region] if isinstance(lines, tuple) else lines
+            region += 1
         elif SOLUTION[1] in line:
             in_region = False
         elif not in_region:
@@ -165,7 +167,8 @@ def checking_cell(solution: NotebookNode, answer: str) -> str:
 
 
 def answered(
-    released: NotebookNode, solution: NotebookNode, replaced: dict[str, list[str]] | None = None
+    released: NotebookNode, solution: NotebookNode,
+    replaced: dict[str, list[str] | tuple[list[str], ...]] | None = None,
 ) -> NotebookNode:
     """`released` with each answer cell as the solution has it, delimiter lines dropped, or
     with its solution region replaced by `replaced[grade_id]`."""
@@ -447,10 +450,19 @@ def faked_submission(course: Course, lab: str, fakes: dict[str, Fake],
                      replaced: dict[str, list[str]] | None = None) -> NotebookNode:
     """The solution with each faked exercise's solution region replaced by its fake."""
     replaced = dict(replaced or {})
+    sources = {nbgrader_meta(c).get("grade_id"): c.source for c in course.solution.cells}
     for cell, fake in fakes.items():
-        assert cell in {nbgrader_meta(c).get("grade_id") for c in course.solution.cells}, (
+        assert cell in sources, (
             f"tests/fakes/{lab}.py fakes {cell!r}, which is no cell of solutions/{lab}")
-        replaced[cell] = fake.source.splitlines()
+        lines = (tuple(part.splitlines() for part in fake.source)
+                 if isinstance(fake.source, tuple) else fake.source.splitlines())
+        try:  # a fake that does not even compile would score 0 without being caught
+            ast.parse(replace_solution(sources[cell], lines))
+        except SyntaxError as error:
+            raise AssertionError(f"tests/fakes/{lab}.py: the fake {fake.name!r} of {cell} does "
+                                 f"not compile in its cell (indent it as the cell's solution "
+                                 f"region is): {error}") from None
+        replaced[cell] = lines
     return answered(course.released, course.solution, replaced)
 
 

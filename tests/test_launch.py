@@ -171,8 +171,164 @@ def test_stuck_rank_is_named_with_where_it_was_stuck():
     assert caught.value.ranks == [0]
     message = str(caught.value)
     assert "rank(s) 0 of 2 did not finish within 2 s (rank(s) 1 finished)" in message
-    assert "in rank_zero_waits_forever" in message and "in recv" in message
+    line = line_of(rank_zero_waits_forever, "dist.recv")
+    assert (f'rank 0 is in recv of 1 float32 from rank 1 at File "{__file__}", line {line} (in '
+            "rank_zero_waits_forever), waiting for rank 1, which already returned") in message
+    assert "in rank_zero_waits_forever" in message
     assert wait_until_gone(rank_processes(), 5) == set()
+
+
+def abort_after_a_marker(rank, world_size):
+    if rank == 1:
+        print("malloc(): unaligned tcache chunk detected", file=sys.stderr, flush=True)
+        os.abort()  # as glibc does when it finds the heap corrupted
+    dist.barrier()
+
+
+def warm_fork_server() -> None:
+    """Start this process's fork server (its first run imports torch there, seconds on a busy
+    machine), so that a timed run measures the report, not that start."""
+    run(lambda rank, world_size: None, 1)
+
+
+def test_native_death_shows_its_stderr_its_stack_and_what_the_message_means(capfd):
+    warm_fork_server()
+    start = time.monotonic()
+    with pytest.raises(RankError) as caught:
+        run(abort_after_a_marker, 2)
+    assert time.monotonic() - start < 5
+    message = str(caught.value)
+    assert message.startswith("rank 1 of 2 failed: the process was killed by SIGABRT before "
+                              "returning\nglibc found the heap corrupted"), message
+    assert "untyped_storage().resize_(n)" in message
+    assert ("Last lines rank 1 wrote to stderr:\n  malloc(): unaligned tcache chunk detected"
+            in message)
+    assert (f'Python stack of rank 1 when it died (most recent call last):\n  File "{__file__}", '
+            f"line {abort_after_a_marker.__code__.co_firstlineno + 3}, in abort_after_a_marker\n"
+            "    os.abort()") in message
+    assert "(rank(s) 0 failed afterwards, because rank(s) 1 stopped" in message
+    assert "Fatal Python error" not in capfd.readouterr().err, "faulthandler's dump is the report's"
+
+
+def all_gather_different_sizes(rank, world_size):
+    mine = torch.ones(64 if rank == 0 else 32)
+    dist.all_gather([torch.zeros_like(mine) for _ in range(world_size)], mine)
+
+
+def reduce_or_broadcast(rank, world_size):
+    x = torch.ones(8)
+    if rank == 0:
+        dist.all_reduce(x)
+    else:
+        dist.broadcast(x, src=0)
+
+
+def line_of(fn, text: str) -> int:
+    """The line number of the line of `fn` that holds `text`."""
+    import inspect
+
+    lines, first = inspect.getsourcelines(fn)
+    return first + next(i for i, line in enumerate(lines) if text in line)
+
+
+def test_a_size_mismatch_that_crashes_names_both_ranks_calls():
+    warm_fork_server()
+    start = time.monotonic()
+    with pytest.raises(RankError) as caught:
+        run(all_gather_different_sizes, 2, timeout=20)
+    assert time.monotonic() - start < 20
+    message = str(caught.value)
+    line = line_of(all_gather_different_sizes, "dist.all_gather")
+    assert "the process was killed by SIGABRT" in message
+    assert "a collective mismatch" in message
+    assert (f'Mismatched calls: rank 0 called all_gather of 64 float32 at File "{__file__}", line '
+            f"{line} (in all_gather_different_sizes); rank 1 called all_gather of 32 float32 at "
+            f'File "{__file__}", line {line} (in all_gather_different_sizes).') in message
+
+
+def test_different_collectives_that_hang_are_named_within_seconds():
+    warm_fork_server()
+    start = time.monotonic()
+    with pytest.raises(RankTimeout) as caught:
+        run(reduce_or_broadcast, 2, timeout=30)
+    assert time.monotonic() - start < 15, "expected the ranks stopped long before the timeout"
+    message = str(caught.value)
+    assert message.startswith("rank(s) 0, 1 of 2 are stuck in mismatched collectives: stopped "
+                              "after 2 s without progress (the timeout was 30 s)"), message
+    reduce_line = line_of(reduce_or_broadcast, "dist.all_reduce")
+    broadcast_line = line_of(reduce_or_broadcast, "dist.broadcast")
+    assert (f'Mismatched calls: rank 0 called all_reduce of 8 float32 at File "{__file__}", line '
+            f"{reduce_line} (in reduce_or_broadcast); rank 1 called broadcast of 8 float32 from "
+            f'root 0 at File "{__file__}", line {broadcast_line} (in reduce_or_broadcast).'
+            ) in message
+    assert "Where rank 0 was stuck" in message and "Where rank 1 was stuck" in message
+    assert "distributed_c10d.py" not in message, "torch's frames should be hidden"
+    assert caught.value.ranks == [0, 1]
+
+
+RECV_CYCLE = """
+    import time, torch, torch.distributed as dist
+    from minidist.launch import RankTimeout, run
+
+    def everyone_receives_first(rank, world_size):
+        token = torch.zeros(1)
+        dist.recv(token, src=(rank - 1) % world_size)
+        dist.send(token, dst=(rank + 1) % world_size)
+
+    run(lambda rank, world_size: None, 1)  # the fork server starts once per program
+    start = time.monotonic()
+    try:
+        run(everyone_receives_first, {world_size}, timeout={timeout})
+    except RankTimeout as error:
+        print(f"after {{time.monotonic() - start:.1f}} s:")
+        print(error)
+"""
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_a_recv_cycle_is_named_as_a_cycle_with_one_stack_and_a_live_line(world_size):
+    timeout = 10
+    # Bytes: text mode would turn the live line's carriage returns into newlines.
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(RECV_CYCLE).format(
+        world_size=world_size, timeout=timeout)], capture_output=True, timeout=120)
+    done.stdout, done.stderr = done.stdout.decode(), done.stderr.decode()
+    assert done.returncode == 0, done.stderr
+    seconds = float(done.stdout.split()[1])
+    assert seconds < timeout + 5, done.stdout
+    last = world_size - 1
+    hops = "".join(f"{r} for {r - 1}, " for r in range(last, 1, -1))
+    assert f"Deadlock: rank 0 waits for {last}, {hops}1 for 0: nobody sends first." in \
+        done.stdout, done.stdout
+    assert f'ranks 0–{last} are all at File "<string>", line 7\n' in done.stdout, done.stdout
+    assert done.stdout.count("in everyone_receives_first") == 1, "identical stacks shown once"
+    assert "Where rank 0 was stuck" not in done.stdout
+    assert "distributed_c10d.py" not in done.stdout and "MINIDIST_FULL_STACKS" in done.stdout
+    # The live line, drawn after a carriage return while nothing moved, then wiped.
+    line = f"still waiting after 5 s: ranks 0–{last} in recv"
+    assert done.stderr.startswith(f"\r{line}"), repr(done.stderr)
+    assert done.stderr.endswith("\r" + " " * len(line) + "\r"), repr(done.stderr)
+
+
+def test_full_stacks_on_request(monkeypatch):
+    monkeypatch.setenv("MINIDIST_FULL_STACKS", "1")
+    with pytest.raises(RankTimeout) as caught:
+        run(rank_zero_waits_forever, 2, timeout=2)
+    assert "distributed_c10d.py" in str(caught.value)
+    assert "MINIDIST_FULL_STACKS" not in str(caught.value)
+
+
+def send_and_receive_in_a_batch(rank, world_size):
+    """P2POp checks its op is torch's own dist.isend: recording must leave it so."""
+    outgoing, incoming = torch.full((2,), float(rank)), torch.zeros(2)
+    ops = [dist.P2POp(dist.isend, outgoing, (rank + 1) % world_size),
+           dist.P2POp(dist.irecv, incoming, (rank - 1) % world_size)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return incoming[0].item()
+
+
+def test_recorded_calls_leave_torchs_point_to_point_api_as_it_was():
+    assert run(send_and_receive_in_a_batch, 3) == [2.0, 0.0, 1.0]
 
 
 def reduce_different_shapes(rank, world_size):
@@ -189,7 +345,9 @@ def test_variables_set_after_the_first_run_reach_the_ranks_and_detail_names_a_mi
     message = str(caught.value)
     assert time.monotonic() - start < 20, "the mismatch should be caught before the timeout"
     for expected in ("Detected mismatch between collectives", "Rank 0 is running collective",
-                     "Rank 1 is running collective", "TensorShape=[4]", "TensorShape=[8]"):
+                     "Rank 1 is running collective", "TensorShape=[4]", "TensorShape=[8]",
+                     "Mismatched calls: rank 0 called all_reduce of 4 float32",
+                     "rank 1 called all_reduce of 8 float32"):
         assert expected in message, f"expected {expected!r} in the report, got:\n{message}"
 
 
@@ -280,6 +438,70 @@ def test_in_a_notebook_errors_show_cells_and_an_interrupt_says_the_ranks_stopped
     assert interrupt.traceback == ["RunInterrupted: all 2 ranks were stopped"]
 
 
+def test_in_a_notebook_a_crash_and_a_deadlock_name_cells_and_a_live_line_comes_and_goes(
+        tmp_path):
+    """What a student sees in Jupyter when a rank dies natively (its stderr, its stack as
+    "Cell In[n]" frames, what the message means) and when ranks wait on each other in a cycle
+    (the cycle, one stack for all, a live line while they wait that the report replaces)."""
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    cells = [
+        "import os, sys, time\nimport torch, torch.distributed as dist\n"
+        "from minidist.launch import run\n"
+        "run(lambda rank, world_size: None, 1)  # the kernel's fork server starts here",
+        "def crash(rank, world_size):\n"
+        "    if rank == 1:\n"
+        "        print('malloc(): unaligned tcache chunk detected', file=sys.stderr, flush=True)\n"
+        "        os.abort()\n"
+        "    dist.barrier()",
+        "started = time.monotonic()\ntry:\n    run(crash, 2)\n"
+        "finally:\n    crash_seconds = time.monotonic() - started",
+        "def ring(rank, world_size):\n"
+        "    token = torch.zeros(1)\n"
+        "    dist.recv(token, src=(rank - 1) % world_size)\n"
+        "    dist.send(token, dst=(rank + 1) % world_size)",
+        "started = time.monotonic()\ntry:\n    run(ring, 4, timeout=9)\n"
+        "finally:\n    hang_seconds = time.monotonic() - started",
+        "print(f'{crash_seconds:.1f} {hang_seconds:.1f}')",
+    ]
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    displays = []
+
+    class Recording(nbclient.NotebookClient):
+        def process_message(self, msg, cell, cell_index):
+            if msg["msg_type"] in ("display_data", "update_display_data"):
+                displays.append(msg["content"]["data"].get("text/plain", ""))
+            return super().process_message(msg, cell, cell_index)
+
+    client = Recording(notebook, kernel_name="python3", allow_errors=True, timeout=120,
+                       resources={"metadata": {"path": str(tmp_path)}})
+    client.execute()
+    crash, hang = (notebook.cells[i].outputs[-1] for i in (2, 4))
+    crash_seconds, hang_seconds = map(float, notebook.cells[5].outputs[0].text.split())
+
+    assert crash.output_type == "error" and crash.ename == "RankError"
+    shown = "\n".join(crash.traceback)
+    assert crash_seconds < 5
+    assert shown.startswith("RankError: rank 1 of 2 failed: the process was killed by SIGABRT "
+                            "before returning\nglibc found the heap corrupted"), shown
+    assert "  malloc(): unaligned tcache chunk detected" in shown
+    assert ("Python stack of rank 1 when it died (most recent call last):\n"
+            "  Cell In[2], line 4, in crash\n    os.abort()") in shown
+
+    assert hang.output_type == "error" and hang.ename == "RankTimeout"
+    shown = "\n".join(hang.traceback)
+    assert hang_seconds < 9 + 5
+    assert "Deadlock: rank 0 waits for 3, 3 for 2, 2 for 1, 1 for 0: nobody sends first." in shown
+    assert ("ranks 0–3 are all at Cell In[4], line 3: dist.recv(token, src=(rank - 1) % "
+            "world_size)\nWhere ranks 0–3 were stuck (most recent call last):\n"
+            "  Cell In[4], line 3, in ring\n") in shown, shown
+    assert "ipykernel_" not in shown and "distributed_c10d" not in shown
+    assert "still waiting after 5 s: ranks 0–3 in recv" in displays, displays
+    assert displays[-1] == "", "the live line should be replaced by the report"
+    live = [o for o in notebook.cells[4].outputs if o.output_type == "display_data"]
+    assert [o.data["text/plain"] for o in live] == [""], live
+
+
 def test_torchrun_runs_the_same_code_in_place(tmp_path):
     script = tmp_path / "lab.py"
     script.write_text(textwrap.dedent("""
@@ -347,9 +569,31 @@ def test_minidist_backend_sets_the_default(monkeypatch):
         run(square_after_all_reduce, 2, 1)
 
 
-def test_bad_arguments_are_explained():
+def test_bad_arguments_are_explained_before_any_rank_starts():
+    before = rank_processes()
     with pytest.raises(ValueError, match="world_size=0: must be a positive integer"):
         run(square_after_all_reduce, 0, 1)
+    with pytest.raises(ValueError, match="world_size=-2: must be a positive integer"):
+        run(square_after_all_reduce, -2, 1)
+
+    def no_world_size(rank):
+        return rank
+
+    with pytest.raises(ValueError) as caught:
+        run(no_world_size, 2)
+    assert ("no_world_size(rank) cannot be called as no_world_size(rank, world_size): too many "
+            "positional arguments") in str(caught.value)
+    assert "define it as def no_world_size(rank, world_size, ...)" in str(caught.value)
+    with pytest.raises(ValueError, match=r"cannot be called as square_after_all_reduce\(rank, "
+                                         r"world_size\): missing a required argument: 'offset'"):
+        run(square_after_all_reduce, 2)
+    with pytest.raises(ValueError, match="run's first argument must be a function, got 4"):
+        run(4, 2)
+    for bad in (0, -1, float("nan"), float("inf"), "30", True):
+        with pytest.raises(ValueError, match=rf"timeout={bad!r}: must be a positive, finite "
+                                             r"number of seconds .* e\.g\. timeout=30"):
+            run(square_after_all_reduce, 2, 1, timeout=bad)
+    assert rank_processes() <= before, "a rank started before the arguments were checked"
     with pytest.raises(ValueError, match="backend must be 'gloo' or 'nccl'"):
         run(square_after_all_reduce, 2, 1, backend="mpi")
     with pytest.raises(ValueError, match="backend='nccl' needs one GPU per rank"):

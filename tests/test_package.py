@@ -14,11 +14,12 @@ PACKAGE = REPO / "lib" / "minidist"
 
 # Bottom to top: a module may import only modules before it in this list.
 STACK = [
-    "_checks", "cost", "memory", "traffic", "flops", "timeline", "pipeline", "gantt", "planner",
-    "widgets", "_supervisor", "launch", "flat", "checking", "comm", "timing", "streaming",
-    "network", "collectives", "mesh", "bandwidth", "diagrams", "models", "footprint",
-    "param_server", "compression", "ddp", "zero", "fsdp", "tensor_parallel", "pipeline_exec",
-    "pipeline_harness", "moe", "parallelize", "checkpoint", "train", "profiling",
+    "_checks", "cost", "memory", "tiers", "fsdp1", "traffic", "flops", "timeline", "pipeline",
+    "gantt", "planner", "widgets", "_calls", "_diagnose", "_supervisor", "launch", "flat",
+    "checking", "comm", "timing", "streaming", "network", "collectives", "mesh", "bandwidth",
+    "diagrams", "models", "footprint", "offload", "param_server", "compression", "ddp", "zero",
+    "fsdp", "tensor_parallel", "clipping", "pipeline_exec", "pipeline_harness", "moe",
+    "context_parallel", "parallelize", "checkpoint", "train", "profiling",
 ]
 
 

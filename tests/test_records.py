@@ -254,7 +254,11 @@ def test_only_the_collective_layer_and_the_launcher_call_torch_collectives():
 
 def test_only_the_collective_layer_records_and_only_the_mesh_makes_groups():
     records = [f"{p.name}:{line}" for p in LIB.glob("*.py") if p.name != "collectives.py"
-               for _, attr, line in _calls(p) if attr == "record"]
+               for name, attr, line in _calls(p) if (name, attr) == ("traffic", "record")]
+    records += [f"{p.name}:{node.lineno}" for p in LIB.glob("*.py") if p.name != "collectives.py"
+                for node in ast.walk(ast.parse(p.read_text()))
+                if isinstance(node, ast.ImportFrom) and node.module == "minidist.traffic"
+                and "record" in {alias.name for alias in node.names}]
     assert not records, f"only minidist.collectives records collectives: {records}"
     groups = [f"{p.name}:{line}" for p in LIB.glob("*.py") if p.name != "mesh.py"
               for name, attr, line in _calls(p) if name == "dist" and attr == "new_group"]

@@ -16,7 +16,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SLIDES = REPO / "slides"
 sys.path.insert(0, str(SLIDES))
-from browser import Browser, Page, find_chromium  # noqa: E402
+from build import chromium, find_chromium, print_deck  # noqa: E402
 
 LABS = sorted(path.name for path in (REPO / "solutions").glob("[0-9][0-9]_*"))
 DECKS = sorted(SLIDES.glob("[0-9][0-9]_*.html"))
@@ -67,7 +67,7 @@ def test_every_ready_lab_has_a_deck_for_self_study():
 # --- In a browser ------------------------------------------------------------------------------
 
 
-def _install_chromium() -> str:
+def chromium_or_skip() -> str:
     """Chromium's path, installing Debian's `chromium` package when needed (as the cluster tests
     install Slurm); skips, saying why, where it cannot be installed."""
     found = find_chromium()
@@ -94,8 +94,19 @@ def _install_chromium() -> str:
 
 @pytest.fixture(scope="module")
 def browser():
-    with Browser(_install_chromium(), WIDTH, HEIGHT) as running:
+    with chromium(chromium_or_skip()) as running:
         yield running
+
+
+def _open(browser, uri: str):
+    """A new page at the deck's slide size, showing `uri` once reveal.js is ready, and the list
+    of every URL it requests."""
+    page = browser.new_page(viewport={"width": WIDTH, "height": HEIGHT})
+    requests: list[str] = []
+    page.on("request", lambda request: requests.append(request.url))
+    page.goto(uri)
+    page.wait_for_function("typeof Reveal !== 'undefined' && Reveal.isReady()")
+    return page, requests
 
 
 def _not_blank(png: bytes) -> tuple[float, int]:
@@ -137,9 +148,8 @@ OVERFLOW = """(() => {
 @pytest.mark.parametrize("deck", DECKS, ids=[deck.stem for deck in DECKS])
 def test_deck_works_offline_by_keyboard_within_the_slide(browser, deck):
     uri = deck.resolve().as_uri()
-    page = browser.open(uri)
+    page, requests = _open(browser, uri)
     try:
-        page.wait_until("typeof Reveal !== 'undefined' && Reveal.isReady()")
         total = page.evaluate("Reveal.getTotalSlides()")
         assert total == len(sections(deck)), f"reveal sees {total} slides of {len(sections(deck))}"
         raw_math = page.evaluate(
@@ -163,15 +173,15 @@ def test_deck_works_offline_by_keyboard_within_the_slide(browser, deck):
             if inked < 0.01 or colours < 3:
                 problems.append(f"slide {index + 1} looks blank ({inked:.2%} drawn, {colours} "
                                 "colours)")
-            page.press("ArrowRight")
+            page.keyboard.press("ArrowRight")
         assert page.evaluate("Reveal.isLastSlide()"), f"{deck.name}: → never reached the end"
-        page.press("ArrowLeft")
+        page.keyboard.press("ArrowLeft")
         assert page.evaluate("Reveal.getIndices().h") == total - 2, "← does not move back"
-        page.press("Escape")
+        page.keyboard.press("Escape")
         assert page.evaluate("Reveal.isOverview()"), f"{deck.name}: Esc shows no overview"
-        page.press("Escape")
+        page.keyboard.press("Escape")
         assert not problems, f"{deck.name}:\n" + "\n".join(problems)
-        external = [url for url in page.requests()
+        external = [url for url in requests
                     if not url.startswith("data:") and url.split("#")[0] != uri]
         assert not external, f"{deck.name} made network requests: {external}"
     finally:
@@ -181,34 +191,25 @@ def test_deck_works_offline_by_keyboard_within_the_slide(browser, deck):
 @pytest.mark.xdist_group("browser")
 @pytest.mark.parametrize("deck", DECKS, ids=[deck.stem for deck in DECKS])
 def test_speaker_notes_key_opens_the_speaker_view(browser, deck):
-    page = browser.open(deck.resolve().as_uri())
+    page, _ = _open(browser, deck.resolve().as_uri())
     try:
-        page.wait_until("typeof Reveal !== 'undefined' && Reveal.isReady()")
-        browser.call("Target.setDiscoverTargets", discover=True)
-        browser.events.clear()
-        page.press("s")
-        while True:
-            info = browser.wait_for("Target.targetCreated", timeout=10)["params"]["targetInfo"]
-            if info["type"] == "page" and info.get("openerId") == page.target:
-                break
+        with page.expect_popup() as opened:
+            page.keyboard.press("s")
+        speaker_view = opened.value
         notes_text = page.evaluate("Reveal.getSlideNotes()")
-        session = browser.call("Target.attachToTarget", targetId=info["targetId"],
-                               flatten=True)["sessionId"]
-        speaker_view = Page(browser, info["targetId"], session)
         first_words = re.sub(r"<[^>]+>", "", notes_text).split()[:4]
-        speaker_view.wait_until(
+        speaker_view.wait_for_function(
             "(document.querySelector('.speaker-controls-notes') || {innerText: ''}).innerText"
             f".includes({' '.join(first_words)!r})")
         speaker_view.close()
     finally:
-        browser.call("Target.setDiscoverTargets", discover=False)
         page.close()
 
 
 @pytest.mark.xdist_group("browser")
 @pytest.mark.parametrize("deck", DECKS, ids=[deck.stem for deck in DECKS])
 def test_deck_prints_one_page_per_slide(browser, deck):
-    pdf = browser.print_deck(deck)
+    pdf = print_deck(browser, deck)
     pages = len(re.findall(rb"/Type\s*/Page(?![s\w])", pdf))
     assert pages == len(sections(deck)), (
         f"{deck.name} printed {pages} pages for {len(sections(deck))} slides")

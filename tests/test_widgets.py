@@ -41,10 +41,19 @@ def test_memory_calculator_follows_its_sliders():
     assert "does NOT fit" in calculator.message
     calculator.controls["recompute"].value = "full"
     full = calculator.data[3].activations
-    calculator.controls["recompute"].value = None
+    calculator.controls["recompute"].value = "none"
     assert calculator.data[3].activations > full
+    assert calculator.controls["recompute"].label == "none"  # ipywidgets 8 shows None as blank
+    assert calculator.figure.axes[0].get_title().endswith("recompute=none")
     calculator.controls["gpu_memory_gb"].value = 141
     assert "in 141 GB" in calculator.message
+
+
+def test_memory_calculator_shows_no_recompute_as_none():
+    calculator = MemoryCalculator()
+    assert calculator.controls["recompute"].value == "none"
+    assert calculator.controls["recompute"].label == "none"
+    assert "recompute=None" not in calculator.figure.axes[0].get_title()
 
 
 def test_memory_calculator_reports_impossible_layouts():

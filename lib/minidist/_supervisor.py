@@ -8,6 +8,7 @@ This module only reports what happened (`RanksFailed`, `RanksStuck`, or the resu
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import datetime
 import faulthandler
@@ -17,6 +18,7 @@ import os
 import re
 import signal
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -28,9 +30,17 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
+from minidist import _calls
+from minidist._calls import LatestCall
+from minidist._diagnose import conflicts, rank_list
+
 _FAILURE_GRACE_S = 0.5  # after the first failure, how long to collect the others before killing
 _STACK_DUMP_WAIT_S = 0.5  # how long stuck ranks get to print their stacks after SIGUSR1
 _EXIT_WAIT_S = 5.0  # how long finished ranks get to leave their process group and exit
+_TICK_S = 0.5  # how often the caller looks at the ranks' latest calls while it waits
+_LIVE_AFTER_S = 5.0  # no progress this long: a line in the cell says who waits in what
+_MISMATCH_AFTER_S = 2.0  # no progress this long with mismatched collectives: stop the ranks
+_STDERR_TAIL = 12  # a failed rank's last stderr lines that its report shows
 
 
 @dataclass(order=True)
@@ -45,27 +55,39 @@ class Failure:
     # linecache holds notebook cells) and its exception, formatted.
     frames: list[traceback.FrameSummary] = field(compare=False, default_factory=list)
     exception: str = field(compare=False, default="")
+    # A rank that died by a signal: its last stderr lines, and whether its Python stack
+    # (`frames`) could be read from the dump faulthandler printed.
+    stderr_tail: list[str] = field(compare=False, default_factory=list)
+    signal_name: str = field(compare=False, default="")
 
 
 class RanksFailed(Exception):
     """Ranks failed; `.failures` lists every failure seen before they were all killed, earliest
-    own failure first; `.running` the ranks that were still running then."""
+    own failure first; `.running` the ranks that were still running then; `.calls` each
+    rank's latest collective or point-to-point call (None before its first)."""
 
-    def __init__(self, failures: list[Failure], running: list[int]):
+    def __init__(self, failures: list[Failure], running: list[int],
+                 calls: dict[int, LatestCall | None]):
         super().__init__(f"{len(failures)} rank(s) failed")
         self.failures = failures
         self.running = running
+        self.calls = calls
 
 
 class RanksStuck(Exception):
-    """Ranks did not finish in time. `.stuck` maps each to its stack, innermost frame last, as
+    """Ranks did not finish. `.stuck` maps each to its stack, innermost frame last, as
     (filename, line number, function) without the launcher's frames; `.finished` lists the
-    ranks that did finish."""
+    ranks that did finish; `.calls` each rank's latest call. `.mismatch_after` is None when
+    the time ran out, else the seconds without progress after which ranks waiting in
+    mismatched collectives were stopped early."""
 
-    def __init__(self, stuck: dict[int, list[tuple[str, int, str]]], finished: list[int]):
+    def __init__(self, stuck: dict[int, list[tuple[str, int, str]]], finished: list[int],
+                 calls: dict[int, LatestCall | None], mismatch_after: float | None = None):
         super().__init__(f"rank(s) {sorted(stuck)} did not finish")
         self.stuck = stuck
         self.finished = finished
+        self.calls = calls
+        self.mismatch_after = mismatch_after
 
 
 def _fork_server() -> multiprocessing.context.ForkServerContext:
@@ -108,6 +130,7 @@ class _RankSpec:
     payload: bytes  # cloudpickle of (fn, args, kwargs)
     sys_path: list[str]
     cwd: str
+    calls_path: str  # where the rank records its latest call (minidist._calls)
     # The caller's environment now: the fork server's is the one it had when it started, so a
     # variable set since (TORCH_DISTRIBUTED_DEBUG=DETAIL in a notebook) would not reach the ranks.
     environ: dict[str, str]
@@ -125,6 +148,9 @@ class _RankProcess:
     lifeline: multiprocessing.connection.Connection  # closing it kills the rank
     partial_lines: dict[int, bytes] = field(default_factory=dict)
     captured_stderr: list[str] | None = None  # set while collecting a stack dump
+    fatal_dump: list[str] | None = None  # what faulthandler printed as the rank died
+    stderr_tail: collections.deque = field(
+        default_factory=lambda: collections.deque(maxlen=_STDERR_TAIL))
     result: bytes | None = None
     reported_error: bool = False
     finished: bool = False
@@ -143,15 +169,23 @@ class Supervisor:
             ) from error
         self.world_size = world_size
         self.timeout = timeout
+        # torch's own check (TORCH_DISTRIBUTED_DEBUG=DETAIL) names mismatched collectives in
+        # an error of its own: wait for that rather than stop the ranks first.
+        self.stop_mismatches = os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() != "DETAIL"
+        self.live = _LiveLine()
         # The store is the rendezvous point: binding port 0 lets the OS pick a free port, so
         # runs in a row or at the same time never collide.
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+        handle, self.calls_path = tempfile.mkstemp(prefix="minidist-calls-", dir=shm)
+        os.close(handle)
+        self.slots = _calls.create(self.calls_path, world_size)
         context = _fork_server()
         self.ranks: list[_RankProcess] = []
         for rank in range(world_size):
             spec = _RankSpec(
                 rank, world_size, backend, self.store.port, timeout, payload, list(sys.path),
-                os.getcwd(), dict(os.environ),
+                os.getcwd(), self.calls_path, dict(os.environ),
             )
             stdout_r, stdout_w = context.Pipe(duplex=False)
             stderr_r, stderr_w = context.Pipe(duplex=False)
@@ -177,8 +211,16 @@ class Supervisor:
             self._wait_for_exit()
             return [cloudpickle.loads(rank.result) for rank in self.ranks]
         finally:
+            self.live.clear()
             self._kill_all()
+            self.slots.close()
+            with contextlib.suppress(OSError):
+                os.unlink(self.calls_path)
             del self.store
+
+    def calls(self) -> dict[int, LatestCall | None]:
+        """Each rank's latest recorded call."""
+        return {rank: _calls.read(self.slots, rank) for rank in range(self.world_size)}
 
     # The parent's only loop: everything it waits on (pipes, process exits) goes through one
     # `wait`, in the caller's thread, so output lands in the notebook cell that called `run`.
@@ -191,7 +233,8 @@ class Supervisor:
             if not rank.finished:
                 sources[rank.process.sentinel] = rank
         failures = []
-        for source in multiprocessing.connection.wait(list(sources), max(timeout, 0)):
+        ready = multiprocessing.connection.wait(list(sources), max(timeout, 0))
+        for source in ready:
             rank = sources[source]
             if source is rank.control:
                 failures += self._on_control(rank)
@@ -199,11 +242,15 @@ class Supervisor:
                 self._forward_output(rank, source)
             elif not rank.finished:
                 failures += self._on_exit(rank)
+        if ready:
+            self.last_progress = time.monotonic()
         return failures
 
     def _wait_for_results(self) -> None:
-        deadline = time.monotonic() + self.timeout
+        start = self.last_progress = time.monotonic()
+        deadline = start + self.timeout
         failures: list[Failure] = []
+        seqs: dict[int, int] = {}
         while any(rank.result is None for rank in self.ranks):
             remaining = deadline - time.monotonic()
             if failures:
@@ -215,7 +262,39 @@ class Supervisor:
                 remaining = min(remaining, grace_left)
             elif remaining <= 0:
                 raise self._timeout_error()
-            failures += self._poll(remaining)
+            failures += self._poll(min(remaining, _TICK_S))
+            if not failures:
+                self._watch(seqs)
+
+    def _watch(self, seqs: dict[int, int]) -> None:
+        """Between polls: note progress (a rank made a new call), stop ranks stuck in
+        mismatched collectives, and keep a line in the cell while nothing moves."""
+        calls = self.calls()
+        now = time.monotonic()
+        current = {rank: call.seq for rank, call in calls.items() if call is not None}
+        if current != seqs:
+            seqs.clear()
+            seqs.update(current)
+            self.last_progress = now
+        idle = now - self.last_progress
+        running = [rank.rank for rank in self.ranks if rank.result is None]
+        waiting = {rank: calls[rank] for rank in running
+                   if calls[rank] is not None and calls[rank].waiting}
+        if (self.stop_mismatches and idle >= _MISMATCH_AFTER_S
+                and conflicts(list(waiting.values()))):
+            raise self._timeout_error(mismatch_after=idle)
+        if idle >= _LIVE_AFTER_S and waiting:
+            by_op: dict[str, list[int]] = {}
+            for rank, call in waiting.items():
+                by_op.setdefault(call.op, []).append(rank)
+            where = "; ".join(f"{rank_list(ranks)} in {op}" for op, ranks in by_op.items())
+            others = sorted(set(running) - set(waiting))
+            if others:
+                where += f"; {rank_list(others)} running"
+            seconds = int(idle // _LIVE_AFTER_S * _LIVE_AFTER_S)  # redrawn every few seconds
+            self.live.show(f"still waiting after {seconds} s: {where}")
+        else:
+            self.live.clear()
 
     def _wait_for_exit(self) -> None:
         deadline = time.monotonic() + _EXIT_WAIT_S
@@ -235,7 +314,8 @@ class Supervisor:
             return []
         _, when, peer_error, description, frames, exception_text = message
         rank.reported_error = True
-        return [Failure(peer_error, when, rank.rank, description, frames, exception_text)]
+        return [Failure(peer_error, when, rank.rank, description, frames, exception_text,
+                        list(rank.stderr_tail))]
 
     def _on_exit(self, rank: _RankProcess) -> list[Failure]:
         rank.finished = True
@@ -246,12 +326,17 @@ class Supervisor:
         if rank.result is not None or rank.reported_error:
             return failures
         code = rank.process.exitcode
-        how = (
-            f"was killed by {signal.Signals(-code).name}"
-            if code is not None and code < 0
-            else f"exited with code {code}"
-        )
-        return [Failure(False, time.time(), rank.rank, f"the process {how} before returning")]
+        if code is not None and code < 0:
+            # A native crash: faulthandler printed the Python stack into stderr as it died.
+            name = signal.Signals(-code).name
+            frames = [traceback.FrameSummary(*frame, lookup_line=False)
+                      for frame in _dumped_frames(rank.fatal_dump or [])]
+            return [Failure(False, time.time(), rank.rank,
+                            f"the process was killed by {name} before returning", frames,
+                            stderr_tail=list(rank.stderr_tail), signal_name=name)]
+        return [Failure(False, time.time(), rank.rank,
+                        f"the process exited with code {code} before returning",
+                        stderr_tail=list(rank.stderr_tail))]
 
     def _forward_output(self, rank: _RankProcess, pipe) -> None:
         try:
@@ -274,9 +359,21 @@ class Supervisor:
 
     def _emit(self, rank: _RankProcess, pipe, lines: list[bytes]) -> None:
         text = [line.decode(errors="replace") for line in lines]
-        if pipe is rank.stderr and rank.captured_stderr is not None:
-            rank.captured_stderr += text
+        if pipe is rank.stderr:
+            if rank.captured_stderr is not None:
+                rank.captured_stderr += text
+                return
+            for number, line in enumerate(text):
+                if rank.fatal_dump is None and line.startswith("Fatal Python error:"):
+                    rank.fatal_dump = []
+                if rank.fatal_dump is not None:  # the report shows it, with cells named
+                    rank.fatal_dump += text[number:]
+                    text = text[:number]
+                    break
+            rank.stderr_tail.extend(text)
+        if not text:
             return
+        self.live.clear()
         stream = sys.stderr if pipe is rank.stderr else sys.stdout
         stream.write("".join(f"[rank{rank.rank}] {line}\n" for line in text))
         stream.flush()
@@ -290,10 +387,12 @@ class Supervisor:
         failed = {failure.rank for failure in failures}
         running = [rank.rank for rank in self.ranks
                    if rank.result is None and rank.rank not in failed]
+        calls = self.calls()
         self._kill_all()
-        return RanksFailed(sorted(failures), running)
+        return RanksFailed(sorted(failures), running, calls)
 
-    def _timeout_error(self) -> RanksStuck:
+    def _timeout_error(self, mismatch_after: float | None = None) -> RanksStuck:
+        self.live.clear()
         stuck = [rank for rank in self.ranks if rank.result is None]
         for rank in stuck:
             rank.captured_stderr = []
@@ -301,9 +400,12 @@ class Supervisor:
         deadline = time.monotonic() + _STACK_DUMP_WAIT_S
         while time.monotonic() < deadline:
             self._poll(deadline - time.monotonic())
+        calls = self.calls()
         self._kill_all()
-        return RanksStuck({rank.rank: _user_frames(rank.captured_stderr or []) for rank in stuck},
-                          [rank.rank for rank in self.ranks if rank.result is not None])
+        return RanksStuck({rank.rank: _dumped_frames(rank.captured_stderr or [])
+                           for rank in stuck},
+                          [rank.rank for rank in self.ranks if rank.result is not None],
+                          calls, mismatch_after)
 
     def _kill_all(self) -> None:
         for rank in self.ranks:
@@ -319,6 +421,49 @@ class Supervisor:
                 pipe.close()
 
 
+class _LiveLine:
+    """One line in the cell (or terminal) that is rewritten in place, then removed: in a
+    notebook a display that is updated, elsewhere a line on stderr redrawn after a carriage
+    return."""
+
+    def __init__(self):
+        self.handle = None
+        self.shown = ""
+
+    def show(self, text: str) -> None:
+        if text == self.shown:
+            return
+        if _in_notebook():
+            from IPython.display import display
+
+            if self.handle is None:
+                self.handle = display({"text/plain": text}, raw=True, display_id=True)
+            else:
+                self.handle.update({"text/plain": text}, raw=True)
+        else:
+            sys.stderr.write("\r" + text.ljust(len(self.shown)))
+            sys.stderr.flush()
+        self.shown = text
+
+    def clear(self) -> None:
+        if not self.shown:
+            return
+        if self.handle is not None:
+            self.handle.update({"text/plain": ""}, raw=True)
+        else:
+            sys.stderr.write("\r" + " " * len(self.shown) + "\r")
+            sys.stderr.flush()
+        self.shown = ""
+
+
+def _in_notebook() -> bool:
+    if "IPython" not in sys.modules:
+        return False
+    from IPython import get_ipython
+
+    return getattr(get_ipython(), "kernel", None) is not None
+
+
 def _signal(pid: int, signum: int, whole_group: bool = False) -> None:
     try:
         if whole_group:
@@ -329,15 +474,29 @@ def _signal(pid: int, signum: int, whole_group: bool = False) -> None:
         pass
 
 
-def _user_frames(dump: list[str]) -> list[tuple[str, int, str]]:
-    """faulthandler's dump (innermost frame first) as (filename, line, function), outermost
-    first, without the launcher's frames."""
-    launcher_frames = ("multiprocessing", "minidist/_supervisor.py", '"<string>"')
-    frames = []
+def _dumped_frames(dump: list[str]) -> list[tuple[str, int, str]]:
+    """The rank's main thread in faulthandler's dump (innermost frame first), as (filename,
+    line, function), outermost first, without the launcher's frames.
+
+    The dump holds one block per thread; the one running the user's function is the block
+    that passes through `_rank_main` (a crash in a C++ thread, as gloo's aborts are, makes
+    that thread "current" and leaves it without Python frames)."""
+    blocks: list[list[str]] = [[]]
     for line in dump:
+        if re.match(r"(Current thread|Thread) 0x", line):
+            blocks.append([])
+        blocks[-1].append(line)
+    main = next((block for block in blocks if any("in _rank_main" in line for line in block)),
+                blocks[-1])
+    frames = []
+    for line in main:
         frame = re.match(r'\s*File "(.+)", line (\d+) in (.+)', line)
-        if frame and not any(skip in line for skip in launcher_frames):
+        if frame:
             filename, lineno, function = frame.groups()
+            if function == "_rank_main" and filename.endswith("minidist/_supervisor.py"):
+                break  # it and what called it are the launcher's
+            if "/multiprocessing/" in filename or (filename, function) == ("<string>", "<module>"):
+                continue  # the fork server's own frames, when the rank died outside _rank_main
             frames.append((filename, int(lineno), function))
     return frames[::-1]
 
@@ -373,7 +532,7 @@ def _rank_main(spec: _RankSpec, stdout_w, stderr_w, control, lifeline) -> None:
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
     faulthandler.enable()
-    faulthandler.register(signal.SIGUSR1, all_threads=False)
+    faulthandler.register(signal.SIGUSR1)
     sys.path[:] = spec.sys_path
     os.chdir(spec.cwd)
     os.environ.clear()
@@ -392,7 +551,13 @@ def _rank_main(spec: _RankSpec, stdout_w, stderr_w, control, lifeline) -> None:
     # profile it starts and stops, into the rank's output; level 6 is the first above those
     # lines. It reads the variable when a profiler first starts, so after this.
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    # glibc reports heap corruption on the terminal unless told to use stderr, where the
+    # caller reads it.
+    os.environ.setdefault("LIBC_FATAL_STDERR_", "1")
     torch.set_num_threads(1)
+    # Before the payload is unpickled: modules it imports (minidist.comm) may keep references
+    # to the torch.distributed functions they call.
+    _calls.install(spec.calls_path, spec.rank)
     try:
         fn, args, kwargs = cloudpickle.loads(spec.payload)
         if spec.backend == "nccl":

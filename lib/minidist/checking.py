@@ -8,11 +8,17 @@
     with unavailable("minidist.comm.ring_all_reduce", "torch.distributed.all_reduce"):
         my_ring_all_reduce(t)                        # calling either raises, saying why
 
+    with messages_sent() as sent:                    # what each point-to-point message carried
+        my_ring_all_reduce(t)
+    [(m.peer, m.payload) for m in sent]              # [(right neighbour, a chunk's copy), ...]
+
 `recording` sees the calls a function makes into torch.distributed (point-to-point and
 collectives alike, with the peer, the bytes and the shape of each), so a check can ask who was
 sent what and in which order, where `traffic.count_traffic` counts only what left the rank.
 `unavailable` swaps functions for ones that raise while an exercise is checked: a student's
 version must not lean on the library's (or torch's) own version of the very thing it builds.
+`messages_sent` keeps a copy of every message's payload, so a check can ask what travelled in
+each step (a partial sum, a finished chunk), not only how many bytes.
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["Call", "RECORDED", "recording", "unavailable", "LibraryVersionUsed"]
+__all__ = ["Call", "RECORDED", "recording", "unavailable", "LibraryVersionUsed", "Message",
+           "messages_sent"]
 
 RECORDED = (
     "send", "recv", "isend", "irecv", "batch_isend_irecv", "all_reduce", "all_gather",
@@ -113,3 +120,39 @@ def unavailable(*paths: str, reason: str = "") -> Iterator[None]:
     finally:
         for module, attribute, original in swapped:
             setattr(module, attribute, original)
+
+
+@dataclass(frozen=True)
+class Message:
+    """One point-to-point message this rank sent: the global rank it went to and a copy of its
+    payload, taken when it was sent."""
+
+    peer: int
+    payload: torch.Tensor
+
+
+@contextlib.contextmanager
+def messages_sent() -> Iterator[list[Message]]:
+    """Inside the block every point-to-point message this process sends is appended, in order,
+    to the list it yields, with a copy of what it carried.
+
+    It watches the one method every send ends in, ProcessGroup.send, as `traffic.count_traffic`
+    does, so dist.send, dist.isend, batch_isend_irecv and minidist's algorithms are all seen,
+    however they were imported. Blocks nest with each other and with count_traffic's."""
+    from minidist.traffic import members
+
+    sent: list[Message] = []
+    # From the class dict: pybind keeps methods there as descriptors that bind `self` again.
+    original = vars(dist.ProcessGroup)["send"]
+
+    def send(self: Any, tensors: list, dst: int, *args: Any, **kwargs: Any) -> Any:
+        peer = members(self)[dst]
+        for tensor in tensors:
+            sent.append(Message(peer, tensor.detach().clone()))
+        return original(self, tensors, dst, *args, **kwargs)
+
+    dist.ProcessGroup.send = send
+    try:
+        yield sent
+    finally:
+        dist.ProcessGroup.send = original

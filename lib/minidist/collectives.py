@@ -47,12 +47,13 @@ from minidist._checks import require_process_group
 from minidist.comm import binomial_broadcast, chunk_bounds, ring_of
 from minidist.cost import ALL_REDUCE_ALGORITHMS, AlgorithmLinks, AlphaBeta
 from minidist.flat import copy_back, flatten
+from minidist.timeline import Event, clock, note
 from minidist.traffic import record
 
 __all__ = [
     "IMPLS", "Handle", "shard_bounds", "all_reduce", "reduce_scatter", "all_gather",
     "all_gather_along", "reduce_scatter_along", "all_gather_overlapped",
-    "reduce_scatter_overlapped", "broadcast", "broadcast_tensors", "all_to_all",
+    "reduce_scatter_overlapped", "broadcast", "broadcast_tensors", "all_to_all", "shift",
     "all_gather_object", "barrier", "in_background",
 ]
 
@@ -403,6 +404,34 @@ def all_to_all(x: torch.Tensor, send_sizes: Sequence[int], receive_sizes: Sequen
             request.wait()
 
     return _run(exchange, False, lambda: out)
+
+
+def shift(tensor: torch.Tensor, group: dist.ProcessGroup | None = None, when: str = "",
+          async_op: bool = False) -> Any:
+    """One step around the ring: every rank sends `tensor` to its right neighbour and receives
+    its left neighbour's (same shape and dtype), which it returns; a `Handle` whose wait()
+    returns it with async_op=True, so that work done before wait() overlaps the transfer (ring
+    attention's key/value blocks, Liu et al. 2023). Recorded as one "shift" of the tensor's
+    bytes; the wait notes a `timeline.Event` of kind "transfer" from the send to the wait's
+    return. With one rank the tensor itself comes back: there is nobody to send to."""
+    ring = ring_of(group, "shift")
+    record("shift", _nbytes(tensor), group, when)
+    if ring.size == 1:
+        return Handle(None, lambda: tensor) if async_op else tensor
+    outgoing = tensor.contiguous()
+    incoming = torch.empty_like(outgoing)
+    start = clock()
+    receiving = dist.irecv(incoming, ring.left, group=group)
+    sending = dist.isend(outgoing, ring.right, group=group)
+
+    def finish() -> torch.Tensor:
+        sending.wait()
+        note(Event(ring.members[ring.rank], "transfer", when or "shift", start, clock(),
+                   _nbytes(outgoing)))
+        return incoming
+
+    handle = Handle(receiving, finish)
+    return handle if async_op else handle.wait()
 
 
 def all_gather_object(obj: Any, group: dist.ProcessGroup | None = None,

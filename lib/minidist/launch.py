@@ -23,18 +23,28 @@ function in place, so the same lab code runs unchanged on a cluster.
 
 A rank that raises makes `run` raise `RankError` naming it, with its own traceback (notebook
 frames as "Cell In[n], line k", the launcher's frames left out); ranks that broke only because
-it stopped are named as such, ranks that failed on their own each get their own report. A run
-that does not finish within `timeout` raises `RankTimeout` naming the unfinished ranks and
-showing where each one was stuck. Either way, and on Ctrl-C (`RunInterrupted`, a
-KeyboardInterrupt saying so), every rank is stopped before `run` returns. Starting and
-watching the processes is the private `minidist._supervisor`'s job.
+it stopped are named as such, ranks that failed on their own each get their own report. A rank
+that dies natively (a signal: a heap corruption, gloo aborting) is reported with its last
+stderr lines, its Python stack as it died and what a known message means. A run that does not
+finish within `timeout` raises `RankTimeout` naming the unfinished ranks, what each waits for
+(and the cycle, when they wait on each other) and where they were stuck, ranks with the same
+stack shown once; torch's and other libraries' frames are hidden unless the environment has
+MINIDIST_FULL_STACKS=1. Ranks that call mismatched collectives (different ops, sizes, dtypes
+or roots in the same turn) are named with each call and its line: in the error when the
+mismatch crashes a rank, and as a `RankTimeout` a few seconds after they stop making progress
+when it hangs. While ranks wait without progress the cell shows one line saying so, replaced
+by the report. Either way, and on Ctrl-C (`RunInterrupted`, a KeyboardInterrupt saying so),
+every rank is stopped before `run` returns. Starting and watching the processes is the private
+`minidist._supervisor`'s job; recording each rank's calls, `minidist._calls`'.
 """
 
 from __future__ import annotations
 
 import atexit
 import datetime
+import inspect
 import linecache
+import math
 import os
 import subprocess
 import sys
@@ -44,7 +54,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from minidist._calls import LatestCall
 from minidist._checks import positive_int
+from minidist._diagnose import (
+    conflicts,
+    describe_conflict,
+    describe_cycle,
+    explain,
+    find_cycle,
+    rank_list,
+    same_stacks,
+    shown_frames,
+    waits_for,
+)
 from minidist._supervisor import Failure, RanksFailed, RanksStuck, Supervisor, to_cpu
 
 __all__ = [
@@ -72,7 +94,9 @@ class RankError(RuntimeError):
 
 
 class RankTimeout(RankError):
-    """Ranks did not finish in time; `.ranks` lists them, `.rank` is the first of them."""
+    """Ranks did not finish: the time ran out, or they were stopped early because they wait in
+    mismatched collectives that can never complete. `.ranks` lists them, `.rank` is the first
+    of them."""
 
     def __init__(self, message: str, ranks: list[int]):
         super().__init__(message, ranks[0])
@@ -123,6 +147,8 @@ def run(
     (default `DEFAULT_TIMEOUT_S`).
     """
     positive_int(world_size=world_size)
+    _check_function(fn, world_size, args, kwargs)
+    timeout = _check_timeout(timeout)
     backend = backend or default_backend(world_size)
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
@@ -133,9 +159,6 @@ def run(
             f"backend='nccl' needs one GPU per rank: world_size={world_size} but this machine "
             f"has {torch.cuda.device_count()} GPU(s); use backend='gloo' or fewer ranks"
         )
-    timeout = DEFAULT_TIMEOUT_S if timeout is None else float(timeout)
-    if timeout <= 0:
-        raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
 
     if launched is not None:
         return _run_in_place(fn, world_size, args, kwargs, backend, timeout, *launched)
@@ -149,6 +172,41 @@ def run(
     except KeyboardInterrupt:
         error = RunInterrupted(f"all {world_size} ranks were stopped")
     raise error from None
+
+
+def _check_function(fn: Callable[..., Any], world_size: int, args: tuple, kwargs: dict) -> None:
+    """`fn` can be called as fn(rank, world_size, *args, **kwargs), or a ValueError says why."""
+    if not callable(fn):
+        raise ValueError(f"run's first argument must be a function, got {fn!r}; pass the "
+                         "function itself: run(my_function, world_size)")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: let the call decide
+        return
+    try:
+        signature.bind(0, world_size, *args, **kwargs)
+    except TypeError as error:
+        name = getattr(fn, "__name__", repr(fn))
+        extra = "".join(f", {a!r}" for a in args) + "".join(f", {k}={v!r}"
+                                                          for k, v in kwargs.items())
+        raise ValueError(
+            f"{name}{signature} cannot be called as {name}(rank, world_size{extra}): {error}. "
+            f"Each rank calls fn(rank, world_size, *args, **kwargs): define it as "
+            f"def {name}(rank, world_size, ...), with one parameter per extra argument of run"
+        ) from None
+
+
+def _check_timeout(timeout: float | None) -> float:
+    if timeout is None:
+        return DEFAULT_TIMEOUT_S
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (
+            math.isfinite(timeout) and timeout > 0):
+        raise ValueError(
+            f"timeout={timeout!r}: must be a positive, finite number of seconds (how long run "
+            f"waits for every rank to return), e.g. timeout=30; leave it out for "
+            f"{DEFAULT_TIMEOUT_S:g} s"
+        )
+    return float(timeout)
 
 
 # --- Under torchrun or srun: this process is one rank already ---------------------------------
@@ -242,26 +300,37 @@ def _leave_group() -> None:
 # --- What a failure looks like -----------------------------------------------------------------
 
 
+def _full_stacks() -> bool:
+    return os.environ.get("MINIDIST_FULL_STACKS", "") not in ("", "0")
+
+
+HIDDEN_NOTE = ("(torch's and other libraries' frames are hidden; set "
+               "os.environ['MINIDIST_FULL_STACKS'] = '1' to see them)")
+
+
 def _failure_error(failed: RanksFailed, world_size: int) -> RankError:
-    """The first rank that failed on its own, with its traceback; every other rank that failed
-    on its own, too; then, in one line each, the ranks that broke only because those stopped
-    and the ranks that were still running when all were stopped."""
+    """The first rank that failed on its own, with its traceback (or, for a native death, its
+    last stderr lines and its stack as it died); every other rank that failed on its own, too;
+    mismatched calls between the ranks; then, in one line each, the ranks that broke only
+    because those stopped and the ranks that were still running when all were stopped."""
     own = [f for f in failed.failures if not f.peer_error] or failed.failures[:1]
     broken = sorted({f.rank for f in failed.failures} - {f.rank for f in own})
     first = own[0]
     message = f"rank {first.rank} of {world_size} failed: {first.description}"
-    first_traceback = _format_traceback(first)
-    if first_traceback:
-        message += f"\n\nTraceback from rank {first.rank}:\n{first_traceback}"
+    message += _failure_report(first)
+
+    def same(failure: Failure) -> tuple:
+        return failure.description, _format_traceback(failure), [
+            (f.filename, f.lineno, f.name) for f in failure.frames]
+
     for other in own[1:]:
-        other_traceback = _format_traceback(other)
-        if other_traceback == first_traceback:
+        if same(other) == same(first):
             message += (f"\n\nrank {other.rank} of {world_size} failed too, on its own, "
                         "with the same error and traceback.")
         else:
-            message += f"\n\nrank {other.rank} of {world_size} failed too: {other.description}"
-            if other_traceback:
-                message += f"\n\nTraceback from rank {other.rank}:\n{other_traceback}"
+            message += (f"\n\nrank {other.rank} of {world_size} failed too: "
+                        f"{other.description}{_failure_report(other)}")
+    message += _mismatch_report(failed.calls, failed.failures)
     notes = []
     if broken:
         stopped = ", ".join(str(f.rank) for f in own)
@@ -271,37 +340,155 @@ def _failure_error(failed: RanksFailed, world_size: int) -> RankError:
         notes.append(f"rank(s) {', '.join(map(str, failed.running))} were still running")
     if notes:
         message += f"\n\n({'; '.join(notes)}; all ranks were stopped.)"
-    return RankError(message, first.rank, first_traceback)
+    return RankError(message, first.rank, _format_traceback(first))
+
+
+def _failure_report(failure: Failure) -> str:
+    """What follows a failed rank's first line: an explanation of a known message, the
+    traceback of its exception, or, when it died without one, its last stderr lines and its
+    Python stack as it died."""
+    text = "\n".join([failure.exception, *failure.stderr_tail])
+    meaning = explain(text, failure.signal_name)
+    report = f"\n{meaning}" if meaning else ""
+    if failure.exception:
+        traceback = _format_traceback(failure)
+        return report + (f"\n\nTraceback from rank {failure.rank}:\n{traceback}"
+                         if traceback else "")
+    tail = [line for line in failure.stderr_tail if line.strip()]
+    if tail:
+        report += (f"\n\nLast lines rank {failure.rank} wrote to stderr:\n"
+                   + "\n".join(f"  {line}" for line in tail))
+    if failure.signal_name:
+        frames = [(f.filename, f.lineno, f.name) for f in failure.frames]
+        shown = shown_frames(frames, _full_stacks())
+        if shown:
+            report += (f"\n\nPython stack of rank {failure.rank} when it died (most recent call "
+                       "last):\n" + "\n".join(_format_frame(*frame) for frame in shown))
+            if len(shown) < len(frames):
+                report += f"\n{HIDDEN_NOTE}"
+        else:
+            report += (f"\n\n(rank {failure.rank}'s Python stack as it died held no frame of "
+                       "its function: it died outside it, e.g. while the function's tensors "
+                       "were freed after it returned)")
+    return report
+
+
+def _mismatch_report(calls: dict[int, LatestCall | None], failures: list[Failure]) -> str:
+    """Mismatched calls in progress when the ranks failed; when a rank's message says there
+    was a collective mismatch but the calls in progress do not show it, every rank's latest
+    call."""
+    found = conflicts([call for call in calls.values() if call is not None], in_progress=False)
+    if found:
+        return "\n\nMismatched calls: " + "\n".join(
+            describe_conflict(group, _call_location) + "." for group in found)
+    texts = "\n".join(f.exception + "\n".join(f.stderr_tail) for f in failures)
+    if "collective mismatch" in explain(texts) and any(calls.values()):
+        latest = [f"rank {rank}: {call.describe()} at {_call_location(call)}"
+                  for rank, call in sorted(calls.items()) if call is not None]
+        return "\n\nEach rank's latest call:\n" + "\n".join(f"  {line}" for line in latest)
+    return ""
 
 
 def _timeout_error(stuck: RanksStuck, world_size: int, timeout: float) -> RankTimeout:
     names = ", ".join(map(str, sorted(stuck.stuck)))
     finished = ", ".join(map(str, stuck.finished))
-    message = (
-        f"rank(s) {names} of {world_size} did not finish within {timeout:g} s"
-        + (f" (rank(s) {finished} finished)" if finished else "")
-        + ". A rank waiting in a collective or recv that its peers never join hangs "
-        "forever; pass timeout= if the work is just slow.\n"
-    )
-    for rank, frames in sorted(stuck.stuck.items()):
+    calls = stuck.calls
+    found = conflicts([calls[rank] for rank in stuck.stuck if calls.get(rank) is not None])
+    if stuck.mismatch_after is not None:
+        message = (
+            f"rank(s) {names} of {world_size} are stuck in mismatched collectives: stopped "
+            f"after {stuck.mismatch_after:.0f} s without progress (the timeout was {timeout:g} "
+            "s). Every rank of a group must make the same collective calls, in the same "
+            "order, with the same sizes.\n"
+        )
+    else:
+        message = (
+            f"rank(s) {names} of {world_size} did not finish within {timeout:g} s"
+            + (f" (rank(s) {finished} finished)" if finished else "")
+            + ". A rank waiting in a collective or recv that its peers never join hangs "
+            "forever; pass timeout= if the work is just slow.\n"
+        )
+    if found:
+        message += "\nMismatched calls: " + "\n".join(
+            describe_conflict(group, _call_location) + "." for group in found) + "\n"
+    edges = waits_for(calls, stuck.stuck)
+    cycle = find_cycle(edges)
+    if cycle and not found:
+        message += f"\nDeadlock: {describe_cycle(cycle, calls)}.\n"
+    elif not found:
+        message += _who_waits(stuck, edges)
+    everything = _full_stacks()
+    hidden = False
+    stacks = {rank: shown_frames(frames, everything) for rank, frames in stuck.stuck.items()}
+    for ranks, frames in same_stacks(stacks):
+        hidden |= any(len(stacks[r]) < len(stuck.stuck[r]) for r in ranks)
         shown = "\n".join(_format_frame(*frame) for frame in frames)
-        message += (f"\nWhere rank {rank} was stuck (most recent call last):\n"
-                    f"{shown or '  (no stack was printed)'}\n")
+        if len(ranks) > 1 and frames:
+            filename, lineno, _ = frames[-1]
+            source = linecache.getline(filename, lineno).strip()
+            message += (f"\n{rank_list(ranks)} are all at {_location(filename, lineno)}"
+                        + (f": {source}" if source else "") + "\n"
+                        f"Where {rank_list(ranks)} were stuck (most recent call last):\n"
+                        f"{shown}\n")
+        else:
+            for rank in ranks:
+                message += (f"\nWhere rank {rank} was stuck (most recent call last):\n"
+                            f"{shown or '  (no stack was printed)'}\n")
+    if hidden:
+        message += f"{HIDDEN_NOTE}\n"
     return RankTimeout(message, sorted(stuck.stuck))
 
 
+def _who_waits(stuck: RanksStuck, edges: dict[int, list[int]]) -> str:
+    """One line per stuck rank: its call and the ranks it waits for, and what those do."""
+    lines = []
+    for rank in sorted(stuck.stuck):
+        call = stuck.calls.get(rank)
+        if call is None or not call.waiting:
+            lines.append(f"rank {rank} is in no collective or send/recv (computing, sleeping "
+                         "or waiting on something else)")
+            continue
+        line = f"rank {rank} is in {call.describe()} at {_call_location(call)}"
+        others = edges.get(rank, [])
+        gone = [r for r in others if r in stuck.finished]
+        busy = [r for r in others if r not in stuck.finished]
+        if gone:
+            line += f", waiting for {rank_list(gone)}, which already returned"
+        if busy:
+            doing = []
+            for other in busy:
+                other_call = stuck.calls.get(other)
+                what = (f"in {other_call.describe()}" if other_call is not None
+                        and other_call.waiting else "in no collective")
+                doing.append(f"{other} ({what})")
+            line += (" and" if gone else ",") + f" waiting for {', '.join(doing)}"
+        lines.append(line)
+    return "\n" + "\n".join(lines) + "\n" if lines else ""
+
+
 def _format_traceback(failure: Failure) -> str:
+    if not failure.exception:
+        return ""
     frames = [_format_frame(f.filename, f.lineno, f.name) for f in failure.frames]
     return "\n".join([*frames, failure.exception.rstrip()]).strip("\n")
+
+
+def _location(filename: str, lineno: int | None) -> str:
+    """"Cell In[3], line 2" for a notebook cell's code, else 'File "x.py", line 2'."""
+    cell = _notebook_cell(filename)
+    return f"Cell {cell}, line {lineno}" if cell else f'File "{filename}", line {lineno}'
+
+
+def _call_location(call: LatestCall) -> str:
+    return f"{_location(call.filename, call.lineno)} (in {call.function})"
 
 
 def _format_frame(filename: str, lineno: int | None, function: str) -> str:
     """One frame as a traceback shows it, with its source line; a notebook cell's frame as
     IPython names it ("Cell In[3], line 2"), not by the temporary file it was compiled as."""
-    cell = _notebook_cell(filename)
-    where = f"Cell {cell}, line {lineno}" if cell else f'File "{filename}", line {lineno}'
     source = linecache.getline(filename, lineno or 0).strip()
-    return f"  {where}, in {function}" + (f"\n    {source}" if source else "")
+    return f"  {_location(filename, lineno)}, in {function}" + (
+        f"\n    {source}" if source else "")
 
 
 def _notebook_cell(filename: str) -> str | None:

@@ -38,7 +38,9 @@ class MLP(nn.Module):
 
 class Attention(nn.Module):
     """Causal multi-head self-attention with separate q, k, v and output projections
-    (separate so that tensor parallelism can split each by heads)."""
+    (separate so that tensor parallelism can split each by heads). `core(q, k, v, heads)` is
+    the attention itself, `attend`; context parallelism swaps in an attention over the
+    sequence split across ranks (`minidist.context_parallel.ContextParallelCore`)."""
 
     def __init__(self, hidden: int, heads: int):
         super().__init__()
@@ -50,9 +52,11 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, hidden)
         self.v_proj = nn.Linear(hidden, hidden)
         self.out_proj = nn.Linear(hidden, hidden)
+        self.core = attend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out_proj(attend(self.q_proj(x), self.k_proj(x), self.v_proj(x), self.heads))
+        return self.out_proj(self.core(self.q_proj(x), self.k_proj(x), self.v_proj(x),
+                                       self.heads))
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:

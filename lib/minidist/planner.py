@@ -1,4 +1,5 @@
-"""A 3D-parallel planner: which (TP, PP, DP, ZeRO, microbatches, recompute) layout to train with.
+"""A 3D-parallel planner: which (TP, PP, DP, ZeRO, microbatches, recompute) layout to train with,
+and optionally context parallelism (CP) for long sequences.
 
     plan = planner.plan(planner.MODELS["70B"], planner.Cluster.dgx_a100(64), global_batch=512)
     print(plan.table())        # the fastest layouts that fit, with their predicted step time
@@ -10,7 +11,16 @@ one node, PP must divide the layers, DP x micro-batch must divide the global bat
 interleaved schedule needs m a multiple of p) or do not fit in memory, and ranks the rest by
 a predicted step time:
 
-    step = compute + pipeline bubble + exposed communication (TP + PP + DP)
+    step = compute + pipeline bubble + exposed communication (TP + PP + DP + CP)
+           (+ with the optimizer state offloaded: what PCIe, the CPU step and the disk add)
+
+Context parallelism (`plan(..., context_parallel=(1, 2, 4, ...))`, off by default) splits every
+sequence over cp GPUs: it divides the activations (each GPU holds s/cp tokens of every layer)
+and the TP and PP messages by cp; it sends the keys and values around a ring of cp GPUs
+(`minidist.traffic.ring_attention_traffic`), hidden behind the attention computed meanwhile;
+and the gradients are reduced over the dp·cp GPUs that hold the same parameters (as in
+Megatron-LM, whose ZeRO then shards over dp·cp too). CP sits between DP and TP in the rank
+order, so a CP group spans tp·cp consecutive GPUs.
 
 Memory comes from `minidist.memory` (model state with ZeRO, Korthikanti's activations) and
 `minidist.pipeline` (in-flight microbatches of the schedule); bytes sent from
@@ -36,7 +46,13 @@ from minidist.cost import collective_time
 from minidist.flops import hardware_flops_per_token, model_flops_per_token
 from minidist.memory import GB, RECOMPUTE, activation_bytes, bytes_per_param, model_state_bytes
 from minidist.pipeline import bubble_relative_to_ideal, inflight_microbatches
-from minidist.traffic import data_parallel_traffic, pipeline_traffic, tensor_parallel_traffic
+from minidist.tiers import OFFLOAD, PCIE_BANDWIDTH, model_state_by_tier, offload_step_time
+from minidist.traffic import (
+    data_parallel_traffic,
+    pipeline_traffic,
+    ring_attention_traffic,
+    tensor_parallel_traffic,
+)
 
 __all__ = [
     "Model", "MODELS", "Cluster", "Layout", "MemoryEstimate", "StepTime", "Reason", "Evaluation",
@@ -87,6 +103,15 @@ class Cluster:
     peak_flops: float
     intra_node_latency: float = 5e-6
     inter_node_latency: float = 1e-5
+    # Offload (minidist.tiers): each GPU's PCIe link to the host (bytes/s per direction), and
+    # what only a measurement gives: the host's optimizer rate (parameters/s per GPU,
+    # minidist.offload.measure_optimizer_throughput), disk bandwidths (measure_disk) and the
+    # host memory per GPU. None: unknown, so layouts that offload there are rejected.
+    pcie_bandwidth: float = PCIE_BANDWIDTH["gen4"]
+    host_optimizer_throughput: float | None = None
+    nvme_read_bandwidth: float | None = None
+    nvme_write_bandwidth: float | None = None
+    host_memory: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("gpus", "gpu_memory", "gpus_per_node", "intra_node_bandwidth",
@@ -101,13 +126,13 @@ class Cluster:
     def dgx_a100(cls, gpus: int) -> Cluster:
         """A100 80 GB nodes of 8: NVLink 3 (600 GB/s both ways), 8 x 200 Gb/s InfiniBand
         (25 GB/s per GPU), 312 TFLOP/s bf16 dense (NVIDIA A100 datasheet)."""
-        return cls(gpus, 80 * GB, 8, 300e9, 25e9, 312e12)
+        return cls(gpus, 80 * GB, 8, 300e9, 25e9, 312e12, pcie_bandwidth=PCIE_BANDWIDTH["gen4"])
 
     @classmethod
     def dgx_h100(cls, gpus: int) -> Cluster:
         """H100 SXM 80 GB nodes of 8: NVLink 4 (900 GB/s both ways), 8 x 400 Gb/s
         InfiniBand (50 GB/s per GPU), 989 TFLOP/s bf16 dense (NVIDIA H100 datasheet)."""
-        return cls(gpus, 80 * GB, 8, 450e9, 50e9, 989e12)
+        return cls(gpus, 80 * GB, 8, 450e9, 50e9, 989e12, pcie_bandwidth=PCIE_BANDWIDTH["gen5"])
 
     def link(self, span: int) -> tuple[float, float]:
         """(alpha, beta) of a group whose ranks span `span` consecutive GPUs."""
@@ -118,9 +143,10 @@ class Cluster:
 
 @dataclass(frozen=True)
 class Layout:
-    """One way to lay the model out: tp x pp x dp GPUs, b sequences per microbatch, m
+    """One way to lay the model out: tp x pp x dp (x cp) GPUs, b sequences per microbatch, m
     microbatches per step per DP rank, v model chunks per pipeline rank (v > 1: the
-    interleaved schedule), activation recompute None, "selective" or "full"."""
+    interleaved schedule), activation recompute None, "selective" or "full", cp GPUs sharing
+    each sequence (context parallelism)."""
 
     tp: int
     pp: int
@@ -130,6 +156,8 @@ class Layout:
     microbatches: int
     recompute: str | None
     chunks: int = 1
+    cp: int = 1
+    offload: str | None = None  # where the optimizer state goes: None, "host" or "nvme"
 
     @property
     def schedule(self) -> str:
@@ -141,18 +169,24 @@ class Layout:
 
     def __str__(self) -> str:
         v = f" v={self.chunks}" if self.chunks > 1 else ""
-        return (f"TP{self.tp} PP{self.pp} DP{self.dp} ZeRO-{self.zero_stage} "
-                f"b={self.micro_batch} m={self.microbatches}{v} recompute={self.recompute}")
+        cp = f" CP{self.cp}" if self.cp > 1 else ""
+        offload = f" offload={self.offload}" if self.offload else ""
+        return (f"TP{self.tp} PP{self.pp} DP{self.dp}{cp} ZeRO-{self.zero_stage} "
+                f"b={self.micro_batch} m={self.microbatches}{v} recompute={self.recompute}"
+                f"{offload}")
 
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes on the fullest GPU: its model state, and the activations it holds at peak."""
+    """Bytes on the fullest GPU: its model state, and the activations it holds at peak; with
+    offload, also what its share of the host memory and of the disk holds (not in `total`)."""
 
     params: float
     grads: float
     optimizer: float
     activations: float
+    host: float = 0.0
+    nvme: float = 0.0
 
     @property
     def total(self) -> float:
@@ -168,10 +202,13 @@ class StepTime:
     tp_comm: float
     pp_comm: float
     dp_comm: float
+    cp_comm: float = 0.0
+    offload: float = 0.0  # PCIe transfers, the CPU's optimizer step and disk I/O not hidden
 
     @property
     def total(self) -> float:
-        return self.compute + self.bubble + self.tp_comm + self.pp_comm + self.dp_comm
+        return (self.compute + self.bubble + self.tp_comm + self.pp_comm + self.dp_comm
+                + self.cp_comm + self.offload)
 
 
 @dataclass(frozen=True)
@@ -212,15 +249,16 @@ LOGIT_BYTES = 4  # the loss is computed on fp32 logits
 def pipeline_rank_memory(layout: Layout, model: Model, rank: int,
                          precision: str = "bf16-mixed", optimizer: str = "adam") -> MemoryEstimate:
     """Bytes on a GPU of pipeline rank `rank` (0 to pp-1): model state for Ψ/(tp·pp)
-    parameters under ZeRO, plus activations: `inflight_microbatches` of the schedule times
-    the layers of a chunk times Korthikanti's bytes per layer, plus one layer's recomputed
-    activations while it is recomputed, plus fp32 logits s·b·V/t on the last rank. ZeRO-3
-    also holds two gathered layers of parameters and one layer's whole gradient."""
+    parameters under ZeRO (sharded over dp·cp), plus activations: `inflight_microbatches` of
+    the schedule times the layers of a chunk times Korthikanti's bytes per layer divided by cp,
+    plus one layer's recomputed activations while it is recomputed, plus fp32 logits
+    (s/cp)·b·V/t on the last rank. ZeRO-3 also holds two gathered layers of parameters and
+    one layer's whole gradient."""
     lay = layout
-    state = model_state_bytes(model.num_params / (lay.tp * lay.pp), lay.zero_stage, lay.dp,
-                              precision, optimizer)
+    state = model_state_bytes(model.num_params / (lay.tp * lay.pp), lay.zero_stage,
+                              lay.dp * lay.cp, precision, optimizer)
     params, grads = state.params, state.grads
-    if lay.zero_stage == 3 and lay.dp > 1:
+    if lay.zero_stage == 3 and lay.dp * lay.cp > 1:
         # ZeRO-3 gathers a layer's parameters whole (and prefetches the next) and produces a
         # layer's whole gradient before reduce-scattering it.
         per_param = bytes_per_param(precision, optimizer)
@@ -229,12 +267,20 @@ def pipeline_rank_memory(layout: Layout, model: Model, rank: int,
         grads += layer_params * per_param.grads
     shape = (model.seq_len, lay.micro_batch, model.hidden, model.heads, lay.tp,
              lay.sequence_parallel)
-    per_layer = activation_bytes(*shape, recompute=lay.recompute)
+    # With cp, a GPU keeps the activations of its s/cp queries: 1/cp of each term, the
+    # attention scores included (s/cp queries against all s keys).
+    per_layer = activation_bytes(*shape, recompute=lay.recompute) / lay.cp
     inflight = inflight_microbatches(lay.schedule, lay.pp, lay.microbatches, rank, lay.chunks)
     activations = inflight * model.layers / (lay.pp * lay.chunks) * per_layer
-    activations += activation_bytes(*shape, recompute=None) - per_layer  # recompute workspace
+    activations += activation_bytes(*shape, recompute=None) / lay.cp - per_layer  # recompute
     if rank == lay.pp - 1:
-        activations += LOGIT_BYTES * model.seq_len * lay.micro_batch * model.vocab / lay.tp
+        activations += LOGIT_BYTES * model.seq_len * lay.micro_batch * model.vocab / (
+            lay.tp * lay.cp)
+    if lay.offload is not None:  # the optimizer state (and the gradient shards) leave the GPU
+        tiers = model_state_by_tier(model.num_params / (lay.tp * lay.pp), lay.zero_stage,
+                                    lay.dp, lay.offload, precision, optimizer)
+        kept_grads = grads if lay.zero_stage < 2 else 0.0
+        return MemoryEstimate(params, kept_grads, 0.0, activations, tiers.host, tiers.nvme)
     return MemoryEstimate(params, grads, state.optimizer, activations)
 
 
@@ -253,15 +299,22 @@ def estimate_time(layout: Layout, model: Model, cluster: Cluster, global_batch: 
 
     compute  hardware FLOPs (model FLOPs + recompute) / (GPUs x peak x compute_efficiency)
     bubble   compute x bubble_relative_to_ideal(schedule, p, m, v)
-    tp_comm  the layer's TP collectives (1.5x with full recompute) x layers/p x m: exposed
-    pp_comm  m·v activations and m·v gradients of s·b·h/t elements (sequence-parallel
+    tp_comm  the layer's TP collectives on s/cp tokens (1.5x with full recompute) x layers/p
+             x m: exposed
+    pp_comm  m·v activations and m·v gradients of (s/cp)·b·h/t elements (sequence-parallel
              scatter/gather) sent to a neighbour: exposed
-    dp_comm  the gradient reduction hides behind the last microbatch's backward (2/3 of its
-             compute), per-microbatch ZeRO-2/3 traffic behind each microbatch's forward and
-             backward; the ZeRO-1/2 parameter all-gather after the step is exposed.
+    cp_comm  per layer and microbatch, ring attention's cp - 1 steps forward and backward
+             (a key/value pair of (s/cp)·b·h/t elements each way forward; again, plus the
+             gradients, backward), each hidden behind one step's attention (4·b·(s/cp)²·h/t
+             FLOPs forward, halved by the causal mask, twice that backward): what is left over
+    dp_comm  the gradient reduction (over dp·cp GPUs) hides behind the last microbatch's
+             backward (2/3 of its compute), per-microbatch ZeRO-2/3 traffic behind each
+             microbatch's forward and backward; the ZeRO-1/2 parameter all-gather after the
+             step is exposed.
     Links: a group uses NVLink if its GPUs are in one node, else the network (`Cluster.link`).
     """
     lay, m = layout, layout.microbatches
+    local = model.seq_len // lay.cp  # tokens of a sequence on one GPU
     tokens = global_batch * model.seq_len
     flops = tokens * hardware_flops_per_token(model.num_params, model.layers, model.hidden,
                                               model.seq_len, lay.recompute)
@@ -272,7 +325,7 @@ def estimate_time(layout: Layout, model: Model, cluster: Cluster, global_batch: 
     tp_comm = 0.0
     if lay.tp > 1:
         alpha, beta = cluster.link(lay.tp)
-        layer = tensor_parallel_traffic(model.seq_len, lay.micro_batch, model.hidden, lay.tp,
+        layer = tensor_parallel_traffic(local, lay.micro_batch, model.hidden, lay.tp,
                                         lay.sequence_parallel)
         per_layer = sum(c.count * collective_time(c.op, c.nbytes, c.group, alpha, beta)
                         for c in layer.collectives)
@@ -281,15 +334,27 @@ def estimate_time(layout: Layout, model: Model, cluster: Cluster, global_batch: 
 
     pp_comm = 0.0
     if lay.pp > 1:
-        alpha, beta = cluster.link(lay.tp * lay.dp * lay.pp)
-        sends = pipeline_traffic(model.seq_len, lay.micro_batch, model.hidden, m, lay.chunks)
+        alpha, beta = cluster.link(lay.tp * lay.cp * lay.dp * lay.pp)
+        sends = pipeline_traffic(local, lay.micro_batch, model.hidden, m, lay.chunks)
         pp_comm = sum(c.count * collective_time("send", c.nbytes / lay.tp, 2, alpha, beta)
                       for c in sends.collectives)
 
+    cp_comm = 0.0
+    if lay.cp > 1:
+        alpha, beta = cluster.link(lay.tp * lay.cp)
+        ring = ring_attention_traffic(model.seq_len, lay.micro_batch, model.hidden // lay.tp,
+                                      lay.cp)
+        step_bytes = ring.collectives[0].nbytes  # one key/value pair
+        transfer = collective_time("send", step_bytes, 2, alpha, beta)
+        step_flops = 2 * lay.micro_batch * local * local * model.hidden / lay.tp  # causal
+        attention = step_flops / (cluster.peak_flops * compute_efficiency)
+        # forward: one transfer per step; backward: two (blocks and gradients), twice the work
+        cp_comm = 3 * (lay.cp - 1) * max(0.0, transfer - attention) * model.layers / lay.pp * m
+
     dp_comm = 0.0
-    if lay.dp > 1:
-        alpha, beta = cluster.link(lay.tp * lay.dp)
-        traffic = data_parallel_traffic(model.num_params / (lay.tp * lay.pp), lay.dp,
+    if lay.dp * lay.cp > 1:
+        alpha, beta = cluster.link(lay.tp * lay.cp * lay.dp)
+        traffic = data_parallel_traffic(model.num_params / (lay.tp * lay.pp), lay.dp * lay.cp,
                                         lay.zero_stage, microbatches=m)
         t = [collective_time(c.op, c.nbytes, c.group, alpha, beta) for c in traffic.collectives]
         if lay.zero_stage == 0:
@@ -300,7 +365,14 @@ def estimate_time(layout: Layout, model: Model, cluster: Cluster, global_batch: 
             dp_comm = m * max(0.0, t[0] - backward_mb) + t[1]
         else:
             dp_comm = m * (max(0.0, t[0] - forward_mb) + max(0.0, t[1] + t[2] - backward_mb))
-    return StepTime(compute, bubble, tp_comm, pp_comm, dp_comm)
+    offload = 0.0
+    if lay.offload is not None:  # the last microbatch's backward hides the gradients' way out
+        parts = offload_step_time(
+            model.num_params / (lay.tp * lay.pp), lay.dp, compute / m, lay.offload,
+            cluster.pcie_bandwidth, cluster.host_optimizer_throughput,
+            cluster.nvme_read_bandwidth, cluster.nvme_write_bandwidth)
+        offload = parts.total - parts.compute
+    return StepTime(compute, bubble, tp_comm, pp_comm, dp_comm, cp_comm, offload)
 
 
 def check_rules(layout: Layout, model: Model, cluster: Cluster,
@@ -318,9 +390,14 @@ def check_rules(layout: Layout, model: Model, cluster: Cluster,
             f"({cluster.gpus_per_node} GPUs), so its 4 collectives per layer per microbatch, "
             f"on the critical path, would run over the network, {ratio:.0f}x slower than "
             "NVLink"))
-    if lay.tp > 1 and model.seq_len % lay.tp:
-        reasons.append(Reason("tp-seq", f"TP={lay.tp} does not divide seq_len={model.seq_len}: "
-                                        "sequence parallelism splits the sequence"))
+    if lay.tp > 1 and model.seq_len % (lay.tp * lay.cp):
+        reasons.append(Reason("tp-seq", f"TP={lay.tp} does not divide seq_len={model.seq_len}"
+                                        + (f"/CP={lay.cp}" if lay.cp > 1 else "")
+                                        + ": sequence parallelism splits the sequence"))
+    if lay.cp > 1 and model.seq_len % (2 * lay.cp):
+        reasons.append(Reason("cp-seq", f"2·CP={2 * lay.cp} does not divide seq_len="
+                                        f"{model.seq_len}: the zigzag layout cuts each sequence "
+                                        "into 2·cp chunks"))
     if model.layers % (lay.pp * lay.chunks):
         what = f"PP={lay.pp} x v={lay.chunks}" if lay.chunks > 1 else f"PP={lay.pp}"
         reasons.append(Reason("pp-layers", f"{what} does not divide layers={model.layers}: "
@@ -333,6 +410,17 @@ def check_rules(layout: Layout, model: Model, cluster: Cluster,
         reasons.append(Reason(
             "m-multiple-of-p", f"m={lay.microbatches} is not a multiple of p={lay.pp}: the "
                                "interleaved schedule runs microbatches in groups of p"))
+    if lay.offload is not None and cluster.host_optimizer_throughput is None:
+        reasons.append(Reason(
+            "offload-unmeasured", f"offload={lay.offload} needs the host's optimizer rate: set "
+                                  "Cluster(host_optimizer_throughput=...), measured by "
+                                  "minidist.offload.measure_optimizer_throughput"))
+    if lay.offload == "nvme" and None in (cluster.nvme_read_bandwidth,
+                                          cluster.nvme_write_bandwidth):
+        reasons.append(Reason(
+            "offload-unmeasured", "offload=nvme needs Cluster(nvme_read_bandwidth=..., "
+                                  "nvme_write_bandwidth=...), measured by "
+                                  "minidist.offload.measure_disk"))
     return reasons
 
 
@@ -345,7 +433,8 @@ def evaluate(layout: Layout, model: Model, cluster: Cluster, global_batch: int, 
     if not enforce_rules:
         reasons = [r for r in reasons if r.rule != "tp-crosses-nodes"]
     memory = time = None
-    structural = {"tp-heads", "tp-seq", "pp-layers", "batch", "m-multiple-of-p"}
+    structural = {"tp-heads", "tp-seq", "cp-seq", "pp-layers", "batch", "m-multiple-of-p",
+                  "offload-unmeasured"}
     if not structural & {r.rule for r in reasons}:
         memory = estimate_memory(layout, model)
         time = estimate_time(layout, model, cluster, global_batch, compute_efficiency)
@@ -354,6 +443,10 @@ def evaluate(layout: Layout, model: Model, cluster: Cluster, global_batch: int, 
             reasons.append(Reason(
                 "memory", f"over memory by {(memory.total - usable) / GB:.1f} GB: needs "
                           f"{memory.total / GB:.1f} GB of the {usable / GB:.1f} GB usable per GPU"))
+        if memory.host and cluster.host_memory is not None and memory.host > cluster.host_memory:
+            reasons.append(Reason(
+                "host-memory", f"the offloaded state needs {memory.host / GB:.1f} GB of host "
+                               f"memory per GPU, more than its {cluster.host_memory / GB:.1f} GB"))
     tokens = global_batch * model.seq_len
     model_flops = tokens * model_flops_per_token(model.num_params, model.layers, model.hidden,
                                                  model.seq_len)
@@ -370,21 +463,28 @@ def _divisors(n: int) -> list[int]:
 
 def candidate_layouts(cluster: Cluster, global_batch: int,
                       micro_batches: tuple[int, ...] = (1, 2, 4, 8),
-                      chunks: tuple[int, ...] = (1, 2)) -> list[Layout]:
-    """Every tp x pp x dp = gpus, ZeRO stage, micro-batch size, chunks and recompute.
-    ZeRO stages > 0 are only tried with DP > 1 (with DP = 1 they shard nothing), chunks > 1
-    only with PP > 1."""
+                      chunks: tuple[int, ...] = (1, 2),
+                      context_parallel: tuple[int, ...] = (1,),
+                      offload: tuple[str | None, ...] = (None,)) -> list[Layout]:
+    """Every tp x pp x dp x cp = gpus (cp from `context_parallel`), ZeRO stage, micro-batch
+    size, chunks, recompute and offload tier. ZeRO stages > 0 are only tried with DP·CP > 1
+    (with one replica they shard nothing), chunks > 1 only with PP > 1."""
+    for tier in offload:
+        if tier not in OFFLOAD:
+            raise ValueError(f"offload={offload!r}: each must be one of {OFFLOAD}")
     layouts = []
-    for tp, pp in itertools.product(_divisors(cluster.gpus), repeat=2):
-        if cluster.gpus % (tp * pp):
+    for tp, pp, cp in itertools.product(_divisors(cluster.gpus), _divisors(cluster.gpus),
+                                        context_parallel):
+        if cluster.gpus % (tp * pp * cp):
             continue
-        dp = cluster.gpus // (tp * pp)
+        dp = cluster.gpus // (tp * pp * cp)
         for zero, b, v, recompute in itertools.product(range(4), micro_batches, chunks,
                                                        RECOMPUTE):
-            if (zero and dp == 1) or (v > 1 and pp == 1):
+            if (zero and dp * cp == 1) or (v > 1 and pp == 1):
                 continue
             m = max(1, global_batch // (dp * b))
-            layouts.append(Layout(tp, pp, dp, zero, b, m, recompute, v))
+            layouts += [Layout(tp, pp, dp, zero, b, m, recompute, v, cp, tier)
+                        for tier in offload]
     return layouts
 
 
@@ -425,18 +525,19 @@ class Plan:
 
     def table(self, rows: int = 10) -> str:
         """The `rows` fastest layouts that fit."""
-        header = (f"{'':>3} {'TP':>3} {'PP':>3} {'DP':>3} {'ZeRO':>4} {'b':>2} {'m':>4} {'v':>2} "
-                  f"{'recompute':>9} {'mem GB':>7} {'step s':>7} {'compute':>7} {'bubble':>6} "
-                  f"{'TP com':>6} {'PP com':>6} {'DP com':>6} {'MFU':>5}")
+        header = (f"{'':>3} {'TP':>3} {'PP':>3} {'DP':>3} {'CP':>3} {'ZeRO':>4} {'b':>2} "
+                  f"{'m':>4} {'v':>2} {'recompute':>9} {'mem GB':>7} {'step s':>7} "
+                  f"{'compute':>7} {'bubble':>6} {'TP com':>6} {'PP com':>6} {'DP com':>6} "
+                  f"{'CP com':>6} {'MFU':>5}")
         lines = [header]
         for rank, e in enumerate(self.feasible[:rows], 1):
             lay, t = e.layout, e.time
             lines.append(
-                f"{rank:>3} {lay.tp:>3} {lay.pp:>3} {lay.dp:>3} {lay.zero_stage:>4} "
-                f"{lay.micro_batch:>2} {lay.microbatches:>4} {lay.chunks:>2} "
-                f"{str(lay.recompute):>9} {e.memory.total / GB:>7.1f} {t.total:>7.2f} "
-                f"{t.compute:>7.2f} {t.bubble:>6.2f} {t.tp_comm:>6.2f} {t.pp_comm:>6.2f} "
-                f"{t.dp_comm:>6.2f} {e.mfu:>5.1%}")
+                f"{rank:>3} {lay.tp:>3} {lay.pp:>3} {lay.dp:>3} {lay.cp:>3} "
+                f"{lay.zero_stage:>4} {lay.micro_batch:>2} {lay.microbatches:>4} "
+                f"{lay.chunks:>2} {str(lay.recompute):>9} {e.memory.total / GB:>7.1f} "
+                f"{t.total:>7.2f} {t.compute:>7.2f} {t.bubble:>6.2f} {t.tp_comm:>6.2f} "
+                f"{t.pp_comm:>6.2f} {t.dp_comm:>6.2f} {t.cp_comm:>6.2f} {e.mfu:>5.1%}")
         return "\n".join(lines)
 
     def explain(self) -> str:
@@ -455,8 +556,9 @@ class Plan:
                 f"{m.grads / GB:.1f} + optimizer {m.optimizer / GB:.1f} + activations "
                 f"{m.activations / GB:.1f}",
                 f"  step {t.total:.2f} s = compute {t.compute:.2f} + bubble {t.bubble:.2f} + "
-                f"exposed TP {t.tp_comm:.2f} + PP {t.pp_comm:.2f} + DP {t.dp_comm:.2f}; "
-                f"predicted MFU {best.mfu:.1%}",
+                f"exposed TP {t.tp_comm:.2f} + PP {t.pp_comm:.2f} + DP {t.dp_comm:.2f}"
+                + (f" + CP {t.cp_comm:.2f}" if best.layout.cp > 1 else "")
+                + f"; predicted MFU {best.mfu:.1%}",
             ]
         counts = Counter(r.rule for e in self.rejected for r in e.reasons)
         examples = {}  # per rule, the layout closest to fitting
@@ -497,8 +599,11 @@ class Plan:
 
 def plan(model: Model, cluster: Cluster, global_batch: int, *, usable_memory: float = 0.9,
          compute_efficiency: float = 0.6, micro_batches: tuple[int, ...] = (1, 2, 4, 8),
-         chunks: tuple[int, ...] = (1, 2)) -> Plan:
-    """Evaluate every candidate layout of `model` on `cluster` for `global_batch` sequences.
+         chunks: tuple[int, ...] = (1, 2), context_parallel: tuple[int, ...] = (1,),
+         offload: tuple[str | None, ...] = (None,)) -> Plan:
+    """Evaluate every candidate layout of `model` on `cluster` for `global_batch` sequences,
+    with context parallelism of each degree in `context_parallel` (1: none) and the optimizer
+    state in each tier of `offload` (None: on the GPU).
 
     `usable_memory`: the share of GPU memory the estimate may fill (the rest is for the
     CUDA context, communication buffers and fragmentation). `compute_efficiency`: the share
@@ -509,7 +614,8 @@ def plan(model: Model, cluster: Cluster, global_batch: int, *, usable_memory: fl
                          f"{compute_efficiency}: both must be in (0, 1]")
     settings = {"usable_memory": usable_memory, "compute_efficiency": compute_efficiency}
     evaluations = [evaluate(layout, model, cluster, global_batch, **settings)
-                   for layout in candidate_layouts(cluster, global_batch, micro_batches, chunks)]
+                   for layout in candidate_layouts(cluster, global_batch, micro_batches, chunks,
+                                                   context_parallel, offload)]
     return Plan(model, cluster, global_batch, evaluations, settings)
 
 

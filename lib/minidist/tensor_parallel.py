@@ -391,7 +391,8 @@ class ParallelAttention(nn.Module):
     """Causal self-attention with the heads split: this rank owns heads/t of them.
 
     q, k and v are column-parallel (a rank's rows are whole heads) and share one f; the
-    output projection is row-parallel."""
+    output projection is row-parallel. `core` is the attention itself, as in
+    `minidist.models.Attention`."""
 
     def __init__(self, hidden: int, heads: int, group: dist.ProcessGroup | None = None,
                  sequence_parallel: bool = False):
@@ -407,6 +408,7 @@ class ParallelAttention(nn.Module):
         )
         self.out_proj = RowParallelLinear(hidden, hidden, group=group,
                                           sequence_parallel=sequence_parallel)
+        self.core = attend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         projections = (self.q_proj, self.k_proj, self.v_proj)
@@ -416,7 +418,7 @@ class ParallelAttention(nn.Module):
         else:
             x = CopyToParallel.apply(x, self.group)
             q, k, v = (proj(x) for proj in projections)
-        return self.out_proj(attend(q, k, v, self.local_heads))
+        return self.out_proj(self.core(q, k, v, self.local_heads))
 
 
 class ParallelTransformerBlock(nn.Module):

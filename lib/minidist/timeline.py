@@ -8,19 +8,27 @@ and `plot_events` draws any of them: one horizontal lane per `lane(event)`, a bo
 tick for an instant), idle time hatched under each lane's `spans`, text after each lane.
 
     plot_events(events, lane=lambda e: f"rank {e.rank}", style=lambda e: {"facecolor": "tab:blue"})
+
+Functions with no object to keep their events on (a key/value block's transfer, one block of
+ring attention) `note` them; `collect()` gathers what is noted while it is open:
+
+    with collect() as events:
+        context_parallel.ring_attention(q, k, v, group=group)
+    [e.kind for e in events]                # "attention", "transfer", ...
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-__all__ = ["Event", "clock", "plot_events", "IDLE_COLOR"]
+__all__ = ["Event", "clock", "collect", "note", "plot_events", "IDLE_COLOR"]
 
 IDLE_COLOR = "#f2f2f2"
 
@@ -47,6 +55,27 @@ class Event:
     @property
     def duration(self) -> float:
         return 0.0 if self.end is None else self.end - self.start
+
+
+_collecting: list[list[Event]] = []
+
+
+@contextlib.contextmanager
+def collect() -> Iterator[list[Event]]:
+    """Collect every Event `note`d in this process while the block runs, in the order noted.
+    Blocks nest: an outer one also gets what inner ones get."""
+    events: list[Event] = []
+    _collecting.append(events)
+    try:
+        yield events
+    finally:
+        _collecting.remove(events)
+
+
+def note(event: Event) -> None:
+    """Add `event` to every open `collect()` (nothing happens when none is open)."""
+    for events in _collecting:
+        events.append(event)
 
 
 def plot_events(events: Sequence[Event],

@@ -18,6 +18,8 @@ Sources:
   Narayanan  Narayanan et al., SC 2021 (§2.2 and §3, pipeline parallel).
   Li         Li et al., "Scaling Distributed Machine Learning with the Parameter Server",
              OSDI 2014.
+  Liu        Liu, Zaharia & Abbeel, "Ring Attention with Blockwise Transformers", 2023.
+  Jacobs     Jacobs et al., "DeepSpeed Ulysses", 2023.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ __all__ = [
     "Collective", "Traffic", "TrafficLog", "count_traffic", "uncounted", "members", "record",
     "route_sends",
     "data_parallel_traffic",
-    "tensor_parallel_traffic", "pipeline_traffic", "mesh_traffic", "parameter_server_traffic",
+    "tensor_parallel_traffic", "pipeline_traffic", "ring_attention_traffic", "ulysses_traffic",
+    "mesh_traffic", "parameter_server_traffic",
 ]
 
 
@@ -46,9 +49,10 @@ class Collective:
     """`count` runs of collective `op` on a tensor of `nbytes` bytes over `group` ranks;
     `when` says where in the step (e.g. "forward", "gradients, after backward")."""
 
-    op: str  # "all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "all_to_all"
-    nbytes: float  # the full tensor reduced or produced (the message, for send; for
-    # all_to_all, what this rank sends to the other ranks)
+    op: str  # "all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "all_to_all",
+    # "shift" (every rank sends to its right neighbour at once)
+    nbytes: float  # the full tensor reduced or produced (the message, for send and shift;
+    # for all_to_all, what this rank sends to the other ranks)
     group: int  # ranks in the group (2 for a point-to-point send)
     count: int = 1
     when: str = ""
@@ -58,9 +62,9 @@ class Collective:
 
     @property
     def bytes_sent(self) -> float:
-        """Bytes each rank sends: ring algorithms (minidist.cost), or the message for send
-        and all_to_all. A broadcast has none: its root sends more than the other ranks."""
-        if self.op in ("send", "all_to_all"):
+        """Bytes each rank sends: ring algorithms (minidist.cost), or the message for send,
+        shift and all_to_all. A broadcast has none: its root sends more than the other ranks."""
+        if self.op in ("send", "shift", "all_to_all"):
             return self.count * self.nbytes
         return self.count * ring_bytes_sent(self.op, self.nbytes, self.group)
 
@@ -155,13 +159,65 @@ def pipeline_traffic(seq_len: int, micro_batch: int, hidden: int, microbatches: 
                     Collective("send", size, 2, n, "gradients, backward")))
 
 
+def _check_context(seq_len: int, micro_batch: int, hidden: int, cp: int,
+                   bytes_per_element: int) -> None:
+    positive_int(seq_len=seq_len, micro_batch=micro_batch, hidden=hidden, cp=cp,
+                 bytes_per_element=bytes_per_element)
+    if seq_len % cp:
+        raise ValueError(f"seq_len={seq_len} is not divisible by cp={cp}: each rank holds s/cp "
+                         f"tokens")
+
+
+def ring_attention_traffic(seq_len: int, micro_batch: int, hidden: int, cp: int,
+                           bytes_per_element: int = 2) -> Traffic:
+    """What one rank sends for one ring attention (Liu §3), forward and backward, over cp ranks.
+
+    Each rank holds s/cp tokens; its key block and its value block are b·(s/cp)·hidden
+    elements each (`hidden`: heads x head_dim of the keys this rank attends with, h/t under
+    tensor parallelism). Forward, the key/value pair goes cp - 1 steps around the ring (the
+    last block is used where it arrives). Backward, the pair goes around again, cp - 1 steps,
+    and the key/value gradients travel with their blocks, cp steps: the last brings each
+    block's finished gradient home. 2(cp-1) + 2(cp-1) + 2cp blocks in all, about 4·b·s·hidden
+    elements per rank whatever cp is: ring bytes per rank do not shrink as cp grows."""
+    _check_context(seq_len, micro_batch, hidden, cp, bytes_per_element)
+    if cp == 1:
+        return Traffic(())
+    pair = 2 * micro_batch * (seq_len // cp) * hidden * bytes_per_element
+    return Traffic((Collective("shift", pair, cp, cp - 1, "forward, key/value blocks"),
+                    Collective("shift", pair, cp, cp - 1, "backward, key/value blocks"),
+                    Collective("shift", pair, cp, cp, "backward, key/value gradients")))
+
+
+def ulysses_traffic(seq_len: int, micro_batch: int, hidden: int, cp: int,
+                    bytes_per_element: int = 2) -> Traffic:
+    """What one rank sends for one DeepSpeed-Ulysses attention (Jacobs §3), forward and
+    backward, over cp ranks.
+
+    q, k and v (b·(s/cp)·hidden elements each on a rank) go from sequence-sharded to
+    head-sharded by one all-to-all each, and the output back by a fourth; backward runs the
+    four the other way. An all-to-all keeps 1/cp of the tensor and sends the rest: (cp-1)/cp
+    of it per rank, so Ulysses' bytes per rank shrink as 1/cp (Jacobs: a constant volume per
+    link when s and cp grow together)."""
+    _check_context(seq_len, micro_batch, hidden, cp, bytes_per_element)
+    if hidden % cp:
+        raise ValueError(f"hidden={hidden} is not divisible by cp={cp}: Ulysses gives each rank "
+                         f"1/cp of the heads")
+    if cp == 1:
+        return Traffic(())
+    sent = micro_batch * (seq_len // cp) * (hidden // cp) * (cp - 1) * bytes_per_element
+    return Traffic((Collective("all_to_all", sent, cp, 4, "forward, q, k, v to heads, output back"),
+                    Collective("all_to_all", sent, cp, 4, "backward, the same four reversed")))
+
+
 def mesh_traffic(*, stage: int, pp: int, dp: int, tp: int, blocks: int, num_params: float,
                  param_tensors: int, seq_len: int, micro_batch: int, hidden: int,
                  microbatches: int, zero_stage: int = 1, sequence_parallel: bool = False,
-                 bytes_per_element: int = 4) -> dict[str, Traffic]:
-    """What one rank of a dp·pp·tp mesh sends in one step, per mesh dimension: the formulas
+                 bytes_per_element: int = 4, cp: int = 1,
+                 cp_attention: str = "ring") -> dict[str, Traffic]:
+    """What one rank of a dp·pp·cp·tp mesh sends in one step, per mesh dimension: the formulas
     above, applied to the rank's share of a transformer, plus the few messages minidist's
-    implementation (`minidist.parallelize`) adds to them.
+    implementation (`minidist.parallelize`) adds to them. With cp > 1 each rank holds s/cp of
+    every sequence (`seq_len` is the whole sequence), which is what tp and pp then send.
 
     The rank sits on pipeline stage `stage` of `pp` and holds `blocks` transformer blocks,
     `num_params` parameters in `param_tensors` tensors. A dimension of size 1 sends nothing.
@@ -178,20 +234,27 @@ def mesh_traffic(*, stage: int, pp: int, dp: int, tp: int, blocks: int, num_para
         where each TP rank sends its slice.
     dp  `data_parallel_traffic` of this rank's parameters: ≈ 2Ψ/(tp·pp) per rank. ZeRO-1 first
         sums which parameters have a gradient (one int32 per tensor, minidist.zero).
+    cp  per block and microbatch, `ring_attention_traffic` (or `ulysses_traffic`, with
+        cp_attention="ulysses") of the rank's h/t attention width; then one all-reduce of the
+        rank's gradients over cp (its parameters are the same on every cp rank, its tokens
+        are not).
     """
     positive_int(pp=pp, dp=dp, tp=tp, param_tensors=param_tensors, seq_len=seq_len,
                  micro_batch=micro_batch, hidden=hidden, microbatches=microbatches,
-                 bytes_per_element=bytes_per_element)
+                 bytes_per_element=bytes_per_element, cp=cp)
+    if seq_len % cp or hidden % tp:
+        raise ValueError(f"seq_len={seq_len} and hidden={hidden} must be divisible by cp={cp} "
+                         f"and tp={tp}")
     if not 0 <= stage < pp:
         raise ValueError(f"stage={stage}: must be in 0..{pp - 1}")
     if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 0:
         raise ValueError(f"blocks={blocks!r}: must be a whole number >= 0")
-    m, size = microbatches, micro_batch * seq_len * hidden * bytes_per_element
+    m, size = microbatches, micro_batch * (seq_len // cp) * hidden * bytes_per_element
     sequence_parallel = sequence_parallel and tp > 1
     tensor: list[Collective] = []
     if tp > 1:
-        layer = tensor_parallel_traffic(seq_len, micro_batch, hidden, tp, sequence_parallel,
-                                        bytes_per_element)
+        layer = tensor_parallel_traffic(seq_len // cp, micro_batch, hidden, tp,
+                                        sequence_parallel, bytes_per_element)
         tensor = [Collective(c.op, c.nbytes, tp, c.count * blocks * m, c.when)
                   for c in layer.collectives]
         if sequence_parallel:
@@ -219,7 +282,19 @@ def mesh_traffic(*, stage: int, pp: int, dp: int, tp: int, blocks: int, num_para
         if zero_stage == 1:
             data += (Collective("all_reduce", 4 * param_tensors, dp, 1,
                                 "which parameters have gradients"),)
-    return {"tp": Traffic(tuple(tensor)), "pp": Traffic(tuple(pipeline)), "dp": Traffic(data)}
+    context: list[Collective] = []
+    if cp > 1:
+        one_of("cp_attention", cp_attention, ("ring", "ulysses"))
+        formula = ring_attention_traffic if cp_attention == "ring" else ulysses_traffic
+        layer = formula(seq_len, micro_batch, hidden // tp, cp, bytes_per_element)
+        context = [Collective(c.op, c.nbytes, cp, c.count * blocks * m, c.when)
+                   for c in layer.collectives]
+        context.append(Collective("all_reduce", num_params * bytes_per_element, cp, 1,
+                                  "gradients, over cp"))
+    return {"tp": Traffic(tuple(tensor)), "pp": Traffic(tuple(pipeline)), "dp": Traffic(data),
+            "cp": Traffic(tuple(context))}
+
+
 def parameter_server_traffic(nbytes: float, workers: int, servers: int = 1) -> dict[str, Traffic]:
     """What one synchronous parameter-server step sends, per role: {"worker": ..., "server": ...}.
 

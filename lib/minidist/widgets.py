@@ -17,7 +17,7 @@ import io
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from minidist import gantt, memory, pipeline
+from minidist import gantt, memory, pipeline, tiers
 from minidist.planner import MODELS, Layout, MemoryEstimate, Model, pipeline_rank_memory
 
 if TYPE_CHECKING:
@@ -30,16 +30,23 @@ __all__ = ["memory_by_zero_stage", "PARTS", "draw_memory", "MemoryCalculator", "
 
 def memory_by_zero_stage(model: Model, dp: int = 8, tp: int = 1, pp: int = 1,
                          seq_len: int | None = None, micro_batch: int = 1,
-                         recompute: str | None = None) -> dict[int, MemoryEstimate]:
+                         recompute: str | None = None, cp: int = 1,
+                         offload: str | None = None) -> dict[int, MemoryEstimate]:
     """Bytes on the first pipeline rank's GPUs for each ZeRO stage 0-3 (1F1B, m >= p
-    microbatches, so that rank holds p of them), by `minidist.planner.pipeline_rank_memory`."""
+    microbatches, so that rank holds p of them), by `minidist.planner.pipeline_rank_memory`;
+    with context parallelism over `cp` GPUs each holds s/cp tokens of every sequence; with
+    `offload` ("host" or "nvme") the optimizer state is off the GPU (`minidist.tiers`), in
+    each estimate's `host` and `nvme`."""
     if seq_len is not None:
         model = replace(model, seq_len=seq_len)
     if model.layers % pp:
         raise ValueError(f"pp={pp} does not divide layers={model.layers}: stages need equal "
                          "numbers of layers")
-    return {zero: pipeline_rank_memory(Layout(tp, pp, dp, zero, micro_batch, pp, recompute),
-                                       model, 0)
+    if model.seq_len % cp:
+        raise ValueError(f"cp={cp} does not divide the sequence length {model.seq_len}: each "
+                         "GPU of a cp group holds s/cp of its tokens")
+    return {zero: pipeline_rank_memory(Layout(tp, pp, dp, zero, micro_batch, pp, recompute,
+                                              cp=cp, offload=offload), model, 0)
             for zero in range(4)}
 
 
@@ -128,12 +135,15 @@ def _png(figure: Figure) -> str:
 
 
 class MemoryCalculator(_Widget):
-    """Bytes per GPU for a model, ZeRO stage, DP size N, TP, PP, sequence length, micro-batch
-    and recompute; bars for every ZeRO stage, the selected one outlined."""
+    """Bytes per GPU for a model, ZeRO stage, DP size N, TP, PP, sequence length, micro-batch,
+    recompute, context parallelism (CP: the GPUs sharing each sequence) and offload tier; bars
+    for every ZeRO stage, the selected one outlined; the message adds what the host or the
+    disk holds and what crosses PCIe per step."""
 
     def __init__(self, model: str = "7B", zero_stage: int = 0, dp: int = 8, tp: int = 1,
                  pp: int = 1, seq_len: int = 4096, micro_batch: int = 1,
-                 recompute: str | None = None, gpu_memory_gb: int = 80) -> None:
+                 recompute: str | None = None, gpu_memory_gb: int = 80, cp: int = 1,
+                 offload: str | None = None) -> None:
         import ipywidgets as w
 
         def powers(low: int, high: int) -> list[int]:
@@ -150,28 +160,44 @@ class MemoryCalculator(_Widget):
                                     style=style),
             "pp": w.SelectionSlider(options=powers(0, 4), value=pp, description="PP",
                                     style=style),
-            "seq_len": w.SelectionSlider(options=powers(9, 15), value=seq_len,
+            "seq_len": w.SelectionSlider(options=powers(9, 20), value=seq_len,
                                          description="sequence", style=style),
             "micro_batch": w.SelectionSlider(options=powers(0, 4), value=micro_batch,
                                              description="micro-batch", style=style),
-            "recompute": w.Dropdown(options=[("none", None), ("selective", "selective"),
-                                             ("full", "full")], value=recompute,
-                                    description="recompute", style=style),
+            # String values only: ipywidgets 8 shows a None value as no selection at all.
+            "recompute": w.Dropdown(options=["none", "selective", "full"],
+                                    value=recompute or "none", description="recompute",
+                                    style=style),
             "gpu_memory_gb": w.SelectionSlider(options=[24, 40, 80, 141], value=gpu_memory_gb,
                                                description="GPU GB", style=style),
+            "cp": w.SelectionSlider(options=powers(0, 5), value=cp, description="CP",
+                                    style=style),
+            "offload": w.Dropdown(options=[("none", "none"), ("host", "host"), ("NVMe", "nvme")],
+                                  value=offload or "none", description="offload", style=style),
         })
 
     def compute(self) -> tuple[dict[int, MemoryEstimate], Figure, str]:
         v = self.values()
         model = MODELS[v["model"]]
+        recompute = None if v["recompute"] == "none" else v["recompute"]
+        offload = None if v["offload"] == "none" else v["offload"]
         estimates = memory_by_zero_stage(model, v["dp"], v["tp"], v["pp"], v["seq_len"],
-                                v["micro_batch"], v["recompute"])
+                                         v["micro_batch"], recompute, v["cp"], offload)
         gpu = v["gpu_memory_gb"] * memory.GB
         chosen = estimates[v["zero_stage"]]
         verdict = "fits" if chosen.total <= gpu else "does NOT fit"
         message = (f"{v['model']} ({model.num_params / 1e9:g}B params), ZeRO-{v['zero_stage']}, "
-                   f"N={v['dp']}, TP={v['tp']}, PP={v['pp']}: {chosen.total / memory.GB:.1f} GB "
+                   f"N={v['dp']}, TP={v['tp']}, PP={v['pp']}"
+                   + (f", CP={v['cp']}" if v["cp"] > 1 else "")
+                   + f": {chosen.total / memory.GB:.1f} GB "
                    f"per GPU on the first pipeline rank, {verdict} in {v['gpu_memory_gb']} GB")
+        if offload:
+            moved = tiers.offload_transfer_bytes(model.num_params / (v["tp"] * v["pp"]),
+                                                 v["dp"], offload)
+            message += (f"; offloaded to {offload}: {chosen.host / memory.GB:.1f} GB on "
+                        f"the host, {chosen.nvme / memory.GB:.1f} GB on NVMe per GPU, "
+                        f"{(moved.to_host + moved.to_device) / memory.GB:.2f} GB across PCIe "
+                        f"per step")
         title = (f"{v['model']}, s={v['seq_len']}, b={v['micro_batch']}, "
                  f"recompute={v['recompute']}")
         return estimates, draw_memory(estimates, gpu, v["zero_stage"], title), message

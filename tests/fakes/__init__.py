@@ -10,14 +10,15 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Fake:
-    """`source` replaces the solution region of the exercise's cell; `skips` names the
-    mechanism the fake skips while getting the final numbers right; `checked_by` lists the
-    test cells (grade ids) that must then score 0."""
+    """`source` replaces the solution region of the exercise's cell, indented as that region
+    is (a tuple: one source per region, for a cell with several); `skips` names the mechanism
+    the fake skips while getting the final numbers right; `checked_by` lists the test cells
+    (grade ids) that must then score 0."""
 
     name: str
     skips: str
     checked_by: tuple[str, ...]
-    source: str
+    source: str | tuple[str, ...]
 
 
 def fakes_of(lab: str) -> dict[str, list[Fake]]:

@@ -1,0 +1,163 @@
+"""Fakes of Lab 01's exercises: the right sums and formulas without the ring, the doubling or the
+model they teach."""
+
+from fakes import Fake
+
+RING = ("test-ring-all-reduce",)  # my_ring_all_reduce is made of the two phases
+
+FAKES = {
+    "impl-chunk-bounds": [
+        Fake("the library's chunk_bounds", "splits nothing itself: minidist.comm.chunk_bounds",
+             ("test-chunk-bounds",), """\
+    return comm.chunk_bounds(numel, world_size)"""),
+        Fake("torch.tensor_split's pieces", "splits nothing itself: torch's own split",
+             ("test-chunk-bounds",), """\
+    sizes = [len(piece) for piece in torch.tensor_split(torch.arange(numel), world_size)]
+    ends = torch.tensor(sizes).cumsum(0).tolist()
+    return [(end - size, end) for size, end in zip(sizes, ends)]"""),
+    ],
+    "impl-reduce-scatter": [
+        Fake("the whole tensor every step", "sends all N chunks each step instead of one",
+             ("test-reduce-scatter", *RING), """\
+    incoming = torch.empty_like(flat)
+    for step in range(world_size - 1):
+        recv_start, recv_end = bounds[(rank - step - 2) % world_size]
+        requests = [dist.isend(flat, right), dist.irecv(incoming, left)]
+        for request in requests:
+            request.wait()
+        flat[recv_start:recv_end] += incoming[recv_start:recv_end]"""),
+        Fake("each chunk straight to its owner", "no ring: sends chunk c to rank c directly "
+             "(the same bytes, to every rank)", ("test-reduce-scatter", *RING), """\
+    mine_start, mine_end = bounds[rank]
+    incoming = torch.empty(mine_end - mine_start, dtype=flat.dtype)
+    for step in range(1, world_size):
+        to, source = (rank + step) % world_size, (rank - step) % world_size
+        requests = [dist.isend(flat[slice(*bounds[to])], to), dist.irecv(incoming, source)]
+        for request in requests:
+            request.wait()
+        flat[mine_start:mine_end] += incoming"""),
+        Fake("the library's reduce-scatter steps", "delegates to minidist.comm",
+             ("test-reduce-scatter", *RING), """\
+    comm.reduce_scatter_steps(flat, comm.ring_of())"""),
+    ],
+    "impl-all-gather": [
+        Fake("the whole tensor every step", "forwards all N chunks each step instead of one",
+             ("test-all-gather", *RING), """\
+    incoming = torch.empty_like(flat)
+    for step in range(world_size - 1):
+        recv_start, recv_end = bounds[(rank - step - 1) % world_size]
+        requests = [dist.isend(flat, right), dist.irecv(incoming, left)]
+        for request in requests:
+            request.wait()
+        flat[recv_start:recv_end] = incoming[recv_start:recv_end]"""),
+        Fake("its chunk straight to every rank", "no ring: sends its own chunk to each rank "
+             "directly (the same bytes, to every rank)", ("test-all-gather", *RING), """\
+    for step in range(1, world_size):
+        to, source = (rank + step) % world_size, (rank - step) % world_size
+        requests = [dist.isend(flat[slice(*bounds[rank])], to),
+                    dist.irecv(flat[slice(*bounds[source])], source)]
+        for request in requests:
+            request.wait()"""),
+        Fake("the library's all-gather steps", "delegates to minidist.comm",
+             ("test-all-gather", *RING), """\
+    comm.all_gather_steps(flat, comm.ring_of())"""),
+    ],
+    "impl-all-reduce": [
+        Fake("dist.all_reduce behind ring-sized junk", "the sum comes from dist.all_reduce; the "
+             "ring only carries zeros", RING, """\
+    junk = torch.zeros(tensor.numel(), dtype=tensor.dtype)
+    ring_reduce_scatter(junk, rank, world_size)
+    ring_all_gather(junk, rank, world_size)
+    dist.all_reduce(tensor)
+    return tensor"""),
+        Fake("the library's ring all-reduce", "delegates to minidist.comm.ring_all_reduce", RING,
+             """\
+    return comm.ring_all_reduce(tensor)"""),
+        Fake("the naive ring", "forwards whole tensors N-1 times: no reduce-scatter, no "
+             "all-gather", RING, """\
+    flat = tensor.view(-1)
+    passing, incoming = flat.clone(), torch.empty_like(flat)
+    right, left = (rank + 1) % world_size, (rank - 1) % world_size
+    for step in range(world_size - 1):
+        requests = [dist.isend(passing, right), dist.irecv(incoming, left)]
+        for request in requests:
+            request.wait()
+        flat += incoming
+        passing, incoming = incoming, passing
+    return tensor"""),
+    ],
+    "impl-bytes-formula": [
+        Fake("the naive ring's bytes", "(N-1)·S, the whole tensor every step: right for N <= 2",
+             ("test-bytes-formula",), """\
+    return (world_size - 1) * nbytes"""),
+        Fake("the library's formula", "delegates to minidist.cost.ring_bytes_sent",
+             ("test-bytes-formula",), """\
+    return cost.ring_bytes_sent("all_reduce", nbytes, world_size)"""),
+        Fake("the visible test's size", "ignores nbytes: 2(N-1)/N of 1000 bytes",
+             ("test-bytes-formula",), """\
+    return 2 * (world_size - 1) / world_size * 1000"""),
+    ],
+    "impl-predict": [
+        Fake("the naive ring's bandwidth term", "(N-1)·S·beta: right for N <= 2",
+             ("test-predict",), """\
+    return 2 * (world_size - 1) * alpha + (world_size - 1) * nbytes * beta"""),
+        Fake("the library's model", "delegates to minidist.cost.collective_time",
+             ("test-predict",), """\
+    return cost.collective_time("all_reduce", nbytes, world_size, alpha, beta)"""),
+        Fake("the visible test's link", "ignores beta: 1 ns per byte built in",
+             ("test-predict",), """\
+    steps = 2 * (world_size - 1)
+    return steps * alpha + steps / world_size * nbytes * 1e-9"""),
+    ],
+    "impl-recursive-doubling": [
+        Fake("partners 2^k along the ring", "sends to rank+2^k and receives from rank-2^k "
+             "(the same sums and bytes) instead of swapping with rank XOR 2^k",
+             ("test-recursive-doubling",), """\
+    flat = tensor.view(-1)
+    incoming = torch.empty_like(flat)
+    distance = 1
+    while distance < world_size:
+        requests = [dist.isend(flat, (rank + distance) % world_size),
+                    dist.irecv(incoming, (rank - distance) % world_size)]
+        for request in requests:
+            request.wait()
+        flat += incoming
+        distance *= 2
+    return tensor"""),
+        Fake("the library's recursive doubling", "delegates to "
+             "minidist.collectives.all_reduce(impl='recursive_doubling')",
+             ("test-recursive-doubling",), """\
+    from minidist import collectives
+    return collectives.all_reduce(tensor, impl="recursive_doubling")"""),
+        Fake("every rank to every rank", "N-1 direct exchanges of the whole tensor, no doubling",
+             ("test-recursive-doubling",), """\
+    flat = tensor.view(-1)
+    mine, incoming = flat.clone(), torch.empty_like(flat)
+    for step in range(1, world_size):
+        requests = [dist.isend(mine, (rank + step) % world_size),
+                    dist.irecv(incoming, (rank - step) % world_size)]
+        for request in requests:
+            request.wait()
+        flat += incoming
+    return tensor"""),
+    ],
+    "impl-crossover": [
+        Fake("the library's crossover", "delegates to minidist.cost.crossover_size",
+             ("test-crossover",), """\
+    return cost.crossover_size("recursive_doubling", "ring", world_size, alpha, beta)"""),
+        Fake("N/2 for log2 N", "counts recursive doubling's steps and bytes as N/2, right only "
+             "for N <= 4", ("test-crossover",), """\
+    steps_rd, steps_ring = world_size / 2, 2 * (world_size - 1)
+    bytes_rd, bytes_ring = world_size / 2, 2 * (world_size - 1) / world_size
+    if bytes_rd <= bytes_ring:
+        return math.inf
+    return (steps_ring - steps_rd) * alpha / ((bytes_rd - bytes_ring) * beta)"""),
+        Fake("the visible test's link", "ignores beta: 1 ns per byte built in",
+             ("test-crossover",), """\
+    steps_rd, steps_ring = math.log2(world_size), 2 * (world_size - 1)
+    bytes_rd, bytes_ring = math.log2(world_size), 2 * (world_size - 1) / world_size
+    if bytes_rd <= bytes_ring:
+        return math.inf
+    return (steps_ring - steps_rd) * alpha / ((bytes_rd - bytes_ring) * 1e-9)"""),
+    ],
+}

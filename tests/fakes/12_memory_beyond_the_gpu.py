@@ -1,0 +1,240 @@
+"""Plausible fakes of Lab 12's exercises: each gets the final numbers (or most of them) without
+the mechanism the exercise is about. Sources replace the solution region, inside the function
+body (4-space indent). The H100 prediction (a quiz) is computed with the student's time model,
+so the fakes of that model that change its host-tier answer fail it too."""
+
+from fakes import Fake
+
+FAKES = {
+    "impl-offload-hooks": [
+        Fake("keeps the slices on the device",
+             "no offload: the reduced slice becomes the host shard's gradient without crossing "
+             "to the host (on a CPU laptop it still runs and trains the same)",
+             checked_by=("test-offload-step",), source="""\
+    for param, shard in zip(params, host_shards):
+        def reduce_now(param, shard=shard):
+            mine = collectives.reduce_scatter(param.grad.reshape(-1), impl="ring")
+            mine = mine.float() / world_size
+            shard.grad = mine if shard.grad is None else shard.grad + mine
+            param.grad = None
+        param.register_post_accumulate_grad_hook(reduce_now)"""),
+        Fake("moves the whole gradient",
+             "moves each whole gradient to the host and reduce-scatters it there: Ψ bytes "
+             "instead of the Ψ/N slice",
+             checked_by=("test-offload-step",), source="""\
+    for param, shard in zip(params, host_shards):
+        def offload_now(param, shard=shard):
+            whole = offload.to_host(param.grad.reshape(-1))
+            mine = collectives.reduce_scatter(whole, impl="ring").float() / world_size
+            shard.grad = mine if shard.grad is None else shard.grad + mine
+            param.grad = None
+        param.register_post_accumulate_grad_hook(offload_now)"""),
+        Fake("offloads at the step",
+             "reduce-scatters during backward but keeps the slices on the device; they cross "
+             "only when the step runs, after backward",
+             checked_by=("test-offload-step",), source="""\
+    for param, shard in zip(params, host_shards):
+        def reduce_now(param, shard=shard):
+            mine = collectives.reduce_scatter(param.grad.reshape(-1), impl="ring")
+            pending = getattr(shard, "pending", None)
+            shard.pending = mine if pending is None else pending + mine
+            param.grad = None
+        param.register_post_accumulate_grad_hook(reduce_now)
+    import builtins
+    builtins._lab12_world_size = world_size"""),
+    ],
+    "impl-offloaded-step": [
+        Fake("steps on the device",
+             "never moves the updated slices: all-gathers the host shards as they are",
+             checked_by=("test-offload-step",), source="""\
+    optimizer.step()
+    for p, shard in zip(params, host_shards):
+        p.copy_(collectives.all_gather(shard.to(p.dtype), p.numel(), impl="ring").view_as(p))"""),
+        Fake("sends the fp32 master back",
+             "moves the fp32 master slice to the device and casts there: 4 bytes per element "
+             "cross instead of the parameters' 2 (bf16)",
+             checked_by=("test-offload-step",), source="""\
+    optimizer.step()
+    for p, shard in zip(params, host_shards):
+        mine = offload.to_device(shard, p.device).to(p.dtype)
+        p.copy_(collectives.all_gather(mine, p.numel(), impl="ring").view_as(p))"""),
+        Fake("moves the slices at the step",
+             "pairs with 'offloads at the step': the slices kept on the device by the hooks "
+             "cross to the host here, after backward",
+             checked_by=("test-offload-step",), source="""\
+    import builtins
+    world_size = getattr(builtins, "_lab12_world_size", 2)
+    for shard in host_shards:
+        pending = getattr(shard, "pending", None)
+        if pending is not None:
+            shard.grad = offload.to_host(pending).float().div_(world_size)
+            shard.pending = None
+    optimizer.step()
+    for p, shard in zip(params, host_shards):
+        mine = offload.to_device(shard.to(p.dtype), p.device)
+        p.copy_(collectives.all_gather(mine, p.numel(), impl="ring").view_as(p))"""),
+    ],
+    "impl-step-time": [
+        Fake("no overlap",
+             "adds the whole gradient transfer, as if nothing overlapped backward",
+             checked_by=("test-step-time", "test-h100_step_seconds"), source="""\
+    per_rank = num_params / dp
+    seconds = compute + 2 * per_rank / pcie_bandwidth + per_rank / optimizer_throughput
+    if disk_read_bandwidth is not None:
+        seconds += 12 * per_rank / disk_read_bandwidth + 12 * per_rank / disk_write_bandwidth
+    return seconds + 2 * per_rank / pcie_bandwidth"""),
+        Fake("forgets the way back",
+             "counts the gradients' way to the host but not the parameters' way back",
+             checked_by=("test-step-time", "test-h100_step_seconds"), source="""\
+    per_rank = num_params / dp
+    seconds = compute + max(0.0, 2 * per_rank / pcie_bandwidth - backward_share * compute)
+    seconds += per_rank / optimizer_throughput
+    if disk_read_bandwidth is not None:
+        seconds += 12 * per_rank / disk_read_bandwidth + 12 * per_rank / disk_write_bandwidth
+    return seconds"""),
+        Fake("reads the state only",
+             "the NVMe tier reads the optimizer state but the model forgets it is written back",
+             checked_by=("test-step-time",), source="""\
+    per_rank = num_params / dp
+    seconds = compute + max(0.0, 2 * per_rank / pcie_bandwidth - backward_share * compute)
+    seconds += per_rank / optimizer_throughput + 2 * per_rank / pcie_bandwidth
+    if disk_read_bandwidth is not None:
+        seconds += 12 * per_rank / disk_read_bandwidth
+    return seconds"""),
+    ],
+    "impl-nvme-step": [
+        Fake("reads everything first",
+             "reads every shard's state, then updates and writes them: the whole state in host "
+             "memory at once, not shard by shard",
+             checked_by=("test-nvme-step",), source="""\
+    state = []
+    for i, grad in enumerate(grads):
+        master = store.read(f"{i}.master")
+        moments = ([torch.zeros_like(master), torch.zeros_like(master)] if step == 1
+                   else [store.read(f"{i}.exp_avg"), store.read(f"{i}.exp_avg_sq")])
+        state.append((master, *moments))
+    for i, ((master, exp_avg, exp_avg_sq), grad) in enumerate(zip(state, grads)):
+        offload.adamw_step_(master, grad, exp_avg, exp_avg_sq, step, lr=lr)
+        store.write(f"{i}.master", master)
+        store.write(f"{i}.exp_avg", exp_avg)
+        store.write(f"{i}.exp_avg_sq", exp_avg_sq)"""),
+        Fake("moments stay in memory",
+             "writes only the master weights to disk; Adam's m and v stay in a dict in host "
+             "memory between steps",
+             checked_by=("test-nvme-step",), source="""\
+    import builtins
+    moments = builtins.__dict__.setdefault("_lab12_moments", {})
+    for i, grad in enumerate(grads):
+        master = store.read(f"{i}.master")
+        if step == 1:
+            moments[(id(store), i)] = (torch.zeros_like(master), torch.zeros_like(master))
+        offload.adamw_step_(master, grad, *moments[(id(store), i)], step, lr=lr)
+        store.write(f"{i}.master", master)"""),
+        Fake("forgets the moments",
+             "reads and writes everything, but restarts Adam's moments from zero every step",
+             checked_by=("test-nvme-step",), source="""\
+    for i, grad in enumerate(grads):
+        master = store.read(f"{i}.master")
+        if step > 1:
+            store.read(f"{i}.exp_avg"), store.read(f"{i}.exp_avg_sq")
+        exp_avg, exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
+        offload.adamw_step_(master, grad, exp_avg, exp_avg_sq, step, lr=lr)
+        store.write(f"{i}.master", master)
+        store.write(f"{i}.exp_avg", exp_avg)
+        store.write(f"{i}.exp_avg_sq", exp_avg_sq)"""),
+    ],
+    "impl-materialize": [
+        Fake("the seed's recipe",
+             "to_empty and nothing else: the parameters hold whatever the memory held",
+             checked_by=("test-materialize",), source="""\
+    return model.to_empty(device=device)"""),
+        Fake("only the linear layers",
+             "re-initialises nn.Linear but not the embeddings and LayerNorms",
+             checked_by=("test-materialize",), source="""\
+    model.to_empty(device=device)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.reset_parameters()
+    return model"""),
+        Fake("GPT-2 style normal init",
+             "fills every parameter with N(0, 0.02), LayerNorms included",
+             checked_by=("test-materialize",), source="""\
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for p in model.parameters():
+            torch.nn.init.normal_(p, std=0.02)
+    return model"""),
+    ],
+    "impl-clip-sharded": [
+        Fake("local norm only",
+             "clips each rank's shards by their own norm: no collective",
+             checked_by=("test-clip-sharded",), source="""\
+    norm = torch.stack([g.float().pow(2).sum() for g in grads]).sum().sqrt()
+    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(scale)
+    return norm"""),
+        Fake("adds the norms",
+             "all-reduces the local norms instead of their squares",
+             checked_by=("test-clip-sharded",), source="""\
+    total = torch.stack([g.float().pow(2).sum() for g in grads]).sum().sqrt().reshape(1)
+    collectives.all_reduce(total, group=group)
+    norm = total[0]
+    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(scale)
+    return norm"""),
+        Fake("gathers the gradient",
+             "all-gathers every whole gradient to take the norm: right numbers, Ψ of traffic",
+             checked_by=("test-clip-sharded",), source="""\
+    pieces = [torch.cat(collectives.all_gather_object(g.reshape(-1), group)) for g in grads]
+    norm = torch.cat(pieces).norm()
+    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(scale)
+    return norm"""),
+    ],
+    "impl-clip-parallel": [
+        Fake("replicated counted t times",
+             "every TP rank adds the replicated parameters' squares: they count t times",
+             checked_by=("test-clip-parallel",), source="""\
+    total = torch.zeros(1)
+    for p in params:
+        if p.grad is not None:
+            total += p.grad.float().pow(2).sum()
+    collectives.all_reduce(total, group=tp_group)
+    collectives.all_reduce(total, group=pp_group)
+    norm = total.sqrt()[0]
+    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(scale)
+    return norm"""),
+        Fake("forgets the other stages",
+             "sums over the tensor-parallel group only: each stage clips by its own norm",
+             checked_by=("test-clip-parallel",), source="""\
+    once = {id(p) for p in replicated}
+    counts_replicated = dist.get_rank(tp_group) == 0
+    total = torch.zeros(1)
+    for p in params:
+        if p.grad is not None and (counts_replicated or id(p) not in once):
+            total += p.grad.float().pow(2).sum()
+    collectives.all_reduce(total, group=tp_group)
+    norm = total.sqrt()[0]
+    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(scale)
+    return norm"""),
+        Fake("local norm only",
+             "no collective: each rank clips its pieces by their own norm",
+             checked_by=("test-clip-parallel",), source="""\
+    total = sum(p.grad.float().pow(2).sum() for p in params if p.grad is not None)
+    norm = total.sqrt()
+    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(scale)
+    return norm"""),
+    ],
+}
