@@ -45,12 +45,14 @@ from minidist.cost import (  # noqa: E402
     ring_bytes_sent,
 )
 from minidist.ddp import assign_buckets, plot_timeline  # noqa: E402
-from minidist.diagrams import draw_collectives, draw_linear_splits  # noqa: E402
+from minidist.diagrams import draw_collectives, draw_linear_splits, draw_two_tiers  # noqa: E402
 from minidist.mesh import group_ranks  # noqa: E402
+from minidist.network import ALGORITHMS as TWO_TIER_ALGORITHMS  # noqa: E402
+from minidist.network import TwoTier, hierarchical_bytes  # noqa: E402
 from minidist.param_server import stale_gradient_descent  # noqa: E402
 from minidist.planner import MODELS, Cluster  # noqa: E402
 from minidist.profiling import ProfileTimeline  # noqa: E402
-from minidist.timeline import Event  # noqa: E402
+from minidist.timeline import Event, plot_events  # noqa: E402
 from minidist.widgets import draw_memory, memory_by_zero_stage  # noqa: E402
 
 GB = memory.GB
@@ -1638,6 +1640,148 @@ def ring_against_all_to_all() -> Figure:
     return fig
 
 
+# --- Lab 11: nodes and links -------------------------------------------------------------------
+
+LAB_NETWORK = TwoTier(ranks_per_node=2)  # Lab 11's emulated network (laptop scale)
+
+
+def two_tier_network() -> Figure:
+    """Lab 11's emulated network: 2 nodes of 2 ranks, fast links inside, slow between."""
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    draw_two_tiers(LAB_NETWORK, 4, ax=ax)
+    ax.set_title("Lab 11's network: 2 nodes x 2 ranks, intra-node links 10x the inter-node ones",
+                 fontsize=12)
+    return fig
+
+
+def hierarchical_phases() -> Figure:
+    """Hierarchical all-reduce on 2 nodes of 2: what each rank holds after each phase."""
+    phases = [
+        ("start", [[f"{c}{r}" for c in "ab"] for r in range(4)]),
+        ("1. reduce-scatter\ninside each node", [["Σ₀a", ""], ["", "Σ₀b"], ["Σ₁a", ""],
+                                                    ["", "Σ₁b"]]),
+        ("2. all-reduce of the\nshard across nodes", [["Σa", ""], ["", "Σb"], ["Σa", ""],
+                                                       ["", "Σb"]]),
+        ("3. all-gather\ninside each node", [["Σa", "Σb"]] * 4),
+    ]
+    fig, ax = _canvas(12, 3.6, (-1.3, 4 * 3.1), (-0.6, 4.9))
+    for column, (title, held) in enumerate(phases):
+        x = column * 3.1
+        ax.text(x + 1.0, 4.45, title, ha="center", va="center", fontsize=11)
+        for rank, boxes in enumerate(held):
+            y = 3.3 - rank - (0.3 if rank >= 2 else 0)
+            if column == 0:
+                ax.text(-0.2, y + 0.35, f"rank {rank} (node {rank // 2})", ha="right",
+                        va="center", fontsize=10)
+            for i, text in enumerate(boxes):
+                color = COLORS(i) if text else "white"
+                ax.add_patch(Rectangle((x + i * 1.0, y), 0.95, 0.7, facecolor=color,
+                                       alpha=0.75 if text.startswith("Σ") else 0.3,
+                                       edgecolor="0.4"))
+                ax.text(x + i * 1.0 + 0.475, y + 0.35, text, ha="center", va="center",
+                        fontsize=10)
+        if column:
+            _arrow(ax, (x - 0.95, 1.9), (x - 0.2, 1.9))
+    ax.text(0, -0.45, "Σ₀a: chunk a summed over node 0; Σa: over every rank. Phases 1 and 3 use "
+            "the fast links; only phase 2 crosses nodes, with half the tensor per rank.",
+            fontsize=10)
+    return fig
+
+
+def inter_node_bytes() -> Figure:
+    """Bytes each GPU sends between nodes per byte of tensor: flat ring against hierarchical,
+    for n nodes of g = 8 GPUs."""
+    fig, ax = plt.subplots(figsize=(9, 3.8))
+    nodes = [2, 4, 8, 16, 32, 64]
+    g = 8
+    flat = [ring_bytes_sent("all_reduce", 1.0, n * g) for n in nodes]
+    hierarchical = [hierarchical_bytes(1.0, n, g)["inter"] for n in nodes]
+    ax.plot(nodes, flat, "o-", lw=2.5, label="flat ring: 2(ng-1)/(ng) · S, through the inter-node "
+            "link on every step")
+    ax.plot(nodes, hierarchical, "o-", lw=2.5, label="hierarchical: 2(n-1)/n · S/g")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(nodes, [str(n) for n in nodes])
+    ax.set_ylim(0, 2.2)
+    ax.set_xlabel("nodes n (8 GPUs each)")
+    ax.set_ylabel("bytes between nodes / S")
+    ax.set_title("What each GPU sends across nodes in one all-reduce of S bytes")
+    ax.legend(fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def two_tier_time_against_size() -> Figure:
+    """All-reduce time per algorithm on Lab 11's two-tier network, from its alpha-beta model,
+    and what auto picks."""
+    fig, ax = plt.subplots(figsize=(10, 4.2))
+    sizes = [2.0**k for k in range(10, 27)]
+    for algorithm in TWO_TIER_ALGORITHMS:
+        ax.loglog(sizes, [LAB_NETWORK.all_reduce_time(algorithm, s, 4) * 1e3 for s in sizes],
+                  lw=2.5 if algorithm in ("ring", "hierarchical") else 1.5, label=algorithm)
+    crossover = next(s for s in sizes if LAB_NETWORK.best_all_reduce(s, 4) == "hierarchical")
+    ax.axvline(crossover, color="0.5", ls="--", lw=1)
+    ax.text(crossover * 1.15, 2, "auto: hierarchical from here", fontsize=10, color="0.3")
+    ax.set_xlabel("tensor bytes S")
+    ax.set_ylabel("ms (model)")
+    ax.set_title("All-reduce on 2 nodes x 2 ranks, Lab 11's emulated links: each step costs its "
+                 "slowest link")
+    ax.legend(fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def degraded_link_timeline() -> Figure:
+    """Ring all-reduce steps on 4 nodes of one rank, healthy and with node 2's link at half
+    bandwidth: every step waits for the slowest link."""
+    nbytes, n = 4 * 2**20, 4
+    panels = (("healthy: every link between nodes at 25 MB/s", TwoTier(ranks_per_node=1)),
+              ("node 2's link at half bandwidth: ranks 1 and 2 send over it",
+               TwoTier(ranks_per_node=1, degraded={2: 0.5})))
+    fig, axes = plt.subplots(2, 1, figsize=(11, 4.8))
+    ends = []
+    for ax, (title, links) in zip(axes, panels, strict=True):
+        events, waiting, start = [], {f"rank {r}": [] for r in range(n)}, 0.0
+        for step in range(2 * (n - 1)):
+            took = {r: links.link(r, (r + 1) % n).alpha
+                    + nbytes / n * links.link(r, (r + 1) % n).beta for r in range(n)}
+            end = start + max(took.values())
+            for r in range(n):
+                events.append(Event(r, "send", str(step + 1), start, start + took[r]))
+                if start + took[r] < end:
+                    waiting[f"rank {r}"].append((start + took[r], end))
+            start = end
+        ends.append(start)
+        slow = {r for r in range(n) if links.link(r, (r + 1) % n) != links.inter}
+        plot_events(events, style=lambda e, slow=slow: {
+            "facecolor": "tab:red" if e.rank in slow else "tab:blue", "edgecolor": "white"},
+            label=lambda e: e.name, spans=waiting, ax=ax, title=title)
+    for ax in axes:
+        ax.set_xlim(0, max(ends) * 1e3 * 1.02)
+        ax.title.set_fontsize(12)
+    axes[0].set_xlabel("")
+    axes[1].set_xlabel("ms: ring all-reduce of 4 MiB, one box per rank and step (its send); "
+                       "hatched: waiting for the slowest link")
+    fig.tight_layout()
+    return fig
+
+
+def pairwise_sweep() -> Figure:
+    """What a pairwise sweep of 8 nodes shows when node 5's link runs at half bandwidth
+    (bandwidths from the link model)."""
+    links = TwoTier(ranks_per_node=1, inter_bandwidth=50e9, degraded={5: 0.5}, emulated=False)
+    n = 8
+    grid = [[float("nan") if a == b else links.link(a, b).bandwidth / 1e9 for b in range(n)]
+            for a in range(n)]
+    fig, ax = plt.subplots(figsize=(5.6, 4.4))
+    image = ax.imshow(grid, cmap="viridis", vmin=0, vmax=55)
+    fig.colorbar(image, label="GB/s, each way")
+    ax.set_xticks(range(n), [f"n{i}" for i in range(n)])
+    ax.set_yticks(range(n), [f"n{i}" for i in range(n)])
+    ax.set_title("pairwise sweep, 8 nodes: every pair\nwith node 5 at half of 50 GB/s")
+    fig.tight_layout()
+    return fig
+
+
 FIGURES: dict[str, Callable[[], Figure]] = {
     "model-state-against-gpu": model_state_against_gpu,
     "spmd-ranks": spmd_ranks,
@@ -1709,6 +1853,12 @@ FIGURES: dict[str, Callable[[], Figure]] = {
     "online-softmax-merge": online_softmax_merge,
     "zigzag-layout": zigzag_layout,
     "ring-against-all-to-all": ring_against_all_to_all,
+    "two-tier-network": two_tier_network,
+    "hierarchical-phases": hierarchical_phases,
+    "inter-node-bytes": inter_node_bytes,
+    "two-tier-time-against-size": two_tier_time_against_size,
+    "degraded-link-timeline": degraded_link_timeline,
+    "pairwise-sweep": pairwise_sweep,
 }
 
 

@@ -16,10 +16,10 @@ PACKAGE = REPO / "lib" / "minidist"
 STACK = [
     "_checks", "cost", "memory", "tiers", "fsdp1", "traffic", "flops", "timeline", "pipeline",
     "gantt", "planner", "widgets", "_calls", "_diagnose", "_supervisor", "launch", "flat",
-    "checking", "comm", "timing", "streaming", "collectives", "mesh", "bandwidth", "diagrams",
-    "models", "footprint", "offload", "param_server", "compression", "ddp", "zero", "fsdp",
-    "tensor_parallel", "clipping", "pipeline_exec", "pipeline_harness", "moe", "context_parallel",
-    "parallelize", "checkpoint", "train", "profiling",
+    "checking", "comm", "timing", "streaming", "network", "collectives", "mesh", "bandwidth",
+    "diagrams", "models", "footprint", "offload", "param_server", "compression", "ddp", "zero",
+    "fsdp", "tensor_parallel", "clipping", "pipeline_exec", "pipeline_harness", "moe",
+    "context_parallel", "parallelize", "checkpoint", "train", "profiling",
 ]
 
 

@@ -4,6 +4,10 @@
 #   cluster_setup/local/cluster.sh up       munge, slurmctld and two slurmd "nodes" (gpu01, gpu02),
 #                                           each node in its own network namespace on bridge slbr0
 #   cluster_setup/local/cluster.sh status   are the daemons up, and what does sinfo say
+#   cluster_setup/local/cluster.sh shape RATE [NODE=RATE ...]
+#                                           shape every node's link to the others to RATE each
+#                                           way (tc rates: 400mbit, 50mbps), a NODE's to its own
+#   cluster_setup/local/cluster.sh shape off   back to unshaped links
 #   cluster_setup/local/cluster.sh down     stop everything and remove what `up` made
 #
 # Then, in any shell (any user): source cluster_setup/local/env.sh; sbatch/srun/squeue work.
@@ -199,6 +203,42 @@ down() {
     say "down"
 }
 
+# Ranks of one node talk over its loopback; ranks of two nodes over the two nodes' veths and the
+# bridge. A token bucket on both ends of a node's veth (its egress inside the namespace, the
+# bridge's egress towards it) shapes everything that node sends and receives, so a pair of
+# nodes goes at the slower of their two rates, as a cluster goes at its slowest link.
+shape() {
+    is_up || die "the cluster is down: run 'cluster.sh up' first"
+    [[ $# -ge 1 ]] || die "usage: cluster.sh shape RATE [NODE=RATE ...] (e.g. shape 400mbit gpu02=200mbit), or shape off"
+    local node spec rate
+    local -A rates=()
+    for node in $(nodes); do
+        rates[$node]=$1
+    done
+    shift
+    for spec in "$@"; do
+        node=${spec%%=*}
+        [[ $spec == *=?* && -n ${rates[$node]+set} ]] ||
+            die "shape: '$spec' should be NODE=RATE for a node of this cluster ($(nodes | tr '\n' ' ' | sed 's/ $//'))"
+        rates[$node]=${spec#*=}
+    done
+    for node in $(nodes); do
+        rate=${rates[$node]}
+        if [[ $rate == off ]]; then
+            tc qdisc del dev "slv-$node" root 2>/dev/null || true
+            tc -n "sl-$node" qdisc del dev "$NODE_IF" root 2>/dev/null || true
+            continue
+        fi
+        # The burst holds a whole 64 KiB segment (veths pass them unsplit); the queue waits up
+        # to 1 s rather than dropping, as a slow link does.
+        if ! tc qdisc replace dev "slv-$node" root tbf rate "$rate" burst 256kb latency 1s 2>/dev/null ||
+            ! tc -n "sl-$node" qdisc replace dev "$NODE_IF" root tbf rate "$rate" burst 256kb latency 1s; then
+            die "shape: tc refused rate '$rate' for $node; give a tc rate such as 400mbit or 50mbps"
+        fi
+    done
+    say "links between nodes: $(for node in $(nodes); do printf '%s %s, ' "$node" "${rates[$node]}"; done | sed 's/, $//') (each way)"
+}
+
 status() {
     if ! is_up; then
         say "down"
@@ -213,5 +253,6 @@ case ${1:-} in
     up) up ;;
     down) down ;;
     status) status || exit "$?" ;;
-    *) die "usage: $0 up|down|status" ;;
+    shape) shift && shape "$@" ;;
+    *) die "usage: $0 up|down|status|shape RATE [NODE=RATE ...]|shape off" ;;
 esac

@@ -27,6 +27,9 @@ Ranks and communication
                 recursive doubling, the tree, Rabenseifner; Ring, the one place for neighbours
     timing      the one timing loop: implementations in turns, the slowest rank's time
     streaming   comm's algorithms made fast (segments that stream), fit_links and "auto"
+    network     nodes and links: an EMULATED two-tier network (ranks per node, fast links
+                inside, slow between, a degraded node) delaying every send, its alpha-beta
+                model, hierarchical all-reduce, a pairwise link sweep; a Mesh declares it
     collectives the one layer every collective goes through: recorded for count_traffic, run
                 by torch or by minidist (`impl`), `group=None` meaning every rank
     mesh        named dimensions over the ranks, one process group each: the one topology

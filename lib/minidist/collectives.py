@@ -3,6 +3,7 @@
     collectives.all_reduce(t)                          # the backend's all-reduce (gloo, NCCL)
     collectives.all_reduce(t, impl="ring")             # minidist's ring, from send/recv
     collectives.all_reduce(t, impl="auto")             # the fastest of minidist's algorithms
+    collectives.all_reduce(t, impl="hierarchical")     # inside nodes, then across (network)
     shard = collectives.reduce_scatter(flat)           # this rank's shard of the sum
     full = collectives.all_gather(shard, flat.numel()) # the whole flat tensor again
 
@@ -15,7 +16,10 @@ Every module of minidist that communicates calls these functions and nothing els
   collective (gloo or NCCL, in C++: a log sees the call but not its bytes on the wire); an
   algorithm name runs minidist's own, built from point-to-point sends (`minidist.streaming`),
   whose every byte a log counts: all_reduce "ring", "recursive_doubling", "tree",
-  "rabenseifner" or "auto" (the one `streaming.fit_links` predicts fastest on this group);
+  "rabenseifner", "hierarchical" (reduce-scatter inside each node, all-reduce across nodes,
+  all-gather inside: `minidist.network`, on the nodes a `Mesh(..., network=...)` declared) or
+  "auto" (the one `streaming.fit_links` predicts fastest on this group, or, where the job's
+  network is known, the one its two-tier alpha-beta model does);
   reduce_scatter and all_gather "ring"; broadcast "tree"; all_to_all "pairwise".
 - **`group` means one thing.** A process group (such as `mesh.group("dp")` of a
   `minidist.mesh.Mesh`, the one place groups are made), or None: the default process group,
@@ -38,7 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from minidist import streaming
+from minidist import network, streaming
 from minidist._checks import require_process_group
 from minidist.comm import binomial_broadcast, chunk_bounds, ring_of
 from minidist.cost import ALL_REDUCE_ALGORITHMS, AlgorithmLinks, AlphaBeta
@@ -54,7 +58,7 @@ __all__ = [
 ]
 
 IMPLS = {
-    "all_reduce": ("torch", "auto", *ALL_REDUCE_ALGORITHMS),
+    "all_reduce": ("torch", "auto", *ALL_REDUCE_ALGORITHMS, "hierarchical"),
     "reduce_scatter": ("torch", "ring"),
     "all_gather": ("torch", "ring"),
     "broadcast": ("torch", "tree"),
@@ -167,7 +171,9 @@ def all_reduce(tensor: torch.Tensor, op: str | dist.ReduceOp.RedOpType = "sum",
                async_op: bool = False, link: AlphaBeta | AlgorithmLinks | None = None) -> Any:
     """Sum, average or (impl="torch" only) take the max of `tensor` over `group`, in place;
     returns it (a `Handle` with async_op=True). "auto" decides with `link`, by default the
-    links `streaming.fit_links(group)` measures on the first call and keeps."""
+    links `streaming.fit_links(group)` measures on the first call and keeps, or, over a job
+    whose network a Mesh declared, with that network's two-tier model. "hierarchical" takes
+    its nodes from that Mesh (without one, every rank counts as one node's: the ring)."""
     _check_impl("all_reduce", impl)
     flat = _flat(tensor, "all_reduce")
     name = _op_name(op, tensor, ("sum", "avg", "max") if impl == "torch" else ("sum", "avg"))
@@ -184,9 +190,16 @@ def all_reduce(tensor: torch.Tensor, op: str | dist.ReduceOp.RedOpType = "sum",
         return Handle(work, finish) if async_op else finish()
     if ring.size == 1:
         return Handle(None, finish) if async_op else finish()
-    if impl == "auto":
+    known = network.job(group) if impl == "auto" and link is None else None
+    if known is not None:
+        impl = known.tiers.best_all_reduce(_nbytes(flat), ring.size)
+    elif impl == "auto":
         impl = streaming.best_algorithm(link or streaming.fit_links(group), _nbytes(flat),
                                         ring.size)
+    if impl == "hierarchical":
+        node, across = network.node_rings(group)
+        return _run(lambda: network.hierarchical(flat, node, across, name == "avg"), async_op,
+                    finish)
     algorithm = streaming.ALGORITHMS[impl]
     return _run(lambda: algorithm(flat, ring, name == "avg"), async_op, finish)
 

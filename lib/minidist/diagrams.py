@@ -1,7 +1,9 @@
-"""Before/after pictures of the collectives, for lab 01 and the slides.
+"""Before/after pictures of the collectives, for lab 01 and the slides; the two-tier network
+of lab 11.
 
     draw_collectives()          # one row per collective, 4 ranks
     draw_collectives(["all_reduce", "reduce_scatter"], world_size=3)
+    draw_two_tiers(TwoTier(ranks_per_node=2), 4)   # nodes, their ranks, both kinds of link
 
 Each rank is a row of boxes, one box per chunk of its tensor. A box shows which chunk it
 holds ("a1" = chunk a from rank 1) or a reduction ("Σa" = chunk a summed over all ranks).
@@ -9,13 +11,18 @@ holds ("a1" = chunk a from rank 1) or a reduction ("Σa" = chunk a summed over a
 
 from __future__ import annotations
 
+import itertools
 import string
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-__all__ = ["Layout", "COLLECTIVES", "draw_collectives", "draw_linear_splits"]
+    from minidist.network import TwoTier
+
+__all__ = ["Layout", "COLLECTIVES", "draw_collectives", "draw_linear_splits",
+           "draw_two_tiers"]
 
 Layout = list[list[str]]  # per rank, the label of each chunk box ("" = empty)
 
@@ -130,3 +137,48 @@ def draw_linear_splits(tp: int = 2) -> Figure:
         ax.axis("off")
     fig.tight_layout()
     return fig
+
+
+def draw_two_tiers(tiers: TwoTier, world_size: int, ax: Axes | None = None) -> Axes:
+    """The nodes of a `minidist.network.TwoTier` network on `world_size` ranks: each node a
+    box of its ranks joined by fast intra-node links, each rank's own port down to the switch
+    between nodes; a degraded node's ports in red, with the bandwidth they keep."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Circle, FancyBboxPatch
+
+    nodes, g = tiers.nodes(world_size), tiers.ranks_per_node
+    if ax is None:
+        ax = plt.subplots(figsize=(1.9 * nodes * max(g, 2) / 2 + 1.5, 3.2))[1]
+    width = 1.2 * g
+    for node in range(nodes):
+        left = node * (width + 0.8)
+        kept = tiers.degraded.get(node, 1.0)
+        ax.add_patch(FancyBboxPatch((left, 1.3), width, 1.3, boxstyle="round,pad=0.05",
+                                    facecolor="#eef3fb", edgecolor="0.4"))
+        ax.text(left + width / 2, 2.75, f"node {node}", ha="center", fontsize=9)
+        xs = [left + 0.6 + 1.2 * local for local in range(g)]
+        for a, b in itertools.pairwise(xs):
+            ax.plot([a, b], [1.95, 1.95], color="tab:green", lw=4, zorder=1)
+        for local, x in enumerate(xs):
+            ax.add_patch(Circle((x, 1.95), 0.3, facecolor="white", edgecolor="0.2", zorder=2))
+            ax.text(x, 1.95, str(node * g + local), ha="center", va="center", zorder=3)
+            ax.plot([x, x], [1.65, 0.55], color="tab:red" if kept < 1 else "tab:blue",
+                    lw=1.5, ls="--" if kept < 1 else "-")
+        if kept < 1:
+            ax.text(left + width / 2, 1.05, f"at {kept:.0%}", ha="center", color="tab:red",
+                    fontsize=8, backgroundcolor="white")
+    total = nodes * (width + 0.8) - 0.8
+    ax.add_patch(FancyBboxPatch((0, 0.25), total, 0.3, boxstyle="round,pad=0.02",
+                                facecolor="0.85", edgecolor="0.4"))
+    ax.text(total / 2, 0.4, "switch between nodes", ha="center", va="center", fontsize=8)
+    speed = {name: f"{getattr(tiers, name + '_bandwidth') / 1e6:g} MB/s and "
+                   f"{getattr(tiers, name + '_latency') * 1e6:g} us each way"
+             for name in ("intra", "inter")}
+    ax.text(0, -0.2, f"green: inside a node, {speed['intra']}\nblue: between nodes, "
+            f"{speed['inter']}" + ("  (EMULATED)" if tiers.emulated else ""), fontsize=8,
+            va="top")
+    ax.set_xlim(-0.3, total + 0.3)
+    ax.set_ylim(-0.9, 3.0)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    return ax

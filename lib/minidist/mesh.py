@@ -14,6 +14,14 @@ ranks, which a launcher puts on one node: the dimension that communicates most s
 fastest links. Any names work, for any purpose: `Mesh(node=2, gpu=4)` for a hierarchical
 all-reduce, `Mesh(replicate=2, shard=4)` for HSDP.
 
+**Nodes.** `Mesh(dp=2, tp=2, network=TwoTier(ranks_per_node=2))` also says which ranks share a
+node: consecutive blocks of `ranks_per_node`, as launchers place them (ranks 0, 1 on node 0).
+With Megatron's order the tp group (0, 1) then sits inside a node, while `Mesh(tp=2, dp=2, ...)`
+puts it across nodes. The mesh makes two more groups per rank, `node_group()` (the ranks of its
+node) and `cross_node_group()` (the ranks with its local rank on every node), which
+hierarchical all-reduce runs on, and, for an emulated `TwoTier`, delays every message this
+process sends by its link's time (`minidist.network`: an emulation, for laptops).
+
 A dimension the mesh does not have has size 1 and coordinate 0, so code written for
 `Mesh(pp=2, dp=2, tp=2)` runs on `Mesh(dp=8)`; asking for its group is an error. Creating
 groups is collective: build a mesh on every rank, in the same order. This module is the only
@@ -27,7 +35,9 @@ import math
 
 import torch.distributed as dist
 
+from minidist import network as _network
 from minidist._checks import positive_int, require_process_group
+from minidist.network import TwoTier
 
 __all__ = ["ORDER", "group_ranks", "Mesh"]
 
@@ -60,9 +70,10 @@ def group_ranks(sizes: dict[str, int], dim: str) -> list[list[int]]:
 
 class Mesh:
     """The job's ranks along named dimensions (see the module doc), with this rank's process
-    group along each. Build it on every rank of a job of exactly prod(sizes) ranks."""
+    group along each, and with `network`, the nodes they run on. Build it on every rank of a
+    job of exactly prod(sizes) ranks."""
 
-    def __init__(self, **sizes: int):
+    def __init__(self, *, network: TwoTier | None = None, **sizes: int):
         if not sizes:
             raise ValueError("a Mesh needs at least one dimension, e.g. Mesh(dp=4) or "
                              "Mesh(pp=2, dp=2, tp=2)")
@@ -75,6 +86,11 @@ class Mesh:
             raise ValueError(
                 f"{shape} makes {product} ranks but the job has {world} ranks: choose sizes "
                 f"whose product is {world}, or start {product} ranks")
+        if network is not None and not isinstance(network, TwoTier):
+            raise ValueError(f"network={network!r}: give a minidist.network.TwoTier, e.g. "
+                             f"TwoTier(ranks_per_node=2)")
+        self.network = network
+        self.nodes = network.nodes(world) if network else 1  # checked before any group
         self.rank = dist.get_rank()
         self._groups: dict[str, dist.ProcessGroup] = {}
         self._ranks: dict[str, list[int]] = {}
@@ -85,6 +101,42 @@ class Mesh:
                 if self.rank in ranks:
                     self._groups[dim], self._ranks[dim] = group, ranks
         self._torch_mesh = None
+        self._node_groups: dict[str, dist.ProcessGroup] = {}
+        if network is not None:
+            self._make_node_groups(network, world)
+
+    def _make_node_groups(self, network: TwoTier, world: int) -> None:
+        g = network.ranks_per_node
+        nodes = [list(range(node * g, (node + 1) * g)) for node in range(self.nodes)]
+        across = [[node * g + local for node in range(self.nodes)] for local in range(g)]
+        for kind, blocks in (("node", nodes), ("across", across)):
+            for ranks in blocks:
+                group = dist.new_group(ranks)
+                if self.rank in ranks:
+                    self._node_groups[kind] = group
+        whole = [dist.group.WORLD, *(self._groups[d] for d in self.sizes if self.sizes[d] == world)]
+        _network.attach(network, self._node_groups["node"], self._node_groups["across"], whole)
+
+    def node_of(self, rank: int | None = None) -> int:
+        """The node global rank `rank` (default: this one) runs on; 0 without a network."""
+        rank = self.rank if rank is None else rank
+        return self.network.node_of(rank) if self.network else 0
+
+    def node_group(self) -> dist.ProcessGroup:
+        """The ranks of this rank's node (needs `network`)."""
+        return self._group_of("node")
+
+    def cross_node_group(self) -> dist.ProcessGroup:
+        """This rank and the ranks with the same local rank on every other node (needs
+        `network`): the group hierarchical all-reduce crosses nodes on."""
+        return self._group_of("across")
+
+    def _group_of(self, name: str) -> dist.ProcessGroup:
+        if self.network is None:
+            raise ValueError("this Mesh was built without a network, so it does not know which "
+                             "ranks share a node: build it with Mesh(..., network="
+                             "TwoTier(ranks_per_node=...))")
+        return self._node_groups[name]
 
     @property
     def dims(self) -> tuple[str, ...]:

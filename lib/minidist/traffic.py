@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Collective", "Traffic", "TrafficLog", "count_traffic", "uncounted", "members", "record",
+    "route_sends",
     "data_parallel_traffic",
     "tensor_parallel_traffic", "pipeline_traffic", "ring_attention_traffic", "ulysses_traffic",
     "mesh_traffic", "parameter_server_traffic",
@@ -372,6 +373,7 @@ class TrafficLog:
 _active_logs: list[TrafficLog] = []
 _paused = 0  # how many uncounted() blocks are open
 _uncounted_send: Any = None  # ProcessGroup.send as torch defines it, once a block has opened
+_route: Any = None  # an emulated network's send (minidist.network), while one is on
 _members: dict[Any, tuple[int, ...]] = {}  # process group -> its global ranks
 
 
@@ -396,12 +398,39 @@ def record(op: str, nbytes: int, group: dist.ProcessGroup | None, when: str = ""
 
 
 def _counting_send(self: Any, tensors: list, dst: int, *args: Any, **kwargs: Any) -> Any:
-    if not _paused:
+    if _active_logs and not _paused:
         nbytes = sum(tensor.numel() * tensor.element_size() for tensor in tensors)
         peer = members(self)[dst]
         for log in _active_logs:
             log.sends.append((peer, nbytes))
+    if _route is not None:
+        return _route(_uncounted_send, self, tensors, dst, *args, **kwargs)
     return _uncounted_send(self, tensors, dst, *args, **kwargs)
+
+
+def _wrap_send(on: bool) -> None:
+    """Put `_counting_send` in place of ProcessGroup.send while a log or a route needs it,
+    and torch's own back once neither does."""
+    global _uncounted_send
+    import torch.distributed as dist
+
+    wrapped = vars(dist.ProcessGroup)["send"] is _counting_send
+    if on and not wrapped:
+        # From the class dict, not getattr: pybind keeps methods there as descriptors, and
+        # only the descriptor binds `self` when put back on the class.
+        _uncounted_send = vars(dist.ProcessGroup)["send"]
+        dist.ProcessGroup.send = _counting_send
+    elif not on and wrapped and not _active_logs and _route is None:
+        dist.ProcessGroup.send = _uncounted_send
+
+
+def route_sends(route: Any) -> None:
+    """Send every point-to-point message through `route(send, group, tensors, dst, *args)`
+    (None: straight through again), counted first as usual. Only minidist.network, whose
+    emulated links delay messages, calls it."""
+    global _route
+    _route = route
+    _wrap_send(route is not None)
 
 
 @contextlib.contextmanager
@@ -426,24 +455,17 @@ def count_traffic() -> Iterator[TrafficLog]:
     block replaces that method. Counting there counts each message once however it was sent
     (dist.send itself calls dist.isend), and leaves dist.isend untouched, so P2POp's check
     that its op is dist.isend still passes. Blocks nest: an outer log includes what inner ones
-    count. The original method is back as soon as the outermost block exits.
+    count. The original method is back as soon as the outermost block exits (and no emulated
+    network, `minidist.network`, routes sends through it).
     """
-    global _uncounted_send
-    import torch.distributed as dist
-
     log = TrafficLog()
-    if not _active_logs:
-        # From the class dict, not getattr: pybind keeps methods there as descriptors, and
-        # only the descriptor binds `self` when put back on the class.
-        _uncounted_send = vars(dist.ProcessGroup)["send"]
-        dist.ProcessGroup.send = _counting_send
+    _wrap_send(True)
     _active_logs.append(log)
     try:
         yield log
     finally:
         _active_logs.remove(log)
-        if not _active_logs:
-            dist.ProcessGroup.send = _uncounted_send
+        _wrap_send(False)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,109 @@
+"""Fakes of Lab 11's exercises: each gets the final numbers right (or raises inside the
+checks) while skipping what the exercise is about: sending over the emulated links, the
+hierarchy's shard, the cross-node ring, every pair of the sweep."""
+
+from fakes import Fake
+
+FAKES = {
+    "impl-ping-pong": [
+        Fake("predicts instead of measuring",
+             "sends nothing: returns the emulated link's alpha + nbytes * beta",
+             checked_by=("test-ping-pong",), source="""\
+    link = TwoTier(ranks_per_node=2).link(dist.get_rank(), peer)
+    return link.alpha + nbytes * link.beta
+"""),
+        Fake("one way only",
+             "only the lower rank sends; the time of one message, not a round trip's half",
+             checked_by=("test-ping-pong",), source="""\
+    message = torch.zeros(nbytes // 4)
+    start = time.perf_counter()
+    for _ in range(repeat):
+        if dist.get_rank() < peer:
+            dist.send(message, peer)
+        else:
+            dist.recv(message, peer)
+    return (time.perf_counter() - start) / repeat
+"""),
+        Fake("round trip",
+             "the right messages, but returns the round trip's time as the one-way time",
+             checked_by=("test-ping-pong",), source="""\
+    message = torch.zeros(nbytes // 4)
+    start = time.perf_counter()
+    for _ in range(repeat):
+        if dist.get_rank() < peer:
+            dist.send(message, peer)
+            dist.recv(message, peer)
+        else:
+            dist.recv(message, peer)
+            dist.send(message, peer)
+    return (time.perf_counter() - start) / repeat
+"""),
+    ],
+    "impl-hierarchical": [
+        Fake("calls the library", "writes no hierarchy: delegates to collectives.all_reduce",
+             checked_by=("test-hierarchical",), source="""\
+    return collectives.all_reduce(tensor, impl="hierarchical")
+"""),
+        Fake("flat ring", "no hierarchy: one ring over every rank, crossing nodes on every step",
+             checked_by=("test-hierarchical",), source="""\
+    return comm.ring_all_reduce(tensor)
+"""),
+        Fake("whole tensor across nodes",
+             "all-reduces inside the node, then the whole tensor (not a shard) across nodes",
+             checked_by=("test-hierarchical",), source="""\
+    comm.ring_all_reduce(tensor, group=node_group)
+    comm.ring_all_reduce(tensor, group=cross_group)
+    return tensor
+"""),
+        Fake("torch's all-reduce", "sends nothing point to point: dist.all_reduce does it all",
+             checked_by=("test-hierarchical",), source="""\
+    dist.all_reduce(tensor)
+    return tensor
+"""),
+    ],
+    "impl-hsdp": [
+        Fake("torch's all-reduce through the layer",
+             "impl='torch' (the default): right numbers, but no byte crosses the emulated links",
+             checked_by=("test-hsdp",), source="""\
+    for shard in model.parameters():
+        if shard.grad is not None:
+            collectives.all_reduce(shard.grad, "avg", group=cross_group)
+"""),
+        Fake("dist.all_reduce", "torch's all-reduce, then a division: nothing sent point to point",
+             checked_by=("test-hsdp",), source="""\
+    for shard in model.parameters():
+        if shard.grad is not None:
+            dist.all_reduce(shard.grad, group=cross_group)
+            shard.grad /= dist.get_world_size(cross_group)
+"""),
+    ],
+    "impl-sweep": [
+        Fake("from the model", "measures nothing: returns the emulated links' bandwidths",
+             checked_by=("test-sweep",), source="""\
+    n = dist.get_world_size()
+    return {(a, b): DEGRADED.link(a, b).bandwidth for a in range(n) for b in range(a + 1, n)}
+"""),
+        Fake("a star from rank 0",
+             "measures only rank 0's pairs and fills the others with the slower of two ends",
+             checked_by=("test-sweep",), source="""\
+    rank, n = dist.get_rank(), dist.get_world_size()
+    mine = {}
+    for b in range(1, n):
+        collectives.barrier()
+        if rank in (0, b):
+            mine[0, b] = nbytes / ping_pong(b if rank == 0 else 0, nbytes, repeat)
+    star = {}
+    for measured_here in collectives.all_gather_object(mine):
+        star.update(measured_here)
+    table = dict(star)
+    for a in range(1, n):
+        for b in range(a + 1, n):
+            table[a, b] = min(star[0, a], star[0, b])
+    return table
+"""),
+        Fake("calls the library", "delegates to network.pairwise_bandwidth",
+             checked_by=("test-sweep",), source="""\
+    return network.pairwise_bandwidth(nbytes, repeat)
+"""),
+    ],
+}
