@@ -156,8 +156,56 @@ class _RankProcess:
     finished: bool = False
 
 
+def _death(rank: _RankProcess) -> Failure:
+    """The failure of a rank that exited without a result or a report of its own."""
+    code = rank.process.exitcode
+    if code is not None and code < 0:
+        # A native crash: faulthandler printed the Python stack into stderr as it died.
+        name = signal.Signals(-code).name
+        frames = [traceback.FrameSummary(*frame, lookup_line=False)
+                  for frame in _dumped_frames(rank.fatal_dump or [])]
+        return Failure(False, time.time(), rank.rank,
+                       f"the process was killed by {name} before returning", frames,
+                       stderr_tail=list(rank.stderr_tail), signal_name=name)
+    return Failure(False, time.time(), rank.rank,
+                   f"the process exited with code {code} before returning",
+                   stderr_tail=list(rank.stderr_tail))
+
+
+def _waiting_line(waiting: dict[int, LatestCall], running: list[int], idle: float) -> str:
+    """The live line while nothing moves: which ranks wait in which call, which still run."""
+    by_op: dict[str, list[int]] = {}
+    for rank, call in waiting.items():
+        by_op.setdefault(call.op, []).append(rank)
+    where = "; ".join(f"{rank_list(ranks)} in {op}" for op, ranks in by_op.items())
+    others = sorted(set(running) - set(waiting))
+    if others:
+        where += f"; {rank_list(others)} running"
+    seconds = int(idle // _LIVE_AFTER_S * _LIVE_AFTER_S)  # redrawn every few seconds
+    return f"still waiting after {seconds} s: {where}"
+
+
+def _start(spec: _RankSpec) -> _RankProcess:
+    """Fork one rank from the fork server, with its pipes: stdout, stderr, control, lifeline."""
+    context = _fork_server()
+    stdout_r, stdout_w = context.Pipe(duplex=False)
+    stderr_r, stderr_w = context.Pipe(duplex=False)
+    control, child_control = context.Pipe()
+    child_lifeline, lifeline = context.Pipe(duplex=False)
+    process = context.Process(target=_rank_main,
+                              args=(spec, stdout_w, stderr_w, child_control, child_lifeline),
+                              name=f"minidist-rank{spec.rank}", daemon=True)
+    with _main_module_hidden():
+        process.start()
+    for child_end in (stdout_w, stderr_w, child_control, child_lifeline):
+        child_end.close()
+    return _RankProcess(spec.rank, process, stdout_r, stderr_r, control, lifeline)
+
+
 class Supervisor:
-    """Starts the ranks, forwards their output, collects results, and kills them at the end."""
+    """Starts the ranks, watches them (results, failures, progress), kills them at the end.
+    (About 185 lines: its one loop and what it does on each kind of event belong together; a
+    rank's output is forwarded by the functions below it, its start by `_start`.)"""
 
     def __init__(self, fn, world_size, args, kwargs, backend, timeout):
         try:
@@ -180,28 +228,10 @@ class Supervisor:
         handle, self.calls_path = tempfile.mkstemp(prefix="minidist-calls-", dir=shm)
         os.close(handle)
         self.slots = _calls.create(self.calls_path, world_size)
-        context = _fork_server()
-        self.ranks: list[_RankProcess] = []
-        for rank in range(world_size):
-            spec = _RankSpec(
-                rank, world_size, backend, self.store.port, timeout, payload, list(sys.path),
-                os.getcwd(), self.calls_path, dict(os.environ),
-            )
-            stdout_r, stdout_w = context.Pipe(duplex=False)
-            stderr_r, stderr_w = context.Pipe(duplex=False)
-            control, child_control = context.Pipe()
-            child_lifeline, lifeline = context.Pipe(duplex=False)
-            process = context.Process(
-                target=_rank_main,
-                args=(spec, stdout_w, stderr_w, child_control, child_lifeline),
-                name=f"minidist-rank{rank}",
-                daemon=True,
-            )
-            self.ranks.append(_RankProcess(rank, process, stdout_r, stderr_r, control, lifeline))
-            with _main_module_hidden():
-                process.start()
-            for child_end in (stdout_w, stderr_w, child_control, child_lifeline):
-                child_end.close()
+        self.ranks = [_start(_RankSpec(rank, world_size, backend, self.store.port, timeout,
+                                       payload, list(sys.path), os.getcwd(), self.calls_path,
+                                       dict(os.environ)))
+                      for rank in range(world_size)]
 
     def run(self) -> list[Any]:
         try:
@@ -239,7 +269,7 @@ class Supervisor:
             if source is rank.control:
                 failures += self._on_control(rank)
             elif source in (rank.stdout, rank.stderr):
-                self._forward_output(rank, source)
+                _forward_output(rank, source, self.live)
             elif not rank.finished:
                 failures += self._on_exit(rank)
         if ready:
@@ -284,15 +314,7 @@ class Supervisor:
                 and conflicts(list(waiting.values()))):
             raise self._timeout_error(mismatch_after=idle)
         if idle >= _LIVE_AFTER_S and waiting:
-            by_op: dict[str, list[int]] = {}
-            for rank, call in waiting.items():
-                by_op.setdefault(call.op, []).append(rank)
-            where = "; ".join(f"{rank_list(ranks)} in {op}" for op, ranks in by_op.items())
-            others = sorted(set(running) - set(waiting))
-            if others:
-                where += f"; {rank_list(others)} running"
-            seconds = int(idle // _LIVE_AFTER_S * _LIVE_AFTER_S)  # redrawn every few seconds
-            self.live.show(f"still waiting after {seconds} s: {where}")
+            self.live.show(_waiting_line(waiting, running, idle))
         else:
             self.live.clear()
 
@@ -301,7 +323,7 @@ class Supervisor:
         while any(not rank.finished for rank in self.ranks) and time.monotonic() < deadline:
             self._poll(deadline - time.monotonic())
         for rank in self.ranks:
-            self._drain_output(rank)
+            _drain_output(rank, self.live)
 
     def _on_control(self, rank: _RankProcess) -> list[Failure]:
         try:
@@ -320,68 +342,12 @@ class Supervisor:
     def _on_exit(self, rank: _RankProcess) -> list[Failure]:
         rank.finished = True
         # Read what the rank said before it died: its error report may still be in the pipe.
-        self._drain_output(rank)
+        _drain_output(rank, self.live)
         unread = not rank.control.closed and rank.control.poll(0)
         failures = self._on_control(rank) if unread else []
         if rank.result is not None or rank.reported_error:
             return failures
-        code = rank.process.exitcode
-        if code is not None and code < 0:
-            # A native crash: faulthandler printed the Python stack into stderr as it died.
-            name = signal.Signals(-code).name
-            frames = [traceback.FrameSummary(*frame, lookup_line=False)
-                      for frame in _dumped_frames(rank.fatal_dump or [])]
-            return [Failure(False, time.time(), rank.rank,
-                            f"the process was killed by {name} before returning", frames,
-                            stderr_tail=list(rank.stderr_tail), signal_name=name)]
-        return [Failure(False, time.time(), rank.rank,
-                        f"the process exited with code {code} before returning",
-                        stderr_tail=list(rank.stderr_tail))]
-
-    def _forward_output(self, rank: _RankProcess, pipe) -> None:
-        try:
-            data = os.read(pipe.fileno(), 1 << 16)
-        except OSError:
-            data = b""
-        if not data:
-            self._flush_partial(rank, pipe)
-            pipe.close()
-            return
-        *lines, rank.partial_lines[pipe.fileno()] = (
-            rank.partial_lines.get(pipe.fileno(), b"") + data
-        ).split(b"\n")
-        self._emit(rank, pipe, lines)
-
-    def _flush_partial(self, rank: _RankProcess, pipe) -> None:
-        rest = rank.partial_lines.pop(pipe.fileno(), b"")
-        if rest:
-            self._emit(rank, pipe, [rest])
-
-    def _emit(self, rank: _RankProcess, pipe, lines: list[bytes]) -> None:
-        text = [line.decode(errors="replace") for line in lines]
-        if pipe is rank.stderr:
-            if rank.captured_stderr is not None:
-                rank.captured_stderr += text
-                return
-            for number, line in enumerate(text):
-                if rank.fatal_dump is None and line.startswith("Fatal Python error:"):
-                    rank.fatal_dump = []
-                if rank.fatal_dump is not None:  # the report shows it, with cells named
-                    rank.fatal_dump += text[number:]
-                    text = text[:number]
-                    break
-            rank.stderr_tail.extend(text)
-        if not text:
-            return
-        self.live.clear()
-        stream = sys.stderr if pipe is rank.stderr else sys.stdout
-        stream.write("".join(f"[rank{rank.rank}] {line}\n" for line in text))
-        stream.flush()
-
-    def _drain_output(self, rank: _RankProcess) -> None:
-        for pipe in (rank.stdout, rank.stderr):
-            while not pipe.closed and pipe.poll(0):
-                self._forward_output(rank, pipe)
+        return [_death(rank)]
 
     def _failure_error(self, failures: list[Failure]) -> RanksFailed:
         failed = {failure.rank for failure in failures}
@@ -416,9 +382,57 @@ class Supervisor:
             rank.finished = True
             for pipe in (rank.stdout, rank.stderr):
                 if not pipe.closed:
-                    self._drain_output(rank)
+                    _drain_output(rank, self.live)
             for pipe in (rank.stdout, rank.stderr, rank.control, rank.lifeline):
                 pipe.close()
+
+
+# --- A rank's output: forwarded line by line, its stderr's tail kept for the report -------------
+
+
+def _forward_output(rank: _RankProcess, pipe, live: _LiveLine) -> None:
+    try:
+        data = os.read(pipe.fileno(), 1 << 16)
+    except OSError:
+        data = b""
+    if not data:
+        rest = rank.partial_lines.pop(pipe.fileno(), b"")
+        if rest:
+            _emit(rank, pipe, [rest], live)
+        pipe.close()
+        return
+    *lines, rank.partial_lines[pipe.fileno()] = (
+        rank.partial_lines.get(pipe.fileno(), b"") + data
+    ).split(b"\n")
+    _emit(rank, pipe, lines, live)
+
+
+def _emit(rank: _RankProcess, pipe, lines: list[bytes], live: _LiveLine) -> None:
+    text = [line.decode(errors="replace") for line in lines]
+    if pipe is rank.stderr:
+        if rank.captured_stderr is not None:
+            rank.captured_stderr += text
+            return
+        for number, line in enumerate(text):
+            if rank.fatal_dump is None and line.startswith("Fatal Python error:"):
+                rank.fatal_dump = []
+            if rank.fatal_dump is not None:  # the report shows it, with cells named
+                rank.fatal_dump += text[number:]
+                text = text[:number]
+                break
+        rank.stderr_tail.extend(text)
+    if not text:
+        return
+    live.clear()
+    stream = sys.stderr if pipe is rank.stderr else sys.stdout
+    stream.write("".join(f"[rank{rank.rank}] {line}\n" for line in text))
+    stream.flush()
+
+
+def _drain_output(rank: _RankProcess, live: _LiveLine) -> None:
+    for pipe in (rank.stdout, rank.stderr):
+        while not pipe.closed and pipe.poll(0):
+            _forward_output(rank, pipe, live)
 
 
 class _LiveLine:

@@ -305,7 +305,7 @@ class FullyShardedDataParallel(nn.Module):
     `reshard_after_forward=False` keeps each unit gathered from its forward to its backward
     (FSDP2's option of that name, FSDP1's SHARD_GRAD_OP): 2Ψ of traffic instead of 3Ψ, every
     unit's whole parameters in memory at the end of forward.
-    (About 140 lines: the hooks around each unit and what they share read best together; the
+    (About 150 lines: the hooks around each unit and what they share read best together; the
     units are built by `_make_units`, the gathering is `_Unit`'s.)
     """
 

@@ -71,7 +71,8 @@ def group_ranks(sizes: dict[str, int], dim: str) -> list[list[int]]:
 class Mesh:
     """The job's ranks along named dimensions (see the module doc), with this rank's process
     group along each, and with `network`, the nodes they run on. Build it on every rank of a
-    job of exactly prod(sizes) ranks."""
+    job of exactly prod(sizes) ranks. (About 125 lines, a dozen one-line questions about
+    the grid: splitting them up would hide that they all read the one rank table.)"""
 
     def __init__(self, *, network: TwoTier | None = None, **sizes: int):
         if not sizes:

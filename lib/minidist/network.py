@@ -80,29 +80,7 @@ class TwoTier:
     emulated: bool = True
 
     def __post_init__(self) -> None:
-        if isinstance(self.ranks_per_node, bool) or not isinstance(self.ranks_per_node, int) \
-                or self.ranks_per_node < 1:
-            raise ValueError(f"ranks_per_node={self.ranks_per_node!r}: must be a whole number "
-                             f">= 1, the ranks each node holds (e.g. its GPUs)")
-        for name in ("intra_latency", "intra_bandwidth", "inter_latency", "inter_bandwidth"):
-            value = getattr(self, name)
-            unit = "seconds" if name.endswith("latency") else "bytes per second"
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"{name}={value!r}: must be a positive number of {unit}, e.g. "
-                                 f"{getattr(TwoTier, name):g}; a link has some latency and "
-                                 f"a finite bandwidth")
-        if not isinstance(self.degraded, Mapping):
-            raise ValueError(f"degraded={self.degraded!r}: give {{node: fraction of its "
-                             f"inter-node bandwidth kept}}, e.g. {{1: 0.5}}")
-        for node, fraction in self.degraded.items():
-            if isinstance(node, bool) or not isinstance(node, int) or node < 0:
-                raise ValueError(f"degraded={dict(self.degraded)!r}: node {node!r} must be a "
-                                 f"node number 0, 1, ...")
-            if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) \
-                    or not 0 < fraction <= 1:
-                raise ValueError(f"degraded={dict(self.degraded)!r}: node {node} keeps "
-                                 f"{fraction!r} of its bandwidth; give a fraction in (0, 1], "
-                                 f"e.g. 0.5 for a link at half speed")
+        _check(self)
         object.__setattr__(self, "degraded", dict(self.degraded))
 
     def __hash__(self) -> int:
@@ -180,48 +158,20 @@ class TwoTier:
         n, g = self.nodes(world_size), self.ranks_per_node
         if algorithm == "hierarchical":
             inside = 2 * (g - 1) * (self.intra_latency + nbytes / g / self.intra_bandwidth)
-            across = self._step([(r, r + g) for r in range(world_size - g)])
+            across = self.slowest_link([(r, r + g) for r in range(world_size - g)])
             return inside + 2 * (n - 1) * (across.alpha + nbytes / g / n * across.beta)
         return sum(link.alpha + fraction * nbytes * link.beta
-                   for fraction, link in self._flat_steps(algorithm, world_size))
+                   for fraction, link in _flat_steps(self, algorithm, world_size))
 
     def best_all_reduce(self, nbytes: float, world_size: int) -> str:
         """The algorithm this model predicts fastest (first of `ALGORITHMS` on a tie)."""
         return min(ALGORITHMS, key=lambda name: self.all_reduce_time(name, nbytes, world_size))
 
-    def _step(self, pairs: list[tuple[int, int]]) -> AlphaBeta:
-        """The slowest link among `pairs` (global ranks) of one step."""
+    def slowest_link(self, pairs: list[tuple[int, int]]) -> AlphaBeta:
+        """The slowest link among `pairs` (global ranks): what one step of an algorithm
+        whose ranks exchange in those pairs costs per message."""
         links = [self.intra, *(self.link(a, b) for a, b in pairs)]
         return AlphaBeta(max(link.alpha for link in links), max(link.beta for link in links))
-
-    def _flat_steps(self, algorithm: str, n: int) -> list[tuple[float, AlphaBeta]]:
-        """(bytes per byte of tensor, link) of each step of a flat algorithm on n ranks, in
-        the schedules of minidist.comm."""
-        if n == 1:
-            return []
-        if algorithm == "ring":
-            link = self._step([(r, (r + 1) % n) for r in range(n)])
-            return [(1 / n, link)] * (2 * (n - 1))
-        if algorithm == "tree":  # edges (r, r + 2^k), r < 2^k: up the tree, then down
-            rounds = [self._step([(r, r + 2**k) for r in range(min(2**k, n - 2**k))])
-                      for k in range((n - 1).bit_length())]
-            return [(1.0, link) for link in rounds * 2]
-        p = 1 << (n.bit_length() - 1)
-        extra = n - p
-
-        def core(c: int) -> int:  # comm._core_peer
-            return 2 * c + 1 if c < extra else c + extra
-
-        fold = [(1.0, self._step([(2 * i, 2 * i + 1) for i in range(extra)]))] if extra else []
-        distances = [1 << k for k in range(p.bit_length() - 1)]  # 1, 2, ..., p/2
-        exchanges = {d: self._step([(core(c), core(c ^ d)) for c in range(p)])
-                     for d in distances}
-        if algorithm == "recursive_doubling":
-            middle = [(1.0, exchanges[d]) for d in distances]
-        else:  # rabenseifner: halving from distance p/2 (S/2 sent), then doubling back
-            halving = [(d / p, exchanges[d]) for d in reversed(distances)]
-            middle = halving + halving[::-1]
-        return fold + middle + fold
 
 
 def _speed(link: AlphaBeta) -> str:
@@ -491,3 +441,61 @@ def slow_nodes(bandwidths: Mapping[tuple[int, int], float], tiers: TwoTier,
     return [node for node in nodes
             if all(bw < below * expected for pair, bw in inter.items()
                    if node in (tiers.node_of(pair[0]), tiers.node_of(pair[1])))]
+
+
+def _check(network: TwoTier) -> None:
+    """Raise ValueError naming the first field a person gave wrong, and how to fix it."""
+    if isinstance(network.ranks_per_node, bool) or not isinstance(network.ranks_per_node, int) \
+            or network.ranks_per_node < 1:
+        raise ValueError(f"ranks_per_node={network.ranks_per_node!r}: must be a whole number "
+                         f">= 1, the ranks each node holds (e.g. its GPUs)")
+    for name in ("intra_latency", "intra_bandwidth", "inter_latency", "inter_bandwidth"):
+        value = getattr(network, name)
+        unit = "seconds" if name.endswith("latency") else "bytes per second"
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"{name}={value!r}: must be a positive number of {unit}, e.g. "
+                             f"{getattr(TwoTier, name):g}; a link has some latency and "
+                             f"a finite bandwidth")
+    if not isinstance(network.degraded, Mapping):
+        raise ValueError(f"degraded={network.degraded!r}: give {{node: fraction of its "
+                         f"inter-node bandwidth kept}}, e.g. {{1: 0.5}}")
+    for node, fraction in network.degraded.items():
+        if isinstance(node, bool) or not isinstance(node, int) or node < 0:
+            raise ValueError(f"degraded={dict(network.degraded)!r}: node {node!r} must be a "
+                             f"node number 0, 1, ...")
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) \
+                or not 0 < fraction <= 1:
+            raise ValueError(f"degraded={dict(network.degraded)!r}: node {node} keeps "
+                             f"{fraction!r} of its bandwidth; give a fraction in (0, 1], "
+                             f"e.g. 0.5 for a link at half speed")
+
+
+def _flat_steps(network: TwoTier, algorithm: str, n: int) -> list[tuple[float, AlphaBeta]]:
+    """(bytes per byte of tensor, link) of each step of a flat algorithm on n ranks, in
+    the schedules of minidist.comm."""
+    if n == 1:
+        return []
+    if algorithm == "ring":
+        link = network.slowest_link([(r, (r + 1) % n) for r in range(n)])
+        return [(1 / n, link)] * (2 * (n - 1))
+    if algorithm == "tree":  # edges (r, r + 2^k), r < 2^k: up the tree, then down
+        rounds = [network.slowest_link([(r, r + 2**k) for r in range(min(2**k, n - 2**k))])
+                  for k in range((n - 1).bit_length())]
+        return [(1.0, link) for link in rounds * 2]
+    p = 1 << (n.bit_length() - 1)
+    extra = n - p
+
+    def core(c: int) -> int:  # comm._core_peer
+        return 2 * c + 1 if c < extra else c + extra
+
+    folds = [(2 * i, 2 * i + 1) for i in range(extra)]
+    fold = [(1.0, network.slowest_link(folds))] if extra else []
+    distances = [1 << k for k in range(p.bit_length() - 1)]  # 1, 2, ..., p/2
+    exchanges = {d: network.slowest_link([(core(c), core(c ^ d)) for c in range(p)])
+                 for d in distances}
+    if algorithm == "recursive_doubling":
+        middle = [(1.0, exchanges[d]) for d in distances]
+    else:  # rabenseifner: halving from distance p/2 (S/2 sent), then doubling back
+        halving = [(d / p, exchanges[d]) for d in reversed(distances)]
+        middle = halving + halving[::-1]
+    return fold + middle + fold

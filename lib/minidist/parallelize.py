@@ -146,6 +146,8 @@ class Parallel3D:
     "cp" to what this rank sent along that dimension (a `minidist.traffic.Traffic`: the
     collectives on the dimension's group; for "pp", the point-to-point sends to its ranks);
     `expected_traffic()` holds the formulas for it.
+    (About 125 lines: a step, and the formulas its traffic is checked against, read side by
+    side.)
     """
 
     def __init__(self, model: TinyGPT, mesh: Mesh, optimizer_factory: OptimizerFactory,

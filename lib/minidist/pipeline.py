@@ -139,7 +139,8 @@ def peer(schedule: Schedule, action: Action) -> int:
 class Schedule:
     """Per rank, the ordered actions it runs. `ranks` = p pipeline ranks, `chunks` = v stages
     per rank, so the model is cut into `num_stages` = p*v stages; stage k lives on rank k % p.
-    `split_backward` is True when backward is split into B (input gradient) and W (weights)."""
+    `split_backward` is True when backward is split into B (input gradient) and W (weights).
+    (About 120 lines, most of them `from_text`, which reads the `text()` it prints back.)"""
 
     name: str
     ranks: int

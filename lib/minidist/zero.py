@@ -63,6 +63,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
     Do not also average gradients (no DDP): the reduce-scatter does it. `group` is the
     data-parallel group (None: every rank); `impl="ring"` runs minidist's own reduce-scatter
     and all-gather, whose bytes `traffic.count_traffic()` counts.
+    (About 155 lines: stages 1 and 2 share every method but the gradient hook, and the
+    host/NVMe offload only changes where `step` finds its slices; `_NvmeSlices` holds the
+    files.)
     """
 
     def __init__(self, params: Iterable[torch.nn.Parameter], optimizer_cls: type,
@@ -101,14 +104,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state
         self._arriving: list[tuple[int, Any]] = []  # gradient slices on their way to the host
         self._reduced = False  # whether this step's gradient slices are all in `shards`
-        self.store: NvmeStore | None = None
-        if self.offload is not None and self.offload.tier == "nvme":
-            folder = Path(self.offload.folder or tempfile.mkdtemp(prefix="minidist-nvme-"))
-            self.store = NvmeStore(folder / f"rank{dist.get_rank()}")
-            self._nvme_steps = [0] * len(self.shards)
-            for index, shard in enumerate(self.shards):
-                self.store.write(f"{index}.master", shard)
-                shard.untyped_storage().resize_(0)  # only the file holds it now
+        self.nvme = (_NvmeSlices(self.offload.folder, self.shards)
+                     if self.offload is not None and self.offload.tier == "nvme" else None)
+        self.store = self.nvme.store if self.nvme is not None else None  # the NVMe files
         if stage == 2:
             for index, param in enumerate(self.params):
                 param.register_post_accumulate_grad_hook(self._scatter_hook(index))
@@ -171,8 +169,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise ValueError("ZeroOptimizer.step does not take a closure")
         self.reduce_gradients()
         self._reduced = False
-        if self.store is not None:
-            self._nvme_step()
+        if self.nvme is not None:
+            self.nvme.step(self.params, self.shards, self.param_groups[0], self._gather_into)
             return
         self.optimizer.step()
         if self.offload is None:
@@ -192,27 +190,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
             full = collectives.all_gather(shard, param.numel(), self.group, self.impl,
                                           when="parameters")
             param.copy_(full.view_as(param))
-
-    def _nvme_step(self) -> None:
-        """AdamW on each slice in turn: read its master weights, m and v from disk, update,
-        write them back and send the slice to the device; one slice's state is in host
-        memory at a time."""
-        hyper = self.param_groups[0]
-        for index, (param, shard) in enumerate(zip(self.params, self.shards, strict=True)):
-            if shard.grad is None:
-                continue
-            self._nvme_steps[index] += 1
-            names = [f"{index}.{name}" for name in ("master", "exp_avg", "exp_avg_sq")]
-            master = self.store.read(names[0])
-            moments = ([self.store.read(name) for name in names[1:]] if names[1] in self.store
-                       else [torch.zeros_like(master), torch.zeros_like(master)])
-            adamw_step_(master, shard.grad, *moments, self._nvme_steps[index],
-                                lr=hyper["lr"], betas=hyper["betas"], eps=hyper["eps"],
-                                weight_decay=hyper["weight_decay"])
-            for name, tensor in zip(names, (master, *moments), strict=True):
-                self.store.write(name, tensor)
-            self._gather_into(param, master.to(param.dtype))
-            del master, moments, tensor  # freed before the next slice is read
 
     def _reduce_scatter_gradients(self) -> None:
         """Stage 1: reduce-scatter every gradient some rank has (zeros where a rank has none)."""
@@ -235,6 +212,39 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._reduced = False
         self._place("gradients", 0)
         self._place("gradient shards", 0)
+
+
+class _NvmeSlices:
+    """ZeRO-Infinity's NVMe tier for a ZeroOptimizer: each slice's fp32 master weights and
+    AdamW moments live in files; a step reads one slice's, updates it, writes it back and
+    sends it to the device before the next is read, so one slice's state is in host memory
+    at a time."""
+
+    def __init__(self, folder: str | None, shards: list[torch.Tensor]):
+        folder_path = Path(folder or tempfile.mkdtemp(prefix="minidist-nvme-"))
+        self.store = NvmeStore(folder_path / f"rank{dist.get_rank()}")
+        self.steps = [0] * len(shards)
+        for index, shard in enumerate(shards):
+            self.store.write(f"{index}.master", shard)
+            shard.untyped_storage().resize_(0)  # only the file holds it now
+
+    def step(self, params: list[torch.nn.Parameter], shards: list[torch.Tensor],
+             hyper: dict[str, Any], gather_into: Any) -> None:
+        for index, (param, shard) in enumerate(zip(params, shards, strict=True)):
+            if shard.grad is None:
+                continue
+            self.steps[index] += 1
+            names = [f"{index}.{name}" for name in ("master", "exp_avg", "exp_avg_sq")]
+            master = self.store.read(names[0])
+            moments = ([self.store.read(name) for name in names[1:]] if names[1] in self.store
+                       else [torch.zeros_like(master), torch.zeros_like(master)])
+            adamw_step_(master, shard.grad, *moments, self.steps[index], lr=hyper["lr"],
+                        betas=hyper["betas"], eps=hyper["eps"],
+                        weight_decay=hyper["weight_decay"])
+            for name, tensor in zip(names, (master, *moments), strict=True):
+                self.store.write(name, tensor)
+            gather_into(param, master.to(param.dtype))
+            del master, moments, tensor  # freed before the next slice is read
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
