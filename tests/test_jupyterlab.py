@@ -233,7 +233,7 @@ def test_lab00_in_jupyterlab_shows_outputs_and_the_rank_reports(browser, lab_ser
         index = lab.add_cell(ABORT_CELL)
         report = lab.run(index).locator(".jp-OutputArea").inner_text()
         seconds = float(re.search(r"reported after ([\d.]+) s", report)[1])
-        assert seconds < 5, f"the native crash was reported after {seconds} s"
+        assert seconds < 20, f"the native crash was reported after {seconds} s (a hang?)"
         assert "RankError: rank 1 of 2 failed: the process was killed by SIGABRT" in report
         assert "glibc found the heap corrupted" in report, report
         assert "  malloc(): unaligned tcache chunk detected" in report

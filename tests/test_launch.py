@@ -1,5 +1,6 @@
 """minidist.launch: results, output, failures, hangs, interrupts, and no process left behind."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -16,6 +17,10 @@ import torch.distributed as dist
 from minidist.launch import RankError, RankTimeout, default_backend, run
 
 REPO = Path(__file__).resolve().parents[1]
+# A failure is reported by its own mechanism (a death, a mismatch, a cycle), never by waiting for
+# the run's timeout, which these tests set far above this bound; the bound leaves room for a
+# machine busy with the rest of the suite, so it catches a hang, not a slow report.
+REPORTED_WITHIN_S = 20
 
 
 def square_after_all_reduce(rank, world_size, offset):
@@ -55,15 +60,19 @@ def rank_processes() -> set[int]:
     return pids
 
 
-def wait_until_gone(pids: set[int], seconds: float) -> set[int]:
+def wait_until_gone(pids: set[int], seconds: float) -> dict[int, str]:
+    """The processes among `pids` still running after `seconds` (pid: command line)."""
     deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        alive = {pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status()
-                 != psutil.STATUS_ZOMBIE}
-        if not alive:
-            return set()
+    while True:
+        alive = {}
+        for pid in pids:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process = psutil.Process(pid)
+                if process.status() != psutil.STATUS_ZOMBIE:
+                    alive[pid] = " ".join(process.cmdline())[:120]
+        if not alive or time.monotonic() > deadline:
+            return alive
         time.sleep(0.1)
-    return alive
 
 
 def python(code: str, **kwargs) -> subprocess.CompletedProcess:
@@ -115,23 +124,24 @@ def test_script_without_main_guard_is_not_re_run_by_ranks(tmp_path):
     script = tmp_path / "lab.py"
     script.write_text("from minidist.launch import run\nprint('top', run(lambda r, n: r, 2))\n")
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=60)
+                          timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("top") == 1
 
 
 def test_failing_rank_is_named_with_its_traceback_and_peers_are_killed():
+    warm_fork_server()
     start = time.monotonic()
     with pytest.raises(RankError) as caught:
-        run(raise_on_rank_two, 4)
-    assert time.monotonic() - start < 10
+        run(raise_on_rank_two, 4, timeout=120)
+    assert time.monotonic() - start < REPORTED_WITHIN_S
     error = caught.value
     assert error.rank == 2
     assert "rank 2 of 4 failed: ValueError: rank two is broken" in str(error)
     assert 'raise ValueError("rank two is broken")' in str(error)
     assert "failed too" not in str(error)  # the others only broke because rank 2 stopped
     assert not isinstance(error, RankTimeout)
-    assert wait_until_gone(rank_processes(), 5) == set()
+    assert wait_until_gone(rank_processes(), 5) == {}
 
 
 def raise_on_every_rank(rank, world_size):
@@ -167,7 +177,7 @@ def test_stuck_rank_is_named_with_where_it_was_stuck():
     start = time.monotonic()
     with pytest.raises(RankTimeout) as caught:
         run(rank_zero_waits_forever, 2, timeout=2)
-    assert time.monotonic() - start < 2 + 5
+    assert time.monotonic() - start < 2 + REPORTED_WITHIN_S
     assert caught.value.ranks == [0]
     message = str(caught.value)
     assert "rank(s) 0 of 2 did not finish within 2 s (rank(s) 1 finished)" in message
@@ -175,7 +185,7 @@ def test_stuck_rank_is_named_with_where_it_was_stuck():
     assert (f'rank 0 is in recv of 1 float32 from rank 1 at File "{__file__}", line {line} (in '
             "rank_zero_waits_forever), waiting for rank 1, which already returned") in message
     assert "in rank_zero_waits_forever" in message
-    assert wait_until_gone(rank_processes(), 5) == set()
+    assert wait_until_gone(rank_processes(), 5) == {}
 
 
 def abort_after_a_marker(rank, world_size):
@@ -195,8 +205,8 @@ def test_native_death_shows_its_stderr_its_stack_and_what_the_message_means(capf
     warm_fork_server()
     start = time.monotonic()
     with pytest.raises(RankError) as caught:
-        run(abort_after_a_marker, 2)
-    assert time.monotonic() - start < 5
+        run(abort_after_a_marker, 2, timeout=120)
+    assert time.monotonic() - start < REPORTED_WITHIN_S
     message = str(caught.value)
     assert message.startswith("rank 1 of 2 failed: the process was killed by SIGABRT before "
                               "returning\nglibc found the heap corrupted"), message
@@ -235,8 +245,8 @@ def test_a_size_mismatch_that_crashes_names_both_ranks_calls():
     warm_fork_server()
     start = time.monotonic()
     with pytest.raises(RankError) as caught:
-        run(all_gather_different_sizes, 2, timeout=20)
-    assert time.monotonic() - start < 20
+        run(all_gather_different_sizes, 2, timeout=120)
+    assert time.monotonic() - start < REPORTED_WITHIN_S
     message = str(caught.value)
     line = line_of(all_gather_different_sizes, "dist.all_gather")
     assert "the process was killed by SIGABRT" in message
@@ -250,11 +260,11 @@ def test_different_collectives_that_hang_are_named_within_seconds():
     warm_fork_server()
     start = time.monotonic()
     with pytest.raises(RankTimeout) as caught:
-        run(reduce_or_broadcast, 2, timeout=30)
-    assert time.monotonic() - start < 15, "expected the ranks stopped long before the timeout"
+        run(reduce_or_broadcast, 2, timeout=120)
+    assert time.monotonic() - start < REPORTED_WITHIN_S, "expected them stopped before the timeout"
     message = str(caught.value)
     assert message.startswith("rank(s) 0, 1 of 2 are stuck in mismatched collectives: stopped "
-                              "after 2 s without progress (the timeout was 30 s)"), message
+                              "after 2 s without progress (the timeout was 120 s)"), message
     reduce_line = line_of(reduce_or_broadcast, "dist.all_reduce")
     broadcast_line = line_of(reduce_or_broadcast, "dist.broadcast")
     assert (f'Mismatched calls: rank 0 called all_reduce of 8 float32 at File "{__file__}", line '
@@ -294,7 +304,7 @@ def test_a_recv_cycle_is_named_as_a_cycle_with_one_stack_and_a_live_line(world_s
     done.stdout, done.stderr = done.stdout.decode(), done.stderr.decode()
     assert done.returncode == 0, done.stderr
     seconds = float(done.stdout.split()[1])
-    assert seconds < timeout + 5, done.stdout
+    assert seconds < timeout + REPORTED_WITHIN_S, done.stdout
     last = world_size - 1
     hops = "".join(f"{r} for {r - 1}, " for r in range(last, 1, -1))
     assert f"Deadlock: rank 0 waits for {last}, {hops}1 for 0: nobody sends first." in \
@@ -341,9 +351,9 @@ def test_variables_set_after_the_first_run_reach_the_ranks_and_detail_names_a_mi
     monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
     start = time.monotonic()
     with pytest.raises(RankError) as caught:
-        run(reduce_different_shapes, 2, timeout=20)
+        run(reduce_different_shapes, 2, timeout=120)
     message = str(caught.value)
-    assert time.monotonic() - start < 20, "the mismatch should be caught before the timeout"
+    assert time.monotonic() - start < REPORTED_WITHIN_S, "expected it caught before the timeout"
     for expected in ("Detected mismatch between collectives", "Rank 0 is running collective",
                      "Rank 1 is running collective", "TensorShape=[4]", "TensorShape=[8]",
                      "Mismatched calls: rank 0 called all_reduce of 4 float32",
@@ -394,12 +404,12 @@ def test_interrupt_or_killed_caller_leaves_no_rank_behind(how):
     ranks = {p.pid for p in psutil.Process(caller.pid).children(recursive=True)}
     assert len(ranks) >= 4  # the fork server and three ranks
     caller.send_signal(how)
-    caller.wait(timeout=10)
+    caller.wait(timeout=REPORTED_WITHIN_S)
     if how == signal.SIGINT:
         stderr = caller.stderr.read()
         assert stderr.rstrip().endswith("RunInterrupted: all 3 ranks were stopped")
         assert "selectors.py" not in stderr and "_supervisor.py" not in stderr
-    assert wait_until_gone(ranks, 10) == set()
+    assert wait_until_gone(ranks, REPORTED_WITHIN_S) == {}
 
 
 def test_in_a_notebook_errors_show_cells_and_an_interrupt_says_the_ranks_stopped(tmp_path):
@@ -481,7 +491,7 @@ def test_in_a_notebook_a_crash_and_a_deadlock_name_cells_and_a_live_line_comes_a
 
     assert crash.output_type == "error" and crash.ename == "RankError"
     shown = "\n".join(crash.traceback)
-    assert crash_seconds < 5
+    assert crash_seconds < REPORTED_WITHIN_S
     assert shown.startswith("RankError: rank 1 of 2 failed: the process was killed by SIGABRT "
                             "before returning\nglibc found the heap corrupted"), shown
     assert "  malloc(): unaligned tcache chunk detected" in shown
@@ -490,7 +500,7 @@ def test_in_a_notebook_a_crash_and_a_deadlock_name_cells_and_a_live_line_comes_a
 
     assert hang.output_type == "error" and hang.ename == "RankTimeout"
     shown = "\n".join(hang.traceback)
-    assert hang_seconds < 9 + 5
+    assert hang_seconds < 9 + REPORTED_WITHIN_S
     assert "Deadlock: rank 0 waits for 3, 3 for 2, 2 for 1, 1 for 0: nobody sends first." in shown
     assert ("ranks 0–3 are all at Cell In[4], line 3: dist.recv(token, src=(rank - 1) % "
             "world_size)\nWhere ranks 0–3 were stuck (most recent call last):\n"

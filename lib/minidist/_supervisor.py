@@ -99,7 +99,7 @@ def _fork_server() -> multiprocessing.context.ForkServerContext:
     """
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "cloudpickle",
-                                    __name__])
+                                    __name__, "minidist._fork_server_exit"])
     return context
 
 
