@@ -1235,10 +1235,9 @@ def async_checkpoint_timeline() -> Figure:
     step, stage, write = 1.2, 0.8, 2.6
     for label, y, blocking in (("save", 1.5, True), ("async_save", 0.3, False)):
         ax.text(-0.2, y + 0.3, label, ha="right", va="center", fontsize=11)
-        t = 0.0
-        for _ in range(2):
-            _box(ax, t, y, step, 0.6, "step", color="#d8e8f6")
-            t += step
+        for start in (0.0, step):  # two training steps
+            _box(ax, start, y, step, 0.6, "step", color="#d8e8f6")
+        t = 2 * step
         _box(ax, t, y, stage, 0.6, "stage", color="#f2c14e", size=10)
         t += stage
         if blocking:
@@ -1749,7 +1748,7 @@ def degraded_link_timeline() -> Figure:
                 events.append(Event(r, "send", str(step + 1), start, start + took[r]))
                 if start + took[r] < end:
                     waiting[f"rank {r}"].append((start + took[r], end))
-            start = end
+            start = end  # the next step starts when the slowest rank's send arrives
         ends.append(start)
         slow = {r for r in range(n) if links.link(r, (r + 1) % n) != links.inter}
         plot_events(events, style=lambda e, slow=slow: {

@@ -2,6 +2,7 @@
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -297,7 +298,7 @@ RECV_CYCLE = """
 
 @pytest.mark.parametrize("world_size", [3, 4])
 def test_a_recv_cycle_is_named_as_a_cycle_with_one_stack_and_a_live_line(world_size):
-    timeout = 10
+    timeout = 15  # the live line shows after 5 s without progress, however slowly ranks start
     # Bytes: text mode would turn the live line's carriage returns into newlines.
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(RECV_CYCLE).format(
         world_size=world_size, timeout=timeout)], capture_output=True, timeout=120)
@@ -316,7 +317,7 @@ def test_a_recv_cycle_is_named_as_a_cycle_with_one_stack_and_a_live_line(world_s
     # The live line, drawn after a carriage return while nothing moved, then wiped.
     line = f"still waiting after 5 s: ranks 0–{last} in recv"
     assert done.stderr.startswith(f"\r{line}"), repr(done.stderr)
-    assert done.stderr.endswith("\r" + " " * len(line) + "\r"), repr(done.stderr)
+    assert re.search(rf"\r {{{len(line)},}}\r$", done.stderr), repr(done.stderr)
 
 
 def test_full_stacks_on_request(monkeypatch):
@@ -470,7 +471,7 @@ def test_in_a_notebook_a_crash_and_a_deadlock_name_cells_and_a_live_line_comes_a
         "    token = torch.zeros(1)\n"
         "    dist.recv(token, src=(rank - 1) % world_size)\n"
         "    dist.send(token, dst=(rank + 1) % world_size)",
-        "started = time.monotonic()\ntry:\n    run(ring, 4, timeout=9)\n"
+        "started = time.monotonic()\ntry:\n    run(ring, 4, timeout=15)\n"
         "finally:\n    hang_seconds = time.monotonic() - started",
         "print(f'{crash_seconds:.1f} {hang_seconds:.1f}')",
     ]
@@ -500,7 +501,7 @@ def test_in_a_notebook_a_crash_and_a_deadlock_name_cells_and_a_live_line_comes_a
 
     assert hang.output_type == "error" and hang.ename == "RankTimeout"
     shown = "\n".join(hang.traceback)
-    assert hang_seconds < 9 + REPORTED_WITHIN_S
+    assert hang_seconds < 15 + REPORTED_WITHIN_S
     assert "Deadlock: rank 0 waits for 3, 3 for 2, 2 for 1, 1 for 0: nobody sends first." in shown
     assert ("ranks 0–3 are all at Cell In[4], line 3: dist.recv(token, src=(rank - 1) % "
             "world_size)\nWhere ranks 0–3 were stuck (most recent call last):\n"
