@@ -69,10 +69,8 @@ def test_device_memory_calculator_is_one_gpu_alone():
     calculator.controls["model"].value = "1.3B"
     calculator.controls["recompute"].value = "full"
     assert "fits in 80 GB" in calculator.message and "recompute=full" in calculator.message
-    calculator.controls["precision"].value = "fp32"
-    fp32 = memory.model_state_bytes(MODELS["1.3B"].num_params, precision="fp32").total
-    assert calculator.data["full"].params + calculator.data["full"].grads + calculator.data[
-        "full"].optimizer == fp32
+    fp32 = memory_on_one_device(MODELS["1.3B"], precision="fp32")["full"]
+    assert (fp32.params, fp32.grads) == (4 * 1.3e9, 4 * 1.3e9)
     assert memory_on_one_device(MODELS["1.3B"], seq_len=4096)["none"].activations > \
         memory_on_one_device(MODELS["1.3B"], seq_len=2048)["none"].activations
 

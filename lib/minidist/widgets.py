@@ -153,21 +153,18 @@ def _png(figure: Figure) -> str:
 
 
 class DeviceMemoryCalculator(_Widget):
-    """Bytes on one GPU training a model alone: model, precision, sequence length,
-    micro-batch, recompute and the GPU's memory; bars for every recompute choice, the selected
-    one outlined (`memory_on_one_device`)."""
+    """Bytes on one GPU training a model alone with mixed-precision Adam: model, sequence
+    length, micro-batch, recompute and the GPU's memory; bars for every recompute choice, the
+    selected one outlined (`memory_on_one_device`)."""
 
-    def __init__(self, model: str = "1.3B", precision: str = "bf16-mixed", seq_len: int = 2048,
-                 micro_batch: int = 1, recompute: str | None = None,
-                 gpu_memory_gb: int = 80) -> None:
+    def __init__(self, model: str = "1.3B", seq_len: int = 2048, micro_batch: int = 1,
+                 recompute: str | None = None, gpu_memory_gb: int = 80) -> None:
         import ipywidgets as w
 
         style = {"description_width": "initial"}
         super().__init__({
             "model": w.SelectionSlider(options=list(MODELS), value=model, description="model",
                                        style=style),
-            "precision": w.Dropdown(options=["bf16-mixed", "fp32"], value=precision,
-                                    description="precision", style=style),
             "seq_len": w.SelectionSlider(options=[2**k for k in range(9, 18)], value=seq_len,
                                          description="sequence", style=style),
             "micro_batch": w.SelectionSlider(options=[2**k for k in range(0, 5)],
@@ -184,17 +181,18 @@ class DeviceMemoryCalculator(_Widget):
     def compute(self) -> tuple[dict[str, MemoryEstimate], Figure, str]:
         v = self.values()
         model = MODELS[v["model"]]
-        estimates = memory_on_one_device(model, v["seq_len"], v["micro_batch"], v["precision"])
+        estimates = memory_on_one_device(model, v["seq_len"], v["micro_batch"])
         gpu = v["gpu_memory_gb"] * memory.GB
         chosen = estimates[v["recompute"]]
         state = chosen.params + chosen.grads + chosen.optimizer
         verdict = "fits" if chosen.total <= gpu else "does NOT fit"
-        message = (f"{v['model']} ({model.num_params / 1e9:g}B params), {v['precision']}, "
+        message = (f"{v['model']} ({model.num_params / 1e9:g}B params), "
                    f"s={v['seq_len']}, b={v['micro_batch']}, recompute={v['recompute']}: "
                    f"{state / memory.GB:.1f} GB of model state + "
                    f"{chosen.activations / memory.GB:.1f} GB of activations = "
                    f"{chosen.total / memory.GB:.1f} GB, {verdict} in {v['gpu_memory_gb']} GB")
-        title = f"{v['model']} on one GPU, {v['precision']}, s={v['seq_len']}, b={v['micro_batch']}"
+        title = (f"{v['model']} on one GPU, mixed-precision Adam, s={v['seq_len']}, "
+                 f"b={v['micro_batch']}")
         figure = draw_memory(estimates, gpu, v["recompute"], title,
                              name=lambda choice: f"recompute: {choice}")
         return estimates, figure, message
