@@ -277,3 +277,23 @@ def test_fits_weigh_every_size_alike_and_bad_links_are_clear() -> None:
     links = AlgorithmLinks(2, (1, 2), tuple((name, (link,)) for name in ALL_REDUCE_ALGORITHMS))
     with pytest.raises(ValueError, match="fitted on 2 ranks, not world_size=4"):
         links.best_all_reduce(1024, 4)
+
+
+def test_exposed_time_is_what_outlasts_the_compute() -> None:
+    from minidist.cost import critical_intensity, exposed_time
+
+    link = AlphaBeta(alpha=1e-5, beta=1 / 50e9)  # InfiniBand NDR, one direction
+    transfer = 1e-5 + 1e9 / 50e9
+    assert exposed_time(0, 1e9, 1e15, link) == pytest.approx(transfer)
+    assert exposed_time(1e13, 1e9, 1e15, link) == pytest.approx(transfer - 0.01)
+    assert exposed_time(1e15, 1e9, 1e15, link) == 0.0  # one second of compute hides 20 ms
+    assert exposed_time(5, 0, 1e15, link) == 0.0  # nothing to send: no latency either
+    # Exactly at the critical intensity the transfer just hides.
+    intensity = critical_intensity(1e9, 1e15, link)
+    assert exposed_time(intensity * 1e9, 1e9, 1e15, link) == pytest.approx(0.0, abs=1e-15)
+    assert critical_intensity(math.inf, 989e12, AlphaBeta(0, 1 / 50e9)) == pytest.approx(19_780)
+    assert critical_intensity(1e3, 1e12, link) == pytest.approx(1e12 * (1e-5 / 1e3 + 1 / 50e9))
+    with pytest.raises(ValueError, match="peak_flops"):
+        exposed_time(1, 1, 0, link)
+    with pytest.raises(ValueError, match="nbytes"):
+        critical_intensity(0, 1e12, link)

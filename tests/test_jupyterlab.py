@@ -271,10 +271,10 @@ def test_lab02_widgets_render_and_the_dropdown_shows_each_choice(browser, lab_se
 
     def check():
         lab.run(1)  # imports
-        calculator = lab.run(41)
+        calculator = lab.run(39)  # the one-GPU calculator
         calculator.get_by_label("recompute").wait_for(timeout=CELL_LIMIT_MS)
         assert "Error displaying widget" not in calculator.inner_text()
-        assert calculator.locator(".widget-hslider, .widget-slider").count() >= 7
+        assert calculator.locator(".widget-hslider, .widget-slider").count() >= 4
         dropdown = calculator.get_by_label("recompute")
         assert dropdown.evaluate("select => select.value") == "selective"
         for choice in ("none", "full", "selective", "none"):
@@ -285,10 +285,6 @@ def test_lab02_widgets_render_and_the_dropdown_shows_each_choice(browser, lab_se
             assert shown == choice, f"after choosing {choice!r} the dropdown shows {shown!r}"
         calculator.locator(".jp-OutputArea-output img").last.wait_for(timeout=CELL_LIMIT_MS)
         lab.shot("calculator")
-        explorer = lab.run(55)
-        explorer.locator(".widget-hslider, .widget-slider").first.wait_for(
-            timeout=CELL_LIMIT_MS)
-        assert "Error displaying widget" not in explorer.inner_text()
         assert "Error displaying widget" not in lab.page.locator(PANEL).inner_text()
 
     checked(lab, check)

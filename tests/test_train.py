@@ -194,3 +194,69 @@ def test_a_node_failure_needs_torchrun_and_a_known_scope(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"fail_scope='machine': choose one of 'rank', 'node'"):
         TrainConfig(steps=2, checkpoint_dir=str(tmp_path), checkpoint_every=1,
                     fail_scope="machine")
+
+
+def _capture(sampler):
+    import random
+
+    import numpy as np
+    import torch
+    return {"torch": torch.get_rng_state(), "python": random.getstate(),
+            "numpy": np.random.get_state(), "sampler": dict(sampler.state_dict())}
+
+
+def _restore(state, sampler):
+    import random
+
+    import numpy as np
+    import torch
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    sampler.load_state_dict(state["sampler"])
+
+
+def _restore_all_but_torch(state, sampler):
+    import torch
+    kept = torch.get_rng_state()
+    _restore(state, sampler)
+    torch.set_rng_state(kept)
+
+
+def _all_finite(loss, grads):
+    import torch
+    bad = not torch.isfinite(loss).all() or any(not torch.isfinite(g).all() for g in grads)
+    flag = torch.tensor([float(bad)])
+    dist.all_reduce(flag)
+    return flag.item() == 0
+
+
+def _with(rank, world_size, config, restore):
+    return train(rank, world_size, config, capture_state=_capture, restore_state=restore,
+                 all_finite=_all_finite)
+
+
+def test_the_job_runs_with_the_callers_capture_restore_and_guard(tmp_path):
+    """Lab 09 resumes with the students' capture_state, restore_state and all_finite: the same
+    losses as the library's own, bit for bit; a restore that forgets torch's generator (the
+    token noise's) changes the losses after the resume."""
+    settings = dict(steps=5, checkpoint_every=3, nan_at_step=2, nan_rank=1)
+    library = run(train, 2, TrainConfig(checkpoint_dir=str(tmp_path / "library"), **settings),
+                  timeout=120)[0]
+    clean = run(_with, 2, TrainConfig(checkpoint_dir=str(tmp_path / "clean"), **settings),
+                _restore, timeout=120)[0]
+    assert {s: v.hex() for s, v in clean.items()} == {s: v.hex() for s, v in library.items()}
+    assert 2 not in clean  # the NaN step was skipped by the caller's guard
+    for restore, same in ((_restore, True), (_restore_all_but_torch, False)):
+        crashing = TrainConfig(checkpoint_dir=str(tmp_path / restore.__name__), fail_at_step=[5],
+                               fail_rank=1, **settings)
+        with pytest.raises(Exception, match="injected failure at step 5|died|exit"):
+            run(_with, 2, crashing, restore, timeout=120)
+        resumed = run(_with, 2, crashing, restore, timeout=120)[0]
+        assert sorted(resumed) == [4, 5]
+        assert all(resumed[s] == clean[s] for s in resumed) == same, (resumed, clean)
+    shrunk = run(_with, 1, crashing, _restore, timeout=120)[0]  # 2 ranks' checkpoint on 1
+    assert sorted(shrunk) == [4, 5]
+    with pytest.raises(ValueError, match="together"):
+        train(0, 1, TrainConfig(steps=1, checkpoint_dir=str(tmp_path), checkpoint_every=1),
+              capture_state=_capture)

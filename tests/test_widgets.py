@@ -7,7 +7,13 @@ import pytest
 
 from minidist import memory, pipeline, widgets
 from minidist.planner import MODELS
-from minidist.widgets import BubbleExplorer, MemoryCalculator, memory_by_zero_stage
+from minidist.widgets import (
+    BubbleExplorer,
+    DeviceMemoryCalculator,
+    MemoryCalculator,
+    memory_by_zero_stage,
+    memory_on_one_device,
+)
 
 matplotlib.use("Agg")
 
@@ -47,6 +53,26 @@ def test_memory_calculator_follows_its_sliders():
     assert calculator.figure.axes[0].get_title().endswith("recompute=none")
     calculator.controls["gpu_memory_gb"].value = 141
     assert "in 141 GB" in calculator.message
+
+
+def test_device_memory_calculator_is_one_gpu_alone():
+    calculator = DeviceMemoryCalculator(model="7B", seq_len=4096)
+    estimates = calculator.data
+    assert list(estimates) == ["none", "selective", "full"]
+    assert bar_tops(calculator.figure) == pytest.approx(
+        [estimate.total / memory.GB for estimate in estimates.values()])
+    state = memory.model_state_bytes(MODELS["7B"].num_params)  # 16 bytes per parameter
+    assert all(e.params + e.grads + e.optimizer == state.total for e in estimates.values())
+    assert estimates["none"].activations > estimates["selective"].activations > estimates[
+        "full"].activations
+    assert "does NOT fit in 80 GB" in calculator.message  # 107 GB of model state alone
+    calculator.controls["model"].value = "1.3B"
+    calculator.controls["recompute"].value = "full"
+    assert "fits in 80 GB" in calculator.message and "recompute=full" in calculator.message
+    fp32 = memory_on_one_device(MODELS["1.3B"], precision="fp32")["full"]
+    assert (fp32.params, fp32.grads) == (4 * 1.3e9, 4 * 1.3e9)
+    assert memory_on_one_device(MODELS["1.3B"], seq_len=4096)["none"].activations > \
+        memory_on_one_device(MODELS["1.3B"], seq_len=2048)["none"].activations
 
 
 def test_memory_calculator_shows_no_recompute_as_none():

@@ -51,6 +51,15 @@ out, getting the result back at the end (one more): the 2f terms. `best_all_redu
 the algorithm with the smallest predicted time. Only all-reduce models the reduction's cost
 (gamma); the other collectives' formulas above leave it out.
 
+Compute against communication. A transfer of S bytes that runs while a device computes F
+FLOPs at its peak P, both started together (a GPU's copy engines or NCCL's kernels move data
+while its SMs compute), adds max(0, alpha + S * beta - F / P) seconds to the step:
+`exposed_time`. It hides entirely when the arithmetic intensity F / S (FLOPs per byte moved)
+is at least P * (alpha / S + beta), `critical_intensity`; for large transfers that tends to
+P * beta = P / bandwidth, the ridge point of a roofline drawn against the link (Williams,
+Waterman & Patterson 2009; the same reasoning per parallel strategy is the core of Austin et
+al., "How to Scale Your Model", 2025).
+
 Sources: Thakur, Rabenseifner & Gropp, "Optimization of Collective Communication Operations
 in MPICH", IJHPCA 19(1), 2005 (the model and the tree/ring costs); Patarasuk & Yuan,
 "Bandwidth optimal all-reduce algorithms for clusters of workstations", JPDC 69(2), 2009 (ring
@@ -71,7 +80,8 @@ __all__ = [
     "COLLECTIVES", "RING_COLLECTIVES", "ALL_REDUCE_ALGORITHMS", "busbw_factor", "ring_bytes_sent",
     "collective_time", "all_reduce_coefficients", "reduction_coefficient", "all_reduce_time",
     "best_all_reduce", "crossover_size", "all_reduce_bytes_sent", "AlphaBeta", "fit_alpha_beta",
-    "fit_all_reduce", "AlgorithmLinks", "parameter_server_time",
+    "fit_all_reduce", "AlgorithmLinks", "parameter_server_time", "exposed_time",
+    "critical_intensity",
 ]
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "send")
@@ -436,3 +446,26 @@ def parameter_server_time(nbytes: float, workers: int, servers: int, alpha: floa
     """
     positive_int(workers=workers, servers=servers)
     return 2 * workers * (alpha + nbytes / servers * beta)
+
+
+def exposed_time(flops: float, nbytes: float, peak_flops: float, link: AlphaBeta) -> float:
+    """Seconds a transfer of `nbytes` over `link` adds to `flops` of compute at `peak_flops`
+    that runs at the same time, both started together: the part of alpha + nbytes * beta that
+    outlasts flops / peak_flops, 0 when the transfer hides."""
+    if flops < 0 or nbytes < 0:
+        raise ValueError(f"flops={flops} and nbytes={nbytes} must be >= 0")
+    if not peak_flops > 0:
+        raise ValueError(f"peak_flops={peak_flops} must be > 0 FLOP/s")
+    transfer = link.alpha + nbytes * link.beta if nbytes > 0 else 0.0
+    return max(0.0, transfer - flops / peak_flops)
+
+
+def critical_intensity(nbytes: float, peak_flops: float, link: AlphaBeta) -> float:
+    """The fewest FLOPs per byte moved for which compute at `peak_flops` hides a transfer of
+    `nbytes` over `link`: peak * (alpha / nbytes + beta). `nbytes=math.inf` gives the ridge
+    point peak * beta = peak / bandwidth, the large-transfer limit."""
+    if not nbytes > 0:
+        raise ValueError(f"nbytes={nbytes} must be > 0: an empty transfer hides under anything")
+    if not peak_flops > 0:
+        raise ValueError(f"peak_flops={peak_flops} must be > 0 FLOP/s")
+    return peak_flops * (link.alpha / nbytes + link.beta)

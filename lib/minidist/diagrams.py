@@ -1,8 +1,11 @@
-"""Before/after pictures of the collectives, for lab 01 and the slides; the two-tier network
-of lab 11.
+"""Before/after pictures of the collectives, for lab 01 and the slides; the roofline of
+compute against a link, for lab 02 and the labs that apply it to a strategy; the two-tier
+network of lab 11.
 
     draw_collectives()          # one row per collective, 4 ranks
     draw_collectives(["all_reduce", "reduce_scatter"], world_size=3)
+    draw_ring(4)                # the ring and what each phase of ring all-reduce must leave
+    draw_roofline({"H100, InfiniBand": (989e12, 50e9)}, points={"a step": 5e3})
     draw_two_tiers(TwoTier(ranks_per_node=2), 4)   # nodes, their ranks, both kinds of link
 
 Each rank is a row of boxes, one box per chunk of its tensor. A box shows which chunk it
@@ -21,8 +24,8 @@ if TYPE_CHECKING:
 
     from minidist.network import TwoTier
 
-__all__ = ["Layout", "COLLECTIVES", "draw_collectives", "draw_linear_splits",
-           "draw_two_tiers"]
+__all__ = ["Layout", "COLLECTIVES", "draw_collectives", "draw_ring", "draw_roofline",
+           "draw_linear_splits", "draw_two_tiers"]
 
 Layout = list[list[str]]  # per rank, the label of each chunk box ("" = empty)
 
@@ -182,3 +185,97 @@ def draw_two_tiers(tiers: TwoTier, world_size: int, ax: Axes | None = None) -> A
     ax.set_aspect("equal")
     ax.axis("off")
     return ax
+
+
+def draw_ring(world_size: int = 4) -> Figure:
+    """The ring of ring all-reduce: each rank sends to its right neighbour and receives from
+    its left; and what each phase must leave on each rank (rank r owns chunk r after the
+    reduce-scatter, every chunk summed everywhere after the all-gather). Which chunk moves at
+    which step is left out: that is the exercise."""
+    import math
+
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Circle, FancyArrowPatch, Rectangle
+
+    if world_size < 2:
+        raise ValueError(f"world_size must be at least 2 to show a ring, got {world_size}")
+    n, chunks = world_size, string.ascii_lowercase[:world_size]
+    colors = plt.get_cmap("tab10")
+    fig, axes = plt.subplots(1, 4, figsize=(13, 3.4), gridspec_kw={"width_ratios": [1.2, 1, 1, 1]})
+    ring = axes[0]
+    where = [(math.sin(2 * math.pi * r / n), math.cos(2 * math.pi * r / n)) for r in range(n)]
+    for r, (x, y) in enumerate(where):
+        ring.add_patch(Circle((x, y), 0.25, facecolor="0.92", edgecolor="0.3"))
+        ring.text(x, y, f"rank {r}", ha="center", va="center", fontsize=8)
+        nx, ny = where[(r + 1) % n]
+        ring.add_patch(FancyArrowPatch((x, y), (nx, ny), shrinkA=20, shrinkB=20,
+                                       connectionstyle="arc3,rad=-0.25", arrowstyle="-|>",
+                                       mutation_scale=12, color="0.2"))
+    ring.set_xlim(-1.5, 1.5)
+    ring.set_ylim(-1.5, 1.5)
+    ring.set_aspect("equal")
+    ring.axis("off")
+    ring.set_title("each step: send one chunk right,\nreceive one from the left", fontsize=9)
+    layouts = (
+        ("start: rank r's own tensor", [[f"{c}{r}" for c in chunks] for r in range(n)]),
+        ("after the reduce-scatter (N−1 steps)",
+         [[f"Σ{c}" if i == r else "" for i, c in enumerate(chunks)] for r in range(n)]),
+        ("after the all-gather (N−1 more)", [[f"Σ{c}" for c in chunks]] * n),
+    )
+    for ax, (title, layout) in zip(axes[1:], layouts, strict=True):
+        for r, boxes in enumerate(layout):
+            y = n - 1 - r
+            ax.text(-0.15, y + 0.4, f"rank {r}", ha="right", va="center", fontsize=8)
+            for i, label in enumerate(boxes):
+                reduced = label.startswith("Σ")
+                ax.add_patch(Rectangle((i, y), 0.9, 0.8, facecolor=colors(i) if label else "white",
+                                       edgecolor="grey", alpha=0.9 if reduced else 0.35))
+                ax.text(i + 0.45, y + 0.4, label, ha="center", va="center", fontsize=8,
+                        fontweight="bold" if reduced else "normal")
+        ax.set_xlim(-1.1, n)
+        ax.set_ylim(-0.2, n)
+        ax.axis("off")
+        ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def draw_roofline(roofs: dict[str, tuple[float, float]], points: dict[str, float] | None = None,
+                  title: str = "") -> Figure:
+    """Compute against a link, as a roofline (Williams, Waterman & Patterson 2009): for each
+    roof, name -> (peak FLOP/s, link bytes/s), the FLOP/s a step can reach when it moves one
+    byte over the link per `intensity` FLOPs and the two overlap: min(peak, intensity x
+    bandwidth). Left of a roof's ridge point (peak / bandwidth FLOPs per byte) the link sets
+    the pace; right of it the transfer hides under compute. `points`: name -> intensity,
+    marked as vertical lines (a strategy's FLOPs per byte it sends)."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    if not roofs:
+        raise ValueError("give at least one roof: {name: (peak FLOP/s, bytes/s)}")
+    for name, (peak, bandwidth) in roofs.items():
+        if not (peak > 0 and bandwidth > 0):
+            raise ValueError(f"{name}: peak={peak} FLOP/s and bandwidth={bandwidth} B/s "
+                             "must be > 0")
+    ridges = [peak / bandwidth for peak, bandwidth in roofs.values()]
+    marked = list((points or {}).values())
+    low = min(ridges + marked) / 30
+    high = max(ridges + marked) * 30
+    intensity = np.logspace(np.log10(low), np.log10(high), 200)
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for name, (peak, bandwidth) in roofs.items():
+        line, = ax.loglog(intensity, np.minimum(peak, intensity * bandwidth), lw=2,
+                          label=f"{name}: ridge at {peak / bandwidth:,.0f} FLOPs/byte")
+        ax.plot([peak / bandwidth], [peak], "o", color=line.get_color())
+    for name, value in (points or {}).items():
+        ax.axvline(value, color="0.4", ls="--", lw=1)
+        ax.text(value, 0.97, f" {name} ", rotation=90, va="top", ha="right", fontsize=8,
+                transform=ax.get_xaxis_transform())
+    ax.set_xlabel("arithmetic intensity: FLOPs computed per byte moved over the link")
+    ax.set_ylabel("FLOP/s reachable (transfer overlapped)")
+    ax.set_title(title or "compute against a link: left of a ridge the link sets the pace",
+                 fontsize=10)
+    ax.legend(fontsize=8, loc="lower right")
+    ax.grid(True, which="major", alpha=0.3)
+    fig.tight_layout()
+    return fig

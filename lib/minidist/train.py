@@ -22,6 +22,10 @@ Guards, each with a message naming the rank and the step:
   group's timeout; inside `run(train, ...)` the launcher's `timeout` bounds the whole job and
   reports where each rank was stuck.
 
+Lab 09 has students write the capture of the random generators and the sampler, and the NaN
+guard; `train(..., capture_state=, restore_state=, all_finite=)` runs the job with theirs in
+place of the library's own (`checkpoint.RNGState` with the sampler, and the flags above).
+
 Failures can be injected: `--fail-at-step` kills a rank abruptly (os._exit, as a crashed
 process would vanish), `--nan-at-step` turns a rank's loss into NaN, `--hang-at-step` stops a
 rank in its tracks. Each injected crash fires once: a marker file in the checkpoint directory
@@ -54,10 +58,12 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import pickle
 import random
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,7 +80,7 @@ from minidist.zero import ZeroOptimizer
 
 __all__ = [
     "TrainConfig", "SyntheticTokens", "ResumableSampler", "GradientGuard", "CollectiveTimeout",
-    "train", "parse_args", "main",
+    "CapturedState", "train", "parse_args", "main",
 ]
 
 
@@ -192,9 +198,37 @@ class CollectiveTimeout(RuntimeError):
     """A collective waited longer than the job's timeout: a peer died or hangs."""
 
 
-def train(rank: int, world_size: int, config: TrainConfig) -> dict[int, float]:
+class CapturedState:
+    """A checkpoint leaf made of two functions: `capture(sampler)` returns everything the next
+    steps draw from (the random generators and the sampler's position), and `restore(state,
+    sampler)` puts it back. What `capture` returns is pickled into a per-rank tensor, so it is
+    restored only on the same world size, as `checkpoint.RNGState` is."""
+
+    def __init__(self, capture: Callable[[Any], Any], restore: Callable[[Any, Any], None],
+                 sampler: ResumableSampler):
+        self.capture, self.restore, self.sampler = capture, restore, sampler
+
+    def state_dict(self) -> dict[str, Any]:
+        pickled = pickle.dumps(self.capture(self.sampler))
+        return {"captured": checkpoint.PerRank(torch.frombuffer(bytearray(pickled),
+                                                                dtype=torch.uint8))}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.restore(pickle.loads(state["captured"].value.numpy().tobytes()), self.sampler)
+
+
+def train(rank: int, world_size: int, config: TrainConfig, *,
+          capture_state: Callable[[Any], Any] | None = None,
+          restore_state: Callable[[Any, Any], None] | None = None,
+          all_finite: Callable[[torch.Tensor, list], bool] | None = None) -> dict[int, float]:
     """Run (or resume) the job on this rank; returns {step: global mean loss} of the steps
-    this attempt ran (skipped steps left out)."""
+    this attempt ran (skipped steps left out).
+
+    `capture_state(sampler)` and `restore_state(state, sampler)` (both or neither) replace the
+    library's record of the generators and the sampler; `all_finite(loss, grads)`, which must
+    give every rank the same answer, replaces its NaN guard."""
+    if (capture_state is None) != (restore_state is None):
+        raise ValueError("give capture_state and restore_state together: a resume needs both")
     if config.global_batch % world_size:
         raise ValueError(f"global_batch={config.global_batch} must be a multiple of the "
                          f"world size {world_size}")
@@ -224,6 +258,8 @@ def train(rank: int, world_size: int, config: TrainConfig) -> dict[int, float]:
              "optimizer": checkpoint.OptimizerState(model, optimizer),
              "rng": checkpoint.RNGState(), "sampler": sampler, "gradient_guard": guard,
              "step": 0}
+    if capture_state is not None:  # the sampler stays a leaf too: restored on any world size
+        state["rng"] = CapturedState(capture_state, restore_state, sampler)
     say = print if rank == 0 else (lambda *args, **kwargs: None)
 
     latest = checkpoint.latest_checkpoint(config.checkpoint_dir)
@@ -239,7 +275,7 @@ def train(rank: int, world_size: int, config: TrainConfig) -> dict[int, float]:
     for step in range(state["step"] + 1, config.steps + 1):
         try:
             loss = _step(rank, world_size, step, config, model, optimizer, grads, data,
-                         sampler, guard, say)
+                         sampler, guard, say, all_finite)
         except RuntimeError as error:
             if "timed out" not in str(error).lower() and "timeout" not in str(error).lower():
                 raise
@@ -260,7 +296,7 @@ def train(rank: int, world_size: int, config: TrainConfig) -> dict[int, float]:
 
 
 def _step(rank, world_size, step, config, model, optimizer, grads, data, sampler, guard,
-          say) -> float | None:
+          say, all_finite=None) -> float | None:
     """One training step; the global mean loss, or None if a guard skipped it."""
     indices = sampler.next_batch()[rank::world_size]
     ids, targets = data.batch(indices)
@@ -273,10 +309,20 @@ def _step(rank, world_size, step, config, model, optimizer, grads, data, sampler
     loss.backward()
     if step == config.hang_at_step and rank == config.hang_rank:
         time.sleep(config.collective_timeout * 10)  # stuck: never joins the next collective
-    # One all-reduce tells every rank which ranks saw a non-finite loss or gradient, the
-    # global loss and the global squared gradient norm.
     local = [g for g in grads() if g is not None]
     squares = sum((g.double().pow(2).sum() for g in local), torch.zeros((), dtype=torch.float64))
+    if all_finite is not None:  # the caller's guard, then the loss and the norm
+        finite = all_finite(loss, local)
+        summary = torch.stack([loss.detach().double() / world_size, squares])
+        collectives.all_reduce(summary, when="loss and gradient norm")
+        if not finite:
+            say(f"step {step}: a non-finite loss or gradient on some rank (all_finite): step "
+                f"skipped on all ranks", flush=True)
+            optimizer.zero_grad()
+            return None
+        return _apply(step, optimizer, guard, local, summary[1], summary[0], say)
+    # One all-reduce tells every rank which ranks saw a non-finite loss or gradient, the
+    # global loss and the global squared gradient norm.
     flags = torch.zeros(2 * world_size + 2, dtype=torch.float64)
     flags[rank] = float(not torch.isfinite(loss).item())
     flags[world_size + rank] = float(not all(torch.isfinite(g).all().item() for g in local))
@@ -290,14 +336,19 @@ def _step(rank, world_size, step, config, model, optimizer, grads, data, sampler
             flush=True)
         optimizer.zero_grad()
         return None
-    scale, report = guard.clip_factor(math.sqrt(flags[-1].item()))
+    return _apply(step, optimizer, guard, local, flags[-1], flags[-2], say)
+
+
+def _apply(step, optimizer, guard, local, squares, loss, say) -> float:
+    """Clip a gradient-norm spike, step the optimizer; the global mean loss."""
+    scale, report = guard.clip_factor(math.sqrt(squares.item()))
     if report is not None:
         say(f"step {step}: {report}", flush=True)
         for g in local:
             g.mul_(scale)
     optimizer.step()
     optimizer.zero_grad()
-    return flags[-2].item()
+    return loss.item()
 
 
 def _maybe_fail(rank: int, step: int, config: TrainConfig) -> None:

@@ -1,10 +1,12 @@
-"""Lab 02's live widgets: a memory calculator and a pipeline-bubble explorer.
+"""Live widgets: memory calculators and a pipeline-bubble explorer.
 
-    display(MemoryCalculator().widget)     # sliders -> stacked bars against the GPU's memory
-    display(BubbleExplorer().widget)       # schedule, p, m, v -> timeline and bubble
+    display(DeviceMemoryCalculator().widget)  # one GPU: model, precision, s, b, recompute
+    display(MemoryCalculator().widget)        # + ZeRO stage, N, TP, PP, CP, offload
+    display(BubbleExplorer().widget)          # schedule, p, m, v -> timeline and bubble
 
-Each widget is a function from values to data (`memory_by_zero_stage`, or
-`minidist.pipeline.simulate`), a function from data to a figure (`draw_memory`, or
+Lab 02 shows the first (one device); the labs that build each strategy show the others.
+Each widget is a function from values to data (`memory_on_one_device`, `memory_by_zero_stage`,
+or `minidist.pipeline.simulate`), a function from data to a figure (`draw_memory`, or
 `minidist.gantt.draw`), and a thin widget that calls them when a control moves. Tests set
 `widget.controls[name].value` and read `widget.data`, `widget.figure` and `widget.message`; no
 browser is needed.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import io
+from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -23,9 +26,23 @@ from minidist.planner import MODELS, Layout, MemoryEstimate, Model, pipeline_ran
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["memory_by_zero_stage", "PARTS", "draw_memory", "MemoryCalculator", "BubbleExplorer"]
+__all__ = ["memory_on_one_device", "memory_by_zero_stage", "PARTS", "draw_memory",
+           "DeviceMemoryCalculator", "MemoryCalculator", "BubbleExplorer"]
 
 # --- Memory per rank --------------------------------------------------------------------------
+
+
+def memory_on_one_device(model: Model, seq_len: int | None = None, micro_batch: int = 1,
+                         precision: str = "bf16-mixed") -> dict[str, MemoryEstimate]:
+    """Bytes on one GPU training `model` alone, for each recompute choice ("none",
+    "selective", "full"): the model state of `precision` with Adam, one microbatch's
+    activations (Korthikanti's per-layer bytes x layers, plus one layer's recomputed ones
+    while it is recomputed) and the fp32 logits, by `minidist.planner.pipeline_rank_memory`."""
+    if seq_len is not None:
+        model = replace(model, seq_len=seq_len)
+    return {name: pipeline_rank_memory(Layout(1, 1, 1, 0, micro_batch, 1, recompute), model, 0,
+                                       precision)
+            for name, recompute in (("none", None), ("selective", "selective"), ("full", "full"))}
 
 
 def memory_by_zero_stage(model: Model, dp: int = 8, tp: int = 1, pp: int = 1,
@@ -54,18 +71,19 @@ PARTS = (("params", "parameters", "tab:blue"), ("grads", "gradients", "tab:orang
          ("optimizer", "optimizer state", "tab:green"), ("activations", "activations", "tab:red"))
 
 
-def draw_memory(estimates: dict[int, MemoryEstimate], gpu_memory: float,
-                selected: int | None = None, title: str = "") -> Figure:
-    """Stacked bars of params, grads, optimizer state and activations per ZeRO stage, in GB,
-    with the GPU's memory as a dashed line; the `selected` stage is outlined."""
+def draw_memory(estimates: dict, gpu_memory: float, selected: object = None, title: str = "",
+                name: Callable[[object], str] = lambda stage: f"ZeRO-{stage}") -> Figure:
+    """Stacked bars of params, grads, optimizer state and activations per estimate (by
+    default one per ZeRO stage, labelled by `name`), in GB, with the GPU's memory as a dashed
+    line; the `selected` one is outlined."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 3.6))
-    stages = sorted(estimates)
+    stages = list(estimates)
     bottoms = [0.0] * len(stages)
     for attribute, label, color in PARTS:
         heights = [getattr(estimates[s], attribute) / memory.GB for s in stages]
-        ax.bar([f"ZeRO-{s}" for s in stages], heights, bottom=bottoms, label=label, color=color)
+        ax.bar([name(s) for s in stages], heights, bottom=bottoms, label=label, color=color)
         bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
     for i, s in enumerate(stages):
         ax.text(i, bottoms[i], f"{bottoms[i]:.1f}", ha="center", va="bottom", fontsize=8)
@@ -132,6 +150,52 @@ def _png(figure: Figure) -> str:
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", bbox_inches="tight")
     return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+class DeviceMemoryCalculator(_Widget):
+    """Bytes on one GPU training a model alone with mixed-precision Adam: model, sequence
+    length, micro-batch, recompute and the GPU's memory; bars for every recompute choice, the
+    selected one outlined (`memory_on_one_device`)."""
+
+    def __init__(self, model: str = "1.3B", seq_len: int = 2048, micro_batch: int = 1,
+                 recompute: str | None = None, gpu_memory_gb: int = 80) -> None:
+        import ipywidgets as w
+
+        style = {"description_width": "initial"}
+        super().__init__({
+            "model": w.SelectionSlider(options=list(MODELS), value=model, description="model",
+                                       style=style),
+            "seq_len": w.SelectionSlider(options=[2**k for k in range(9, 18)], value=seq_len,
+                                         description="sequence", style=style),
+            "micro_batch": w.SelectionSlider(options=[2**k for k in range(0, 5)],
+                                             value=micro_batch, description="micro-batch",
+                                             style=style),
+            # String values only: ipywidgets 8 shows a None value as no selection at all.
+            "recompute": w.Dropdown(options=["none", "selective", "full"],
+                                    value=recompute or "none", description="recompute",
+                                    style=style),
+            "gpu_memory_gb": w.SelectionSlider(options=[24, 40, 80, 141], value=gpu_memory_gb,
+                                               description="GPU GB", style=style),
+        })
+
+    def compute(self) -> tuple[dict[str, MemoryEstimate], Figure, str]:
+        v = self.values()
+        model = MODELS[v["model"]]
+        estimates = memory_on_one_device(model, v["seq_len"], v["micro_batch"])
+        gpu = v["gpu_memory_gb"] * memory.GB
+        chosen = estimates[v["recompute"]]
+        state = chosen.params + chosen.grads + chosen.optimizer
+        verdict = "fits" if chosen.total <= gpu else "does NOT fit"
+        message = (f"{v['model']} ({model.num_params / 1e9:g}B params), "
+                   f"s={v['seq_len']}, b={v['micro_batch']}, recompute={v['recompute']}: "
+                   f"{state / memory.GB:.1f} GB of model state + "
+                   f"{chosen.activations / memory.GB:.1f} GB of activations = "
+                   f"{chosen.total / memory.GB:.1f} GB, {verdict} in {v['gpu_memory_gb']} GB")
+        title = (f"{v['model']} on one GPU, mixed-precision Adam, s={v['seq_len']}, "
+                 f"b={v['micro_batch']}")
+        figure = draw_memory(estimates, gpu, v["recompute"], title,
+                             name=lambda choice: f"recompute: {choice}")
+        return estimates, figure, message
 
 
 class MemoryCalculator(_Widget):

@@ -86,17 +86,6 @@ FAKES = {
         passing, incoming = incoming, passing
     return tensor"""),
     ],
-    "impl-bytes-formula": [
-        Fake("the naive ring's bytes", "(N-1)·S, the whole tensor every step: right for N <= 2",
-             ("test-bytes-formula",), """\
-    return (world_size - 1) * nbytes"""),
-        Fake("the library's formula", "delegates to minidist.cost.ring_bytes_sent",
-             ("test-bytes-formula",), """\
-    return cost.ring_bytes_sent("all_reduce", nbytes, world_size)"""),
-        Fake("the visible test's size", "ignores nbytes: 2(N-1)/N of 1000 bytes",
-             ("test-bytes-formula",), """\
-    return 2 * (world_size - 1) / world_size * 1000"""),
-    ],
     "impl-predict": [
         Fake("the naive ring's bandwidth term", "(N-1)·S·beta: right for N <= 2",
              ("test-predict",), """\

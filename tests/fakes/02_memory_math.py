@@ -1,24 +1,12 @@
-"""Fakes of Lab 02's exercises: the visible numbers without the formula's dependence on every
-parameter, without measuring, or from the library."""
+"""Fakes of Lab 02's exercises: the right numbers without measuring storages or saved tensors,
+without recomputing, without the overlap or the latency, or from the library (or torch).
+
+A cell with two solution regions (the Function's forward and backward; the two functions of
+the overlap exercise) gets a tuple: one source per region."""
 
 from fakes import Fake
 
 FAKES = {
-    "impl-zero-bytes": [
-        Fake("the library's model state", "delegates to minidist.memory.model_state_bytes",
-             ("test-zero-bytes",), """\
-    return memory.model_state_bytes(num_params, zero_stage, dp).total"""),
-        Fake("ZeRO's figure, N = 64 built in", "ignores dp: divides by the visible test's 64",
-             ("test-zero-bytes",), """\
-    params, grads, optimizer = 2 * num_params, 2 * num_params, 12 * num_params
-    if zero_stage >= 1:
-        optimizer /= 64
-    if zero_stage >= 2:
-        grads /= 64
-    if zero_stage >= 3:
-        params /= 64
-    return params + grads + optimizer"""),
-    ],
     "impl-held-bytes": [
         Fake("bytes per tensor", "counts numel x element size of each tensor, not each storage "
              "once and whole", ("test-held-bytes",), """\
@@ -46,27 +34,6 @@ FAKES = {
     held = footprint.model_state_footprint(model, optimizer)
     return held.params, held.grads, held.optimizer"""),
     ],
-    "impl-activation-bytes": [
-        Fake("the library's activations", "delegates to minidist.memory.activation_bytes",
-             ("test-activation-bytes",), """\
-    return memory.activation_bytes(s, b, h, a, tp, sequence_parallel, recompute)"""),
-        Fake("no sequence parallelism", "ignores sequence_parallel: the visible test never sets "
-             "it", ("test-activation-bytes",), """\
-    sbh = s * b * h
-    if recompute == "full":
-        return 2 * sbh
-    attention = 0 if recompute == "selective" else 5 * a * s / (h * tp)
-    return sbh * (10 + 24 / tp + attention)"""),
-        Fake("the attention core whole on every rank", "5as/h not divided by t: the visible "
-             "test has it only at t = 1", ("test-activation-bytes",), """\
-    sbh = s * b * h
-    if recompute == "full":
-        return 2 * sbh / tp if sequence_parallel else 2 * sbh
-    attention = 0 if recompute == "selective" else 5 * a * s / h
-    if sequence_parallel:
-        return sbh * (34 / tp + attention)
-    return sbh * (10 + 24 / tp + attention)"""),
-    ],
     "impl-saved-bytes": [
         Fake("pack keeps nothing for backward", "counts the right storages but its pack hook "
              "returns None, so backward breaks", ("test-saved-bytes",), """\
@@ -92,42 +59,54 @@ FAKES = {
              ("test-saved-bytes",), """\
     return sum(t.nbytes for t in footprint.saved_activations(module, x))"""),
     ],
-    "impl-bubble": [
-        Fake("the simulator's bubble", "measures minidist.pipeline's simulated timeline "
-             "instead of the formula", ("test-bubble",), """\
-    return pipeline.simulate(pipeline.schedule(schedule, p, m, v)).bubble_fraction"""),
-        Fake("no interleaving", "ignores v: the visible test has no interleaved schedule",
-             ("test-bubble",), """\
-    ideal = 3 * m
-    bubble = p - 1 if schedule == "zb-h1" else 3 * (p - 1)
-    return bubble / (ideal + bubble)"""),
-        Fake("ZB-H1 like 1F1B", "ignores the split backward: ZB-H1's bubble taken as 1F1B's",
-             ("test-bubble",), """\
-    bubble = 3 * (p - 1) / v if schedule == "interleaved" else 3 * (p - 1)
-    return bubble / (3 * m + bubble)"""),
+    "impl-recompute": [
+        Fake("torch's checkpoint inside", "recomputes nothing itself: wraps "
+             "torch.utils.checkpoint.checkpoint in the Function", ("test-recompute",), (
+                 """\
+        ctx.x = x.detach().requires_grad_(True)
+        with torch.enable_grad():
+            ctx.out = torch.utils.checkpoint.checkpoint(module, ctx.x, use_reentrant=False)
+        return ctx.out.detach()""", """\
+        torch.autograd.backward(ctx.out, grad_output)
+        return ctx.x.grad, None""")),
+        Fake("the whole graph kept", "no recompute: forward runs the module with autograd on and "
+             "keeps its graph for backward", ("test-recompute",), (
+                 """\
+        ctx.x = x.detach().requires_grad_(True)
+        with torch.enable_grad():
+            ctx.out = module(ctx.x)
+        return ctx.out.detach()""", """\
+        torch.autograd.backward(ctx.out, grad_output)
+        return ctx.x.grad, None""")),
+        Fake("the input's gradient only", "reruns the module but takes only x's gradient "
+             "(torch.autograd.grad): the parameters get no .grad", ("test-recompute",), (
+                 """\
+        ctx.module = module
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return module(x)""", """\
+        (x,) = ctx.saved_tensors
+        x = x.detach().requires_grad_(True)
+        with torch.enable_grad():
+            out = ctx.module(x)
+        (grad_x,) = torch.autograd.grad(out, x, grad_output)
+        return grad_x, None""")),
     ],
-    "impl-dp-bytes": [
-        Fake("ZeRO-3 like DDP", "two passes for every stage: the misstatement that ZeRO-3 "
-             "communicates like DDP", ("test-dp-bytes",), """\
-    return 2 * (dp - 1) / dp * num_params * bytes_per_element"""),
-        Fake("bf16 built in", "ignores bytes_per_element: the visible test uses the default 2",
-             ("test-dp-bytes",), """\
-    one_pass = (dp - 1) / dp * num_params * 2
-    return 3 * one_pass if zero_stage == 3 else 2 * one_pass"""),
-        Fake("the library's traffic", "delegates to minidist.traffic.data_parallel_traffic",
-             ("test-dp-bytes",), """\
-    return data_parallel_traffic(num_params, dp, zero_stage, bytes_per_element).bytes_sent"""),
-    ],
-    "impl-mfu": [
-        Fake("one GPU", "ignores num_gpus: the visible test uses the default 1",
-             ("test-mfu",), """\
-    return tokens_per_second * (6 * num_params + 12 * layers * hidden * seq_len) / peak_flops"""),
-        Fake("the library's MFU", "delegates to minidist.flops.mfu", ("test-mfu",), """\
-    return flops.mfu(tokens_per_second, num_params, layers, hidden, seq_len, peak_flops,
-                     num_gpus)"""),
-        Fake("attention without the sequence", "12·L·h per token: the visible test has s = 1",
-             ("test-mfu",), """\
-    flops_per_token = 6 * num_params + 12 * layers * hidden
-    return tokens_per_second * flops_per_token / (num_gpus * peak_flops)"""),
+    "impl-hiding": [
+        Fake("the library's overlap", "delegates to minidist.cost.exposed_time and "
+             "critical_intensity", ("test-hiding",), (
+                 """\
+    return cost.exposed_time(flops, nbytes, peak_flops, link)""", """\
+    return cost.critical_intensity(nbytes, peak_flops, link)""")),
+        Fake("no latency", "the transfer as bytes over bandwidth only: alpha left out of both",
+             ("test-hiding",), (
+                 """\
+    return max(0.0, nbytes * link.beta - flops / peak_flops)""", """\
+    return peak_flops * link.beta""")),
+        Fake("time given back", "no max(0, ...): a transfer shorter than the compute comes out "
+             "negative", ("test-hiding",), (
+                 """\
+    return link.alpha + nbytes * link.beta - flops / peak_flops""", """\
+    return peak_flops * (link.alpha / nbytes + link.beta)""")),
     ],
 }

@@ -1,5 +1,5 @@
 """Fakes of Lab 08's exercises: the right numbers on the lab's own profiles and runs, without
-the arithmetic each exercise teaches.
+the arithmetic each exercise teaches, and a mismatch check that lets some mismatches through.
 
 A cell with two functions has two solution regions, and a fake's source replaces both: the
 fakes of those cells tell the functions apart by their arguments (`locals()`)."""
@@ -31,30 +31,6 @@ FAKES = {
                  for c_start, c_end in communication for p_start, p_end in compute)
     return hidden / total if total > 0 else 0.0"""),
     ],
-    "impl-mfu": [
-        Fake("6Ψ per token", "drops attention's 12·L·h·s (and recompute's 4·L·h·s)",
-             ("test-mfu",), """\
-    per_token = 6 * num_params
-    if "recompute" in locals() and recompute == "full":
-        per_token += 2 * num_params
-    return tokens_per_second * per_token / peak"""),
-        Fake("the library's MFU", "delegates to minidist.flops.mfu and flops.hfu",
-             ("test-mfu",), """\
-    if "recompute" in locals():
-        return flops.hfu(tokens_per_second, num_params, layers, hidden, seq_len, peak,
-                         recompute=recompute)
-    return flops.mfu(tokens_per_second, num_params, layers, hidden, seq_len, peak)"""),
-    ],
-    "impl-scaling": [
-        Fake("speedup for strong scaling", "strong efficiency without N: T1/TN, the speedup",
-             ("test-scaling",), """\
-    return time_1 / time_n"""),
-        Fake("the library's efficiencies", "delegates to minidist.flops",
-             ("test-scaling",), """\
-    if "n" in locals():
-        return flops.strong_scaling_efficiency(time_1, time_n, n)
-    return flops.weak_scaling_efficiency(time_1, time_n)"""),
-    ],
     "impl-straggler": [
         Fake("mean compute", "means instead of medians: one hiccup decides",
              ("test-straggler",), """\
@@ -69,14 +45,31 @@ FAKES = {
 
     return min(per_rank, key=lambda rank: median(per_rank[rank]["all_reduce"]))"""),
     ],
-    "impl-mismatch": [
-        Fake("the lab's answer", "parses nothing: returns the calls of the lab's own report",
-             ("test-mismatch",), """\
-    return {0: ("ALLREDUCE", "[4]"), 1: ("ALLREDUCE", "[8]")}"""),
-        Fake("a pattern fitted to one report", "one-digit ranks and one-number shapes only",
-             ("test-mismatch",), """\
-    pattern = (r"Rank (\\d) is running collective: CollectiveFingerPrint\\(SequenceNumber=\\d+, "
-               r"OpType=(\\w+), TensorShape=(\\[\\d+\\])")
-    return {int(rank): (op, shape) for rank, op, shape in re.findall(pattern, report)}"""),
+    "impl-checked-collective": [
+        Fake("its own call only", "exchanges nothing: checks its own tensor and runs the "
+             "collective, so a mismatch goes through", ("test-checked-collective",), """\
+    if not tensor.is_contiguous():
+        raise RuntimeError(f"rank {dist.get_rank()}: {op} needs a contiguous tensor")
+    return collective(tensor)"""),
+        Fake("rank 0 decides alone", "gathers the calls to rank 0 only: rank 0 raises while "
+             "the other ranks run the collective", ("test-checked-collective",), """\
+    mine = (op, list(tensor.shape), str(tensor.dtype).removeprefix("torch."))
+    calls = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, calls, dst=0)
+    if dist.get_rank() == 0 and any(call != mine for call in calls):
+        described = "; ".join(f"rank {r}: {o} {shape} {dtype}"
+                              for r, (o, shape, dtype) in enumerate(calls))
+        raise RuntimeError(f"mismatched collectives: {described}")
+    return collective(tensor)"""),
+        Fake("operation and shape only", "compares operations and shapes but not dtypes: the "
+             "visible cases never differ in dtype", ("test-checked-collective",), """\
+    mine = (op, list(tensor.shape), str(tensor.dtype).removeprefix("torch."))
+    calls = [None] * dist.get_world_size()
+    dist.all_gather_object(calls, mine)
+    if any(call[:2] != mine[:2] for call in calls):
+        described = "; ".join(f"rank {r}: {o} {shape} {dtype}"
+                              for r, (o, shape, dtype) in enumerate(calls))
+        raise RuntimeError(f"mismatched collectives: {described}")
+    return collective(tensor)"""),
     ],
 }
