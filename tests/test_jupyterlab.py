@@ -10,6 +10,7 @@ screenshot is saved, and its path given in the message.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -286,6 +287,26 @@ def test_lab02_widgets_render_and_the_dropdown_shows_each_choice(browser, lab_se
         calculator.locator(".jp-OutputArea-output img").last.wait_for(timeout=CELL_LIMIT_MS)
         lab.shot("calculator")
         assert "Error displaying widget" not in lab.page.locator(PANEL).inner_text()
+
+    checked(lab, check)
+    lab.page.close()
+
+
+def test_lab06_bubble_explorer_renders(browser, lab_server, shots):
+    server, _ = lab_server
+    name = "06_pipeline/06_pipeline.ipynb"
+    cells = json.loads((REPO / "labs" / name).read_text())["cells"]
+    explorer_cell = next(index for index, cell in enumerate(cells)
+                         if "BubbleExplorer(" in "".join(cell["source"]))
+    lab = Lab(browser, server, name, shots)
+
+    def check():
+        lab.run(1)  # imports
+        explorer = lab.run(explorer_cell)
+        explorer.locator(".widget-hslider, .widget-slider").first.wait_for(
+            timeout=CELL_LIMIT_MS)
+        lab.shot("explorer")
+        assert "Error displaying widget" not in explorer.inner_text()
 
     checked(lab, check)
     lab.page.close()

@@ -139,7 +139,7 @@ def test_validator_accepts_a_legal_schedule() -> None:
 def test_backward_before_forward() -> None:
     error = fault(two_ranks("F0 F0>1 B0<1 B0", "F0<0 B0 F0 B0>0"))
     assert (error.rank, error.index, error.action) == (1, 1, Action("B", 1, 0))
-    assert "runs before its forward" in str(error) and "rank 1, action 1" in str(error)
+    assert "runs before its forward" in str(error) and "rank 1, compute action 0 (B0)" in str(error)
 
 
 def test_missing_microbatch() -> None:
@@ -166,8 +166,8 @@ def test_deadlock_names_every_stuck_rank_and_the_cycle() -> None:
     assert error.blocked[2] == (0, Action("RECV_F", 2, 0))
     message = str(error)
     assert "rank 1 -> rank 2 -> rank 1" in message
-    assert ("rank 2 is stuck at action 0 (F0<1): waiting to receive the activation of "
-            "microbatch 0 from rank 1") in message
+    assert ("rank 2 is stuck at F0<1, before compute action 0: waiting to receive the "
+            "activation of microbatch 0 from rank 1") in message
 
 
 @pytest.mark.parametrize("text, complaint", [
@@ -350,10 +350,10 @@ def test_deadlock_on_real_ranks_names_what_each_rank_waits_for() -> None:
                                       check=False)
     message = str(caught.value)
     assert message.startswith("pipeline deadlock: rank(s) 0, 1, 2 stuck (time limit 1 s")
-    assert ("rank 2 is stuck at action 0 (F0<1): waiting to receive the activation of "
-            "microbatch 0 from rank 1") in message
-    assert ("rank 1 is stuck at action 2 (B0<2): waiting to receive the gradient of "
-            "microbatch 0 from rank 2") in message
+    assert ("rank 2 is stuck at F0<1, before compute action 0: waiting to receive the "
+            "activation of microbatch 0 from rank 1") in message
+    assert ("rank 1 is stuck at B0<2, before compute action 1: waiting to receive the "
+            "gradient of microbatch 0 from rank 2") in message
 
 
 # --- Gantt -----------------------------------------------------------------------------------

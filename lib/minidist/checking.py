@@ -51,10 +51,11 @@ __all__ = [
 
 RECORDED = (
     "send", "recv", "isend", "irecv", "batch_isend_irecv", "all_reduce", "all_gather",
-    "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor", "broadcast",
-    "all_to_all", "all_to_all_single", "barrier", "reduce", "gather", "scatter",
+    "all_gather_into_tensor", "all_gather_single", "reduce_scatter", "reduce_scatter_tensor",
+    "reduce_scatter_single", "broadcast", "all_to_all", "all_to_all_single", "barrier", "reduce",
+    "gather", "scatter",
 )
-"""The torch.distributed functions `recording` watches."""
+"""The torch.distributed functions `recording` watches (those this torch has)."""
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,8 @@ class Call:
     sent: tuple[int, ...] | None = None
 
 
-_REDUCING = {"all_reduce": 1, "reduce": 2, "reduce_scatter": 2, "reduce_scatter_tensor": 2}
+_REDUCING = {"all_reduce": 1, "reduce": 2, "reduce_scatter": 2, "reduce_scatter_tensor": 2,
+             "reduce_scatter_single": 2}
 """The reducing collectives, with the position of their `op` argument."""
 
 
@@ -122,7 +124,7 @@ def recording(names: tuple[str, ...] = RECORDED) -> Iterator[list[Call]]:
     """Inside the block every call of torch.distributed's `names` is appended, in order, to
     the list it yields (calls minidist makes on the caller's behalf included)."""
     calls: list[Call] = []
-    originals = {name: getattr(dist, name) for name in names}
+    originals = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
 
     def watched(name: str, function: Any) -> Any:
         @functools.wraps(function)

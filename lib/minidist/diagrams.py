@@ -1,12 +1,13 @@
-"""Before/after pictures of the collectives, for lab 01 and the slides; the roofline of
-compute against a link, for lab 02 and the labs that apply it to a strategy; the two-tier
-network of lab 11.
+"""Pictures the labs show beside their exercises (and the slides beside their text).
 
-    draw_collectives()          # one row per collective, 4 ranks
+    draw_collectives()          # one row per collective, 4 ranks (lab 01)
     draw_collectives(["all_reduce", "reduce_scatter"], world_size=3)
     draw_ring(4)                # the ring and what each phase of ring all-reduce must leave
-    draw_roofline({"H100, InfiniBand": (989e12, 50e9)}, points={"a step": 5e3})
-    draw_two_tiers(TwoTier(ranks_per_node=2), 4)   # nodes, their ranks, both kinds of link
+    draw_roofline({"H100, InfiniBand": (989e12, 50e9)}, points={"a step": 5e3})   # lab 02
+    draw_linear_splits(2)       # column- and row-parallel nn.Linear (lab 05)
+    draw_tensor_parallel_mlp()  # Megatron's MLP with f and g (sequence_parallel=True: SP's pair)
+    draw_mesh_groups({"pp": 2, "dp": 2, "tp": 2})   # the groups of each mesh dimension (lab 07)
+    draw_two_tiers(TwoTier(ranks_per_node=2), 4)   # nodes, their ranks, both links (lab 11)
 
 Each rank is a row of boxes, one box per chunk of its tensor. A box shows which chunk it
 holds ("a1" = chunk a from rank 1) or a reduction ("Σa" = chunk a summed over all ranks).
@@ -25,7 +26,8 @@ if TYPE_CHECKING:
     from minidist.network import TwoTier
 
 __all__ = ["Layout", "COLLECTIVES", "draw_collectives", "draw_ring", "draw_roofline",
-           "draw_linear_splits", "draw_two_tiers"]
+           "draw_linear_splits", "draw_tensor_parallel_mlp", "draw_mesh_groups",
+           "draw_two_tiers"]
 
 Layout = list[list[str]]  # per rank, the label of each chunk box ("" = empty)
 
@@ -277,5 +279,108 @@ def draw_roofline(roofs: dict[str, tuple[float, float]], points: dict[str, float
                  fontsize=10)
     ax.legend(fontsize=8, loc="lower right")
     ax.grid(True, which="major", alpha=0.3)
+
+
+def _box(ax, x: float, y: float, w: float, h: float, text: str, color: str = "0.9",
+         size: int = 11, **text_args) -> None:
+    from matplotlib.patches import Rectangle
+
+    ax.add_patch(Rectangle((x, y), w, h, facecolor=color, edgecolor="0.3", lw=1.2))
+    ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=size, **text_args)
+
+
+def _arrow(ax, start: tuple[float, float], end: tuple[float, float]) -> None:
+    from matplotlib.patches import FancyArrowPatch
+
+    ax.add_patch(FancyArrowPatch(start, end, arrowstyle="-|>", mutation_scale=14, color="0.2",
+                                 lw=1.4))
+
+
+def draw_tensor_parallel_mlp(sequence_parallel: bool = False) -> Figure:
+    """Megatron's MLP on 2 ranks: the operator entering the split region, fc1 column-parallel,
+    GELU, fc2 row-parallel, the operator leaving it; under each operator what it runs forward
+    and backward. With `sequence_parallel` the input and output are sequence slices and the
+    operators are all-gather / reduce-scatter (Korthikanti et al. 2022 §4.2.2)."""
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import to_hex
+
+    colors = plt.get_cmap("tab10")
+    fig, ax = plt.subplots(figsize=(12, 3.9))
+    ax.set_xlim(0, 12.4)
+    ax.set_ylim(-0.2, 4.1)
+    ax.axis("off")
+    if sequence_parallel:  # Korthikanti's names: g enters the split layers, ḡ leaves them
+        entry = ("g", "fwd: all-gather seq\nbwd: reduce-scatter")
+        exit_ = ("ḡ", "fwd: reduce-scatter seq\nbwd: all-gather")
+        x_in, z_out = "X_r\n(seq slice r)", "Z_r"
+    else:
+        entry = ("f", "fwd: identity\nbwd: all-reduce")
+        exit_ = ("g", "fwd: all-reduce\nbwd: identity")
+        x_in, z_out = "X\n(whole)", "Z"
+    _box(ax, 0.1, 1.5, 1.2, 1.0, x_in, "0.9", size=10)
+    _arrow(ax, (1.3, 2.0), (1.8, 2.0))
+    _box(ax, 1.8, 1.5, 1.0, 1.0, entry[0], "#fde9b6", size=16, fontweight="bold")
+    ax.text(2.3, 1.3, entry[1], ha="center", va="top", fontsize=9)
+    for r in range(2):
+        y = 2.5 - r * 2.0
+        color = to_hex(colors(r)) + "66"
+        _arrow(ax, (2.8, 2.0), (3.4, y + 0.5))
+        _box(ax, 3.4, y, 2.0, 1.0, f"X·A{r}ᵀ\n(fc1 rows {r}: column)", color, size=10)
+        _arrow(ax, (5.4, y + 0.5), (5.9, y + 0.5))
+        _box(ax, 5.9, y, 1.2, 1.0, "GELU", color, size=10)
+        _arrow(ax, (7.1, y + 0.5), (7.6, y + 0.5))
+        _box(ax, 7.6, y, 2.0, 1.0, f"Y{r}·B{r}ᵀ\n(fc2 cols {r}: row)", color, size=10)
+        _arrow(ax, (9.6, y + 0.5), (10.1, 2.0))
+        ax.text(4.4, y + 1.1 if r == 0 else y - 0.3, f"rank {r}", ha="center", fontsize=10)
+    _box(ax, 10.1, 1.5, 1.0, 1.0, exit_[0], "#fde9b6", size=16, fontweight="bold")
+    ax.text(10.6, 1.3, exit_[1], ha="center", va="top", fontsize=9)
+    _arrow(ax, (11.1, 2.0), (11.5, 2.0))
+    ax.text(11.55, 2.0, z_out + " + fc2 bias", va="center", fontsize=10)
+    ax.text(6.5, 3.85, "no communication between fc1 and fc2: Y's column slice is fc2's row "
+            "slice", ha="center", fontsize=10, style="italic")
+    fig.tight_layout()
+    return fig
+
+
+def draw_mesh_groups(shape: dict[str, int]) -> Figure:
+    """The ranks of a mesh of three named dimensions (slowest first, row-major numbering),
+    one panel per dimension, coloured by the group along it that each rank belongs to."""
+    import math
+
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import to_hex
+
+    if len(shape) != 3:
+        raise ValueError(f"draw_mesh_groups draws three dimensions, got {shape}")
+    colors = plt.get_cmap("tab10")
+    (outer, n0), (middle, n1), (inner, n2) = shape.items()
+    world = math.prod(shape.values())
+    strides = {outer: n1 * n2, middle: n2, inner: 1}
+    sizes = dict(shape)
+
+    def coord(rank: int, dim: str) -> int:
+        return rank // strides[dim] % sizes[dim]
+
+    def groups(dim: str) -> list[list[int]]:
+        firsts = [r for r in range(world) if coord(r, dim) == 0]
+        return [[f + k * strides[dim] for k in range(sizes[dim])] for f in firsts]
+
+    fig, axes = plt.subplots(1, 3, figsize=(4.2 * 3, 1.2 + 0.95 * n1))
+    for ax, dim in zip(axes, reversed(list(shape)), strict=True):
+        colour_of = {rank: colors(k % 10) for k, group in enumerate(groups(dim)) for rank in group}
+        for rank in range(world):
+            x = coord(rank, outer) * (n2 + 0.6) + coord(rank, inner)
+            y = (n1 - 1 - coord(rank, middle)) * 1.1
+            _box(ax, x + 0.05, y, 0.85, 0.8, str(rank), to_hex(colour_of[rank]) + "77", size=13)
+        for k in range(n0):
+            ax.text(k * (n2 + 0.6) + n2 / 2, n1 * 1.1 - 0.05, f"{outer} {k}", ha="center",
+                    fontsize=10)
+        ax.set_xlim(-0.1, n0 * (n2 + 0.6))
+        ax.set_ylim(-0.2, n1 * 1.1 + 0.4)
+        ax.axis("off")
+        ax.set_title(f"{dim} groups: " + " ".join(str(g) for g in groups(dim)), fontsize=10,
+                     loc="left")
+    fig.suptitle(f"{' × '.join(f'{d} = {n}' for d, n in shape.items())}: columns {inner}, "
+                 f"rows {middle}, blocks {outer} (same colour = same group)", fontsize=11)
     fig.tight_layout()
     return fig

@@ -27,8 +27,11 @@ A schedule is, for each rank, the ordered list of what it does:
     F3@5   the same with the stage named, when a rank holds several (interleaved schedules)
 
 Sends are asynchronous (isend): a send never waits. A receive waits until the matching send
-has been posted. The validator and the executor (`minidist.pipeline_exec`) both follow these
-rules, so a schedule the validator accepts cannot deadlock on real ranks.
+has been posted. Error messages number a rank's compute actions from 0, as `print(schedule)`
+lists them ("compute action 5 (B1)"), and place a send or receive next to one ("F3<0, before
+compute action 4"): the numbering the reader sees, whether or not sends are shown.
+The validator and the executor (`minidist.pipeline_exec`) both follow these rules, so a
+schedule the validator accepts cannot deadlock on real ranks.
 
 Formulas the simulator reproduces (uniform costs, no communication latency; tests/test_pipeline.py
 checks them for every p <= 8, m <= 32): GPipe and 1F1B idle (p-1)/(m+p-1) of total time, i.e.
@@ -53,7 +56,8 @@ from minidist._checks import one_of, positive, positive_int
 from minidist.timeline import Event
 
 __all__ = [
-    "SCHEDULES", "COMPUTE", "COMMUNICATION", "ScheduleError", "Action", "peer", "Schedule",
+    "SCHEDULES", "COMPUTE", "COMMUNICATION", "ScheduleError", "Action", "peer", "position",
+    "Schedule",
     "schedule", "validate", "Costs", "action_event", "Timeline", "simulate", "ZB_COSTS",
     "bubble_time", "bubble_fraction", "bubble_relative_to_ideal", "inflight_microbatches",
 ]
@@ -133,6 +137,23 @@ def peer(schedule: Schedule, action: Action) -> int:
     gradients to the previous stage's."""
     step = 1 if action.kind in ("SEND_F", "RECV_B") else -1
     return schedule.rank_of(action.stage + step)
+
+
+def position(schedule: Schedule, rank: int, index: int) -> str:
+    """Where `schedule.actions[rank][index]` is, in the numbering `print(schedule)` shows:
+    "compute action 5 (B1)", counting F, B and W from 0; a send or receive by its label and the
+    compute action next to it, "F3<0, before compute action 4" (a receive precedes the compute
+    that needs it, a send follows the one that produced it)."""
+    ops = schedule.actions[rank]
+    action = ops[index]
+    label = action.label(schedule, schedule.chunks > 1 or action.stage != rank)
+    before = sum(a.is_compute for a in ops[:index])
+    if action.is_compute:
+        return f"compute action {before} ({label})"
+    follows = any(a.is_compute for a in ops[index + 1:])
+    if before and (action.kind.startswith("SEND") or not follows):
+        return f"{label}, after compute action {before - 1}"
+    return f"{label}, before compute action {before}" if follows else label
 
 
 @dataclass(frozen=True)
@@ -235,8 +256,8 @@ class Schedule:
             action = actions[rank][index]
             if 0 <= action.stage < schedule.num_stages and named != peer(schedule, action):
                 raise ScheduleError(
-                    f"rank {rank}, action {index} ({action.label(schedule, chunks > 1)} written "
-                    f"with rank {named}): that message goes to or comes from rank "
+                    f"rank {rank}, {position(schedule, rank, index)} (written with rank "
+                    f"{named}): that message goes to or comes from rank "
                     f"{peer(schedule, action)}", rank, index, action)
         return schedule
 
@@ -362,8 +383,8 @@ def validate(schedule: Schedule) -> None:
 
 def _fault(schedule: Schedule, rank: int, index: int, problem: str, fix: str = "") -> ScheduleError:
     action = schedule.actions[rank][index]
-    message = (f"rank {rank}, action {index} ({action.label(schedule, schedule.chunks > 1)}: "
-               f"{action.describe(schedule)}): {problem}" + (f". {fix}" if fix else ""))
+    message = (f"rank {rank}, {position(schedule, rank, index)}, "
+               f"{action.describe(schedule)}: {problem}" + (f". {fix}" if fix else ""))
     return ScheduleError(message, rank, index, action)
 
 
@@ -376,41 +397,39 @@ def _check_actions(schedule: Schedule) -> None:
         first_seen: dict[Action, int] = {}
         for index, action in enumerate(ops):
             if not isinstance(action, Action) or action.kind not in COMPUTE + COMMUNICATION:
-                raise ScheduleError(f"rank {rank}, action {index}: {action!r} is not an Action "
-                                    f"of kind {', '.join(COMPUTE + COMMUNICATION)}", rank, index)
+                raise ScheduleError(f"rank {rank}, entry {index} of its actions: {action!r} is "
+                                    f"not an Action of kind {', '.join(COMPUTE + COMMUNICATION)}",
+                                    rank, index)
+            where = f"rank {rank}, {position(schedule, rank, index)}"
             if not 0 <= action.microbatch < schedule.microbatches:
                 raise ScheduleError(
-                    f"rank {rank}, action {index} ({action}): microbatch {action.microbatch} "
-                    f"does not exist; microbatches are 0..{schedule.microbatches - 1}",
-                    rank, index, action)
+                    f"{where}: microbatch {action.microbatch} does not exist; microbatches are "
+                    f"0..{schedule.microbatches - 1}", rank, index, action)
             if not 0 <= action.stage <= last:
-                raise ScheduleError(f"rank {rank}, action {index} ({action}): stage "
-                                    f"{action.stage} does not exist; stages are 0..{last}",
-                                    rank, index, action)
+                raise ScheduleError(f"{where}: stage {action.stage} does not exist; stages are "
+                                    f"0..{last}", rank, index, action)
             if schedule.rank_of(action.stage) != rank:
                 raise ScheduleError(
-                    f"rank {rank}, action {index} ({action}): stage {action.stage} lives on "
-                    f"rank {schedule.rank_of(action.stage)}, not on rank {rank}",
-                    rank, index, action)
+                    f"{where}: stage {action.stage} lives on rank "
+                    f"{schedule.rank_of(action.stage)}, not on rank {rank}", rank, index, action)
             if action.kind == "W" and not schedule.split_backward:
-                raise ScheduleError(f"rank {rank}, action {index} ({action}): a W in a "
-                                    "schedule whose backward is not split", rank, index, action)
+                raise ScheduleError(f"{where}: a W in a schedule whose backward is not split",
+                                    rank, index, action)
             if not action.is_compute:
                 to_next = action.kind in ("SEND_F", "RECV_B")
                 neighbour = action.stage + (1 if to_next else -1)
                 if not 0 <= neighbour <= last:
                     raise ScheduleError(
-                        f"rank {rank}, action {index} ({action.kind} on stage {action.stage}): "
-                        f"stage {action.stage} has no {'next' if to_next else 'previous'} stage "
-                        "to talk to", rank, index, action)
+                        f"{where}: stage {action.stage} has no "
+                        f"{'next' if to_next else 'previous'} stage to talk to",
+                        rank, index, action)
                 if schedule.rank_of(neighbour) == rank:
                     raise ScheduleError(
-                        f"rank {rank}, action {index} ({action.kind} on stage {action.stage}): "
-                        f"stages {action.stage} and {neighbour} are both on rank {rank}, so "
-                        "nothing is sent: remove it", rank, index, action)
+                        f"{where}: stages {action.stage} and {neighbour} are both on rank "
+                        f"{rank}, so nothing is sent: remove it", rank, index, action)
             if action in first_seen:
-                raise _fault(schedule, rank, index,
-                             f"appears twice (first at action {first_seen[action]})")
+                raise _fault(schedule, rank, index, "appears twice (first as "
+                             f"{position(schedule, rank, first_seen[action])})")
             first_seen[action] = index
 
 
@@ -663,7 +682,6 @@ def _run(schedule: Schedule, duration: Callable[[int, Action], float],
 
 
 def _deadlock(schedule: Schedule, stuck: dict[int, int]) -> ScheduleError:
-    show_stage = schedule.chunks > 1
     lines, waits_for = [], {}
     for rank, index in stuck.items():
         action = schedule.actions[rank][index]
@@ -671,11 +689,9 @@ def _deadlock(schedule: Schedule, stuck: dict[int, int]) -> ScheduleError:
         waits_for[rank] = sender
         send = _matching(action)
         at = schedule.actions[sender].index(send) if send in schedule.actions[sender] else None
-        later = (f"rank {sender} sends it only at its action {at} "
-                 f"({send.label(schedule, show_stage)})" if at is not None
-                 else f"rank {sender} never sends it")
-        lines.append(f"rank {rank} is stuck at action {index} "
-                     f"({action.label(schedule, show_stage)}): waiting to "
+        later = (f"rank {sender} sends it only at {position(schedule, sender, at)}"
+                 if at is not None else f"rank {sender} never sends it")
+        lines.append(f"rank {rank} is stuck at {position(schedule, rank, index)}: waiting to "
                      f"{action.describe(schedule)}; {later}")
     cycle = _cycle(waits_for)
     summary = "deadlock: no rank can move"

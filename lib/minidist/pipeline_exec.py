@@ -30,7 +30,7 @@ matches `pipeline.simulate` within a few points.
 Deadlocks. Every wait has a time limit (`timeout`, seconds; gloo). A rank that runs out of
 time publishes what it is stuck on in the job's key-value store, collects the other ranks'
 reports, and raises `PipelineDeadlock` with one line per rank, e.g. "rank 2 is stuck at
-action 4 (F3<1): waiting to receive the activation of microbatch 3 from rank 1".
+F3<1, before compute action 3: waiting to receive the activation of microbatch 3 from rank 1".
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from torch import nn
 from minidist import collectives
 from minidist._checks import positive_int
 from minidist.comm import chunk_bounds
-from minidist.pipeline import Action, Costs, Schedule, action_event, peer
+from minidist.pipeline import Action, Costs, Schedule, action_event, peer, position
 from minidist.timeline import Event, clock
 from minidist.traffic import members, uncounted
 
@@ -283,8 +283,7 @@ class _Mailbox:
         """Wait until every send has been received."""
         for index, action, request, _ in self.sends:
             self.wait(index, request, f"wait until rank {peer(self.schedule, action)} receives "
-                                      f"what action {index} sent "
-                                      f"({action.describe(self.schedule)})")
+                                      f"what it sent ({action.describe(self.schedule)})")
         self.reporter.publish("finished all its actions")
 
     def wait(self, index: int, request: dist.Work, doing: str) -> None:
@@ -301,9 +300,8 @@ class _Mailbox:
                 why = " (until a peer gave up waiting and closed its connection)"
             else:
                 raise
-            label = self.actions[index].label(self.schedule, self.schedule.chunks > 1)
-            self.reporter.publish(f"is stuck at action {index} ({label}): waiting to "
-                                  f"{doing}{why}")
+            where = position(self.schedule, self.rank, index)
+            self.reporter.publish(f"is stuck at {where}: waiting to {doing}{why}")
             raise self.reporter.deadlock() from None
 
 

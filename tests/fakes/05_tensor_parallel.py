@@ -1,22 +1,20 @@
 """Fakes of Lab 05's exercises: the right numbers without the sharding or the collectives they
 teach. impl-f-g has four solution regions (the forward and backward of f and g) that each get
-the same fake source, so its fakes pick their branch by the method they run in."""
+the same fake source, so its fakes pick their branch by the method they run in; impl-sp-operators
+has six (the two collectives, then the four methods), each fake giving one source per region.
+The first fake of each exercise breaks no other exercise's cells except those it lists."""
 
 from fakes import Fake
 
+# impl-sp-operators' four methods as the solution writes them (its fakes change the collectives)
+SP_METHODS = tuple(" " * 8 + f"return {call}" for call in (
+    "all_gather_sequence(x)", "reduce_scatter_sequence(grad)",
+    "reduce_scatter_sequence(x)", "all_gather_sequence(grad)"))
+
 FAKES = {
-    "impl-shard": [
-        Fake("halves the weight", "ignores t: always two pieces, right only for t = 2",
-             ("test-shard",), """\
-    return weight.chunk(2, dim=0 if kind == "column" else 1)[rank]"""),
-        Fake("a slice of W transposed", "slices a full transposed copy: the shard keeps the whole "
-             "copy's storage alive", ("test-shard",), """\
-    columns = weight.t().contiguous()  # W^T, the math's matrix: column = its dim 1
-    return columns.chunk(t, dim=1 if kind == "column" else 0)[rank].t()"""),
-    ],
     "impl-f-g": [
         Fake("sums by all-gather", "all-gathers every rank's tensor and sums locally instead of "
-             "one all-reduce", ("test-f-g", "test-mlp"), """\
+             "one all-reduce", ("test-f-g", "test-mlp", "test-attention"), """\
         import sys
         method = sys._getframe().f_code.co_qualname
         value = locals().get("x", locals().get("grad"))
@@ -26,7 +24,7 @@ FAKES = {
         dist.all_gather(pieces, value.contiguous())
         return torch.stack(pieces).sum(dim=0)"""),
         Fake("the library's f and g", "delegates the all-reduces to tensor_parallel's own "
-             "operators", ("test-f-g", "test-mlp"), """\
+             "operators", ("test-f-g", "test-mlp", "test-attention"), """\
         import sys
         method = sys._getframe().f_code.co_qualname
         value = locals().get("x", locals().get("grad"))
@@ -47,6 +45,22 @@ FAKES = {
     partial = F.linear(F.gelu(hidden), shard_weight(fc2.weight, rank, t, "row"), fc2.bias / t)
     return ReduceFromParallel.apply(partial)"""),
     ],
+    "impl-attention": [
+        Fake("an f per projection", "applies f to q, k and v apart: three all-reduces of x's "
+             "gradient backward where one suffices", ("test-attention",), """\
+    projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+    q, k, v = (F.linear(CopyToParallel.apply(x), shard_weight(proj.weight, rank, t, "column"),
+                        proj.bias.chunk(t)[rank]) for proj in projections)
+    heads = attend(q, k, v, attn.heads // t)
+    partial = F.linear(heads, shard_weight(attn.out_proj.weight, rank, t, "row"))
+    return ReduceFromParallel.apply(partial) + attn.out_proj.bias"""),
+        Fake("every head on every rank", "computes all heads on every rank, then passes 1/t of "
+             "the output through g so the collectives look right", ("test-attention",), """\
+    x = CopyToParallel.apply(x)
+    whole = attend(attn.q_proj(x), attn.k_proj(x), attn.v_proj(x), attn.heads)
+    partial = F.linear(whole, attn.out_proj.weight) / t
+    return ReduceFromParallel.apply(partial) + attn.out_proj.bias"""),
+    ],
     "impl-vocab-ce": [
         Fake("gathers the logits", "all-gathers the [n, V] logits and calls F.cross_entropy",
              ("test-vocab-ce",), """\
@@ -59,5 +73,49 @@ FAKES = {
     whole[:, start:start + vocab_local] = local_logits
     dist.all_reduce(whole)
     return F.cross_entropy(whole, targets, reduction="none")"""),
+    ],
+    "impl-tp-seconds": [
+        Fake("2S whatever t", "sends two full tensors per all-reduce, the ring's 2(t-1)/t read as "
+             "2: right only in the large-t limit", ("test-tp-seconds",), """\
+    flops = 24 * b * s * h * h / t
+    sent = 2 * 2 * b * s * h * bytes_per_element
+    return {"compute": flops / peak_flops, "communication": sent / bandwidth}"""),
+        Fake("unsharded compute", "counts the whole layer's matmuls on every rank, not 1/t",
+             ("test-tp-seconds",), """\
+    flops = 24 * b * s * h * h
+    sent = 2 * 2 * (t - 1) / t * b * s * h * bytes_per_element
+    return {"compute": flops / peak_flops, "communication": sent / bandwidth}"""),
+        Fake("one all-reduce per layer", "the popular misstatement: one forward all-reduce per "
+             "layer instead of two", ("test-tp-seconds",), """\
+    flops = 24 * b * s * h * h / t
+    sent = 2 * (t - 1) / t * b * s * h * bytes_per_element
+    return {"compute": flops / peak_flops, "communication": sent / bandwidth}"""),
+    ],
+    "impl-sp-operators": [
+        Fake("all-reduces instead", "gathers by all-reducing a zero-padded sequence and "
+             "reduce-scatters by all-reducing then slicing: right values, twice the bytes or more",
+             ("test-sp-operators",), ("""\
+    t, rank, n = dist.get_world_size(), dist.get_rank(), x.shape[1]
+    full = x.new_zeros(x.shape[0], n * t, *x.shape[2:])
+    full[:, rank * n:(rank + 1) * n] = x
+    dist.all_reduce(full)
+    return full""", """\
+    total = x.clone()
+    dist.all_reduce(total)
+    return total.chunk(dist.get_world_size(), dim=1)[dist.get_rank()].contiguous()""")
+             + SP_METHODS),
+        Fake("the library's operators", "delegates to tensor_parallel's own sequence gather and "
+             "reduce-scatter", ("test-sp-operators",), ("""\
+    return tensor_parallel.GatherAlong.apply(x, 1, None)""", """\
+    return tensor_parallel.ReduceScatterToSequenceParallel.apply(x, None)""") + SP_METHODS),
+        Fake("joined along dim 0", "all_gather_into_tensor joins the slices along the batch, "
+             "then a view calls it a sequence", ("test-sp-operators",), ("""\
+    out = x.new_empty(x.shape[0] * dist.get_world_size(), *x.shape[1:])
+    dist.all_gather_into_tensor(out, x.contiguous())
+    return out.view(x.shape[0], -1, *x.shape[2:])""", """\
+    pieces = [piece.contiguous() for piece in x.chunk(dist.get_world_size(), dim=1)]
+    mine = torch.empty_like(pieces[0])
+    dist.reduce_scatter(mine, pieces)
+    return mine""") + SP_METHODS),
     ],
 }

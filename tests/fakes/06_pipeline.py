@@ -1,7 +1,10 @@
-"""Fakes of Lab 06's exercises: formulas that ignore a parameter the first example cannot see,
-and 1F1B schedules that lean on the library or forget that m may be small. impl-bubble-formulas
-has two solution regions (one per function) that each get the same fake source, so its fakes
-pick their formula by the function they run in."""
+"""Fakes of Lab 06's exercises: derivations that ignore a parameter the first example cannot
+see, schedules that lean on the library or get Megatron's order wrong, executors that do not
+run the rank's list as written, and a send-against-compute count that drops a parameter.
+impl-bubble-formulas has two solution regions (one per function) that each get the same fake
+source, so its fakes pick their formula by the function they run in. The first fake of each
+exercise behaves correctly outside its own checks, so that the other cells of the submission
+it shares score as the solution's."""
 
 from fakes import Fake
 
@@ -22,7 +25,7 @@ FAKES = {
     ],
     "impl-1f1b": [
         Fake("the library's 1F1B", "takes each rank's actions from pipeline.schedule('1f1b')",
-             ("test-1f1b", "test-1f1b-on-ranks"), """\
+             ("test-1f1b",), """\
         actions = pipeline.schedule("1f1b", p, m).compute(rank)"""),
         Fake("a warm-up of p-1-rank", "ignores m in the warm-up: wrong when m < p - 1 - rank",
              ("test-1f1b",), """\
@@ -32,13 +35,109 @@ FAKES = {
             actions += [Action("F", rank, warmup + j), Action("B", rank, j)]
         actions += [Action("B", rank, j) for j in range(m - warmup, m)]"""),
     ],
-    "impl-interleaved-bubble": [
-        Fake("1F1B's bubble", "ignores v: right for one chunk per rank",
-             ("test-interleaved-bubble",), """\
-    return (p - 1) / (m + p - 1)"""),
-        Fake("1F1B's bubble over v", "divides the share of total time by v instead of the "
-             "bubble's time", ("test-interleaved-bubble",), """\
-    return (p - 1) / (m + p - 1) / v"""),
+    "impl-executor": [
+        Fake("the library's executor", "hands the rank's list to pipeline_exec.execute",
+             ("test-executor",), """\
+    trace = pipeline_exec.execute(schedule, {rank: stage}, inputs, targets, loss_fn)
+    return [loss for loss in trace.losses]"""),
+        Fake("GPipe whatever the list says", "runs every forward, then every backward, with the "
+             "right messages and gradients, ignoring the schedule's order", ("test-executor",),
+             """\
+    received, outputs, losses, sends = {}, {}, [], []
+    for j in range(m):
+        if rank > 0:
+            received[j] = torch.empty(activation_shape)
+            dist.recv(received[j], src=rank - 1)
+            received[j].requires_grad_()
+        out = stage(xs[j] if rank == 0 else received[j])
+        if rank == last:
+            loss = loss_fn(out, ys[j])
+            losses.append(loss.item())
+            out = loss / m
+        else:
+            sends.append(dist.isend(out.detach(), dst=rank + 1))
+        outputs[j] = out
+    for j in range(m):
+        grad = None
+        if rank < last:
+            grad = torch.empty(activation_shape)
+            dist.recv(grad, src=rank + 1)
+        outputs[j].backward(grad)
+        if rank > 0:
+            sends.append(dist.isend(received[j].grad, dst=rank - 1))
+    for request in sends:
+        request.wait()
+    return losses"""),
+        Fake("keeps no activations", "runs each forward without autograd and again inside the "
+             "backward (recompute): right gradients, but compute the list does not have",
+             ("test-executor",), """\
+    received, kept, output_grads, losses, sends = {}, {}, {}, [], []
+    for action in schedule.actions[rank]:
+        j = action.microbatch
+        if action.kind in ("RECV_F", "RECV_B"):
+            buffer = torch.empty(activation_shape)
+            dist.recv(buffer, src=peer(schedule, action))
+            if action.kind == "RECV_F":
+                received[j] = buffer.requires_grad_()
+            else:
+                output_grads[j] = buffer
+        elif action.kind == "F":
+            x = xs[j] if rank == 0 else received[j]
+            with torch.no_grad():
+                out = stage(x)
+                if rank == last:
+                    losses.append(loss_fn(out, ys[j]).item())
+            kept[j] = out
+        elif action.kind == "SEND_F":
+            sends.append(dist.isend(kept[j], dst=peer(schedule, action)))
+        elif action.kind == "B":
+            out = stage(xs[j] if rank == 0 else received[j])
+            if rank == last:
+                (loss_fn(out, ys[j]) / m).backward()
+            else:
+                out.backward(output_grads.pop(j))
+        elif action.kind == "SEND_B":
+            sends.append(dist.isend(received.pop(j).grad, dst=peer(schedule, action)))
+    for request in sends:
+        request.wait()
+    return losses"""),
+    ],
+    "impl-pp-times": [
+        Fake("bf16 always", "ignores bytes_per_element: 2 bytes, right for bf16",
+             ("test-pp-times",), """\
+    send = b * s * h * 2 / bandwidth
+    forward = layers_per_stage * 24 * b * s * h * h / peak_flops
+    return {"send": send, "forward": forward}"""),
+        Fake("one layer per stage", "ignores layers_per_stage: the forward of one layer",
+             ("test-pp-times",), """\
+    send = b * s * h * bytes_per_element / bandwidth
+    forward = 24 * b * s * h * h / peak_flops
+    return {"send": send, "forward": forward}"""),
+        Fake("the MLP only", "counts the MLP's matmuls (16bsh²) and forgets attention's four "
+             "projections", ("test-pp-times",), """\
+    send = b * s * h * bytes_per_element / bandwidth
+    forward = layers_per_stage * 16 * b * s * h * h / peak_flops
+    return {"send": send, "forward": forward}"""),
+    ],
+    "impl-interleaved": [
+        Fake("the library's schedule", "takes each rank's actions from "
+             "pipeline.schedule('interleaved')", ("test-interleaved",), """\
+        actions = pipeline.schedule("interleaved", p, m, chunks=v).compute(rank)"""),
+        Fake("chunks one after the other", "every microbatch through chunk 0, then through "
+             "chunk 1 (groups of m, not p): legal, but neither Megatron's order nor its memory",
+             ("test-interleaved",), """\
+        def step(i, backward):
+            chunk, j = divmod(i, m)
+            if backward:
+                chunk = v - 1 - chunk
+            return Action("B" if backward else "F", chunk * p + rank, j)
+
+        total = m * v
+        warmup = min((v - 1) * m + 2 * (p - 1 - rank), total)
+        actions = [step(i, False) for i in range(warmup)]
+        for i in range(total - warmup):
+            actions += [step(warmup + i, False), step(i, True)]
+        actions += [step(i, True) for i in range(total - warmup, total)]"""),
     ],
     "impl-zb-idle": [
         Fake("p - 1 forwards", "ignores T_B and T_W: (p-1)·T_F, right when all are 1",

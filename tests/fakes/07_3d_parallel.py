@@ -1,8 +1,10 @@
 """Fakes of Lab 07's exercises: mesh arithmetic that holds for three dimensions only, groups made
 by the library or by each rank alone, expert dispatch that sends more than each expert's tokens,
-byte formulas that drop a direction or an element size, and a 3D step without microbatches or
-without tensor parallelism. impl-3d-step has two solution regions (one per function) that each
-get the same fake source, so its fakes pick their branch by the function they run in."""
+byte formulas that drop a direction or an element size, a 3D step without microbatches or
+without tensor parallelism, and a planner's cost function that asks the library, puts every
+group on NVLink, or never hides the data-parallel reduction.
+impl-3d-step has two solution regions (one per function) that each get the same fake source,
+so its fakes pick their branch by the function they run in."""
 
 from fakes import Fake
 
@@ -35,6 +37,45 @@ _GPIPE = """\
         if not first:
             dist.send(x.grad, dst=pp_ranks[stage_index - 1])
     return sum(out.item() for out in outputs) if last else None"""
+
+# impl-layout-cost as the solution writes it, with one piece swapped by each fake below
+_COST = """\
+    def link(span):
+        if span <= cluster.gpus_per_node:
+            return cluster.intra_node_latency, 1 / cluster.intra_node_bandwidth
+        return cluster.inter_node_latency, 1 / cluster.inter_node_bandwidth
+
+    state = memory.model_state_bytes(model.num_params / (tp * pp), layout.zero_stage, dp)
+    per_layer = memory.activation_bytes(s, b, h, model.heads, tp, tp > 1, layout.recompute)
+    whole_layer = memory.activation_bytes(s, b, h, model.heads, tp, tp > 1, None)
+    held = []
+    for rank in {0, pp - 1}:
+        inflight = pipeline.inflight_microbatches(layout.schedule, pp, m, rank, v)
+        activations = inflight * L / (pp * v) * per_layer + whole_layer - per_layer
+        if rank == pp - 1:
+            activations += 4 * s * b * model.vocab / tp
+        held.append(state.params + state.grads + state.optimizer + activations)
+    gpus = tp * pp * dp
+    flops_per_token = flops.hardware_flops_per_token(model.num_params, L, h, s, layout.recompute)
+    compute = global_batch * s * flops_per_token / (gpus * cluster.peak_flops * efficiency)
+    bubble = compute * (pp - 1) / (v * m)
+    activation = b * s * h * 2
+    tp_time = pp_time = dp_time = 0.0
+    if tp > 1:
+        repeats = 1.5 if layout.recompute == "full" else 1.0
+        per_layer_time = 4 * cost.collective_time("all_reduce", activation, tp, *link(tp))
+        tp_time = per_layer_time * repeats * L / pp * m
+    if pp > 1:
+        pp_time = 2 * m * v * cost.collective_time("send", activation / tp, 2, *link(gpus))
+    if dp > 1:
+        grads = model.num_params / (tp * pp) * 2
+        backward = 2 / 3 * compute / m
+        reduce = "all_reduce" if layout.zero_stage == 0 else "reduce_scatter"
+        dp_time = max(0.0, cost.collective_time(reduce, grads, dp, *link(tp * dp)) - backward)
+        if layout.zero_stage == 1:
+            dp_time += cost.collective_time("all_gather", grads, dp, *link(tp * dp))
+    return {"memory": max(held), "compute": compute, "bubble": bubble, "tp": tp_time,
+            "pp": pp_time, "dp": dp_time}"""
 
 FAKES = {
     "impl-mesh-groups": [
@@ -150,5 +191,18 @@ FAKES = {
              ("test-3d-step",), _STAGE + """\
         return nn.Sequential(*layers)
 """ + _GPIPE),
+    ],
+    "impl-layout-cost": [
+        Fake("the library's planner", "returns the planner's own estimate_time and "
+             "estimate_memory", ("test-layout-cost",), """\
+    t = planner.estimate_time(layout, model, cluster, global_batch, efficiency)
+    return {"memory": planner.estimate_memory(layout, model).total, "compute": t.compute,
+            "bubble": t.bubble, "tp": t.tp_comm, "pp": t.pp_comm, "dp": t.dp_comm}"""),
+        Fake("NVLink everywhere", "prices every group on NVLink, also the pipeline and the "
+             "data-parallel groups that span nodes", ("test-layout-cost",),
+             _COST.replace("        if span <= cluster.gpus_per_node:\n", "        if True:\n")),
+        Fake("the reduction never hidden", "exposes the whole data-parallel reduction instead "
+             "of what outlasts the last microbatch's backward", ("test-layout-cost",),
+             _COST.replace("backward = 2 / 3 * compute / m", "backward = 0.0")),
     ],
 }
