@@ -414,3 +414,34 @@ def test_bad_input_is_explained():
         messages[3])
     with pytest.raises(RuntimeError, match="no process group"):
         FullyShardedDataParallel(nn.Linear(2, 2))
+
+
+def test_modelled_step_hides_the_collectives_from_the_ddp_threshold_with_prefetch_only():
+    """FSDP's modelled schedule: two all-gathers and a reduce-scatter per unit, each lane busy
+    with one thing at a time, and with prefetch everything but the first gather hidden once a
+    unit's forward outlasts its gather (but the first gather, the last unit's gather for
+    backward and the last reduce-scatter): from (N-1)/N · FLOP/s ÷ link bytes/s tokens (bf16),
+    the threshold of DDP's all-reduce under backward."""
+    from minidist.fsdp import modelled_step
+
+    flops, link, n, units = 1e15, 1e11, 8, [1e9] * 4
+    threshold = (n - 1) / n * flops / link
+    gather = (n - 1) / n * 2 * 1e9 / link
+    for prefetch in (True, False):
+        events = modelled_step(units, 2 * threshold, n, flops, link, prefetch=prefetch)
+        kinds = sorted((e.kind, e.name) for e in events)
+        assert kinds == sorted([(k, str(u)) for u in range(4) for k in
+                                ("forward", "backward", "all_gather", "all_gather",
+                                 "reduce_scatter")])
+        for lane in (("forward", "backward"), ("all_gather", "reduce_scatter")):
+            spans = sorted((e.start, e.end) for e in events if e.kind in lane)
+            assert all(a[1] <= b[0] + 1e-12 for a, b in zip(spans, spans[1:], strict=False))
+        compute = sum(e.end - e.start for e in events if e.kind in ("forward", "backward"))
+        end = max(e.end for e in events)
+        if prefetch:  # nothing computes beside the first and last gathers and the last scatter
+            assert end == pytest.approx(compute + 3 * gather)
+        else:
+            assert end > compute + 6 * gather
+    below = modelled_step(units, threshold / 2, n, flops, link)
+    compute = sum(e.end - e.start for e in below if e.kind in ("forward", "backward"))
+    assert max(e.end for e in below) > compute + 4 * gather  # the link is the bottleneck

@@ -5,16 +5,9 @@ import textwrap
 from fakes import Fake
 
 
-def by_function(indent: int, **bodies: str) -> str:
-    """One source for a cell with several solution regions (each region gets the same
-    source): each function runs the body named after it."""
-    pad = " " * indent
-    lines = [f"{pad}match __import__('sys')._getframe().f_code.co_name:"]
-    for name, body in bodies.items():
-        lines.append(f"{pad}    case {name!r}:")
-        lines += [f"{pad}        {line}" if line else "" for line in
-                  textwrap.dedent(body).strip("\n").splitlines()]
-    return "\n".join(lines)
+def indented(body: str, indent: int = 8) -> str:
+    """`body` indented as a method's solution region is."""
+    return textwrap.indent(body, " " * indent).rstrip("\n")
 
 
 FINISH = """\
@@ -91,12 +84,10 @@ FAKES = {
     "impl-my-ddp": [
         Fake("waits for each bucket in its hook", "blocks inside the hook until the "
              "all-reduce is done: nothing overlaps backward", ("test-my-ddp",),
-             by_function(8, _on_gradient_ready=COPY_IN + WAIT_IN_HOOK,
-                         finish_gradient_synchronization=FINISH)),
+             (indented(COPY_IN + WAIT_IN_HOOK), indented(FINISH))),
         Fake("launches every bucket after backward", "fills the buckets in the hooks but "
              "launches them only in finish_gradient_synchronization", ("test-my-ddp",),
-             by_function(8, _on_gradient_ready=COPY_IN,
-                         finish_gradient_synchronization=LAUNCH_ALL + FINISH)),
+             (indented(COPY_IN), indented(LAUNCH_ALL + FINISH))),
     ],
     "impl-no-sync": [
         Fake("synchronizes every microbatch", "no no_sync(): every backward all-reduces",
@@ -116,18 +107,16 @@ FAKES = {
     for grad, piece in zip(grads, flat.split([g.numel() for g in grads])):
         grad.copy_(piece.view_as(grad))"""),
     ],
-    "impl-lr": [
-        Fake("warmup fixed at 100 steps", "ignores warmup_steps (the visible test's is 100)",
-             ("test-lr",), """\
-    target = base_lr * world_size
-    if step >= 100:
-        return target
-    return base_lr + (target - base_lr) * step / 100"""),
-        Fake("world size fixed at 8", "ignores world_size (the visible test's is 8)",
-             ("test-lr",), """\
-    target = base_lr * 8
-    if step >= warmup_steps:
-        return target
-    return base_lr + (target - base_lr) * step / warmup_steps"""),
+    "impl-min-tokens": [
+        Fake("the whole step's FLOPs", "hides the all-reduce under forward and backward (6Ψ "
+             "per token) although only backward overlaps it", ("test-min-tokens",), """\
+    step_per_token = 6 * num_params / flops_per_s
+    sent = 2 * (world_size - 1) / world_size * num_params * bytes_per_element
+    return sent / link_bytes_per_s / step_per_token"""),
+        Fake("2Ψ whatever N", "ignores the world size: the 2Ψ limit, as if every rank sent "
+             "the whole 2Ψ", ("test-min-tokens",), """\
+    backward_per_token = 4 * num_params / flops_per_s
+    all_reduce = 2 * num_params * bytes_per_element / link_bytes_per_s
+    return all_reduce / backward_per_token"""),
     ],
 }

@@ -6,16 +6,9 @@ import textwrap
 from fakes import Fake
 
 
-def by_function(indent: int, **bodies: str) -> str:
-    """One source for a cell with several solution regions (each region gets the same
-    source): each function runs the body named after it."""
-    pad = " " * indent
-    lines = [f"{pad}match __import__('sys')._getframe().f_code.co_name:"]
-    for name, body in bodies.items():
-        lines.append(f"{pad}    case {name!r}:")
-        lines += [f"{pad}        {line}" if line else "" for line in
-                  textwrap.dedent(body).strip("\n").splitlines()]
-    return "\n".join(lines)
+def indented(body: str, indent: int) -> str:
+    """`body` indented as its solution region is."""
+    return textwrap.indent(body, " " * indent).rstrip("\n")
 
 
 ZERO2_STEP = """\
@@ -59,12 +52,13 @@ return summed[start:end].float() / dist.get_world_size(), None, None
 """
 
 ALL_GATHER_PARAMS = """\
-return collectives.all_gather(unit.shard.detach().to(unit.compute_dtype), unit.numel, impl="ring")
+return collectives.all_gather(unit.shard.detach().to(unit.compute_dtype), unit.numel,
+                              impl="ring", async_op=async_op)
 """
 
 GATHER = """\
 if unit.prefetched is not None:
-    full, unit.prefetched = unit.prefetched, None
+    full, unit.prefetched = unit.prefetched.wait(), None
 else:
     full = all_gather_params(unit)
 if unit.full is None:
@@ -86,15 +80,31 @@ for owner, name, _ in unit.slots:  # drop the module's views of the gathered vec
     owner.__dict__.pop(name, None)
 """
 
-BEFORE_FORWARD = """\
-gather(units[i])
-if prefetch and i + 1 < len(units) and units[i + 1].prefetched is None:
-    units[i + 1].prefetched = all_gather_params(units[i + 1])
+
+def gather_free(backward: str, free: str) -> tuple[str, ...]:
+    """The four regions of the gather/free cell: GatherParams.backward, all_gather_params,
+    gather, free."""
+    return (indented(backward, 8), indented(ALL_GATHER_PARAMS, 4), indented(GATHER, 4),
+            indented(free, 4))
+
+
+PREFETCH = """\
+gather(units[{i}])
+if prefetch and 0 <= {j} < len(units) and units[{j}].prefetched is None:
+    units[{j}].prefetched = all_gather_params(units[{j}], async_op=True)
 """
 
 AFTER_FORWARD = """\
 free(units[i])
 output.register_hook(lambda grad: before_backward(i))
+"""
+
+WAITS_AT_ONCE = """\
+gather(units[{i}])
+if prefetch and 0 <= {j} < len(units) and units[{j}].prefetched is None:
+    handle = all_gather_params(units[{j}], async_op=True)
+    handle.wait()  # make sure it has arrived before going on
+    units[{j}].prefetched = handle
 """
 
 FREES_ONE_LATE = """\
@@ -108,16 +118,61 @@ else:  # two units held, as with prefetch: free the one before
 output.register_hook(lambda grad: before_backward(i))
 """
 
-PREFETCHES_BACKWARD_WRONG_WAY = """\
-gather(units[i])
-if prefetch and i + 1 < len(units) and units[i + 1].prefetched is None:
-    units[i + 1].prefetched = all_gather_params(units[i + 1])
-"""
-
 PREFETCHES_AGAIN = """\
 gather(units[{i}])
-if prefetch and 0 <= {j} < len(units):  # no check whether it is prefetched already
-    units[{j}].prefetched = all_gather_params(units[{j}])
+if prefetch and 0 <= {j} < len(units):  # no check whether a prefetch is there already
+    units[{j}].prefetched = all_gather_params(units[{j}], async_op=True)
+"""
+
+
+def hooks(forward: str, after: str, backward: str) -> tuple[str, ...]:
+    """The three regions of the hooks cell: before_forward, after_forward, before_backward."""
+    return (indented(forward, 8), indented(after, 8), indented(backward, 8))
+
+
+SCHEDULE = """\
+n, last = world_size, len(unit_params) - 1
+moved = [(n - 1) / n * bytes_per_element * p / link_bytes_per_s for p in unit_params]
+forward = [2 * p * tokens / flops_per_s for p in unit_params]
+{forward}
+ready = run_on("link", "all_gather", last, free["compute"], moved[last])
+for unit in reversed(range(last + 1)):
+    start = max(free["compute"], ready)
+    if prefetch and unit > 0:
+        upcoming = run_on("link", "all_gather", unit - 1, start, moved[unit - 1])
+    end = run_on("compute", "backward", unit, ready, 2 * forward[unit])
+    run_on("link", "reduce_scatter", unit, end, moved[unit])
+    if not prefetch and unit > 0:
+        upcoming = run_on("link", "all_gather", unit - 1, end, moved[unit - 1])
+    if unit > 0:
+        ready = upcoming
+"""
+
+FORWARD_WITHOUT_PREFETCH = """\
+ready = run_on("link", "all_gather", 0, 0.0, moved[0])
+for unit in range(last + 1):
+    end = run_on("compute", "forward", unit, ready, forward[unit])
+    if unit < last:  # issued when the unit is done, whatever prefetch says
+        ready = run_on("link", "all_gather", unit + 1, end, moved[unit + 1])"""
+
+FORWARD_ALL_UP_FRONT = """\
+gathered = [run_on("link", "all_gather", unit, 0.0, moved[unit]) for unit in range(last + 1)]
+for unit in range(last + 1):  # every gather issued at once: the link never waits
+    run_on("compute", "forward", unit, gathered[unit], forward[unit])"""
+
+KEEPS_FOR_BACKWARD = """\
+n, last = world_size, len(unit_params) - 1
+moved = [(n - 1) / n * bytes_per_element * p / link_bytes_per_s for p in unit_params]
+forward = [2 * p * tokens / flops_per_s for p in unit_params]
+ready = run_on("link", "all_gather", 0, 0.0, moved[0])
+for unit in range(last + 1):
+    start = max(free["compute"], ready)
+    end = run_on("compute", "forward", unit, ready, forward[unit])
+    if unit < last:
+        ready = run_on("link", "all_gather", unit + 1, start if prefetch else end, moved[unit + 1])
+for unit in reversed(range(last + 1)):  # parameters kept from forward: no second gather
+    end = run_on("compute", "backward", unit, 0.0, 2 * forward[unit])
+    run_on("link", "reduce_scatter", unit, end, moved[unit])
 """
 
 FSDP_CELLS = ("test-fsdp", "test-fsdp-vs-torch", "test-mixed-precision")
@@ -147,24 +202,13 @@ FAKES = {
         zero1_step.full = type(optimizer)(params, **optimizer.defaults)
     zero1_step.full.step()"""),
     ],
-    "impl-traffic": [
-        Fake("the library's traffic", "calls minidist.traffic.data_parallel_traffic",
-             ("test-traffic",), """\
-    step = traffic.data_parallel_traffic(num_params, world_size, stage, bytes_per_element)
-    return step.bytes_sent"""),
-        Fake("2Ψ at every stage", "ignores the stage: forgets FSDP's second all-gather "
-             "(the visible test's stage 3 runs on one rank)", ("test-traffic",), """\
-    return 2 * num_params * bytes_per_element * (world_size - 1) / world_size"""),
-    ],
     "impl-zero2": [
         Fake("keeps whole gradients in buffers", "reduce-scatters from a persistent "
              "whole-gradient buffer per parameter (.grad is None, the memory is not freed)",
-             ("test-zero2",), by_function(4, install_zero2_hooks=KEEPS_WHOLE_GRADIENTS,
-                                          zero2_step=ZERO2_STEP)),
+             ("test-zero2",), (indented(KEEPS_WHOLE_GRADIENTS, 4), indented(ZERO2_STEP, 4))),
         Fake("sets shard.grad", "replaces shard.grad at each backward instead of adding to "
              "it: gradient accumulation keeps only the last backward",
-             ("test-zero2",), by_function(4, install_zero2_hooks=SETS_SHARD_GRAD,
-                                          zero2_step=ZERO2_STEP)),
+             ("test-zero2",), (indented(SETS_SHARD_GRAD, 4), indented(ZERO2_STEP, 4))),
     ],
     "impl-flat-shard": [
         Fake("a view of the flat vector", "returns a slice of the whole flat vector, which "
@@ -181,26 +225,38 @@ FAKES = {
     "impl-gather-free": [
         Fake("free drops the module's views", "frees nothing: autograd's saved views and "
              "unit.full keep the gathered storage", ("test-gather-free", *FSDP_CELLS),
-             by_function(8, backward=BACKWARD, all_gather_params=ALL_GATHER_PARAMS,
-                         gather=GATHER, free=FREE_DROPS_VIEWS)),
+             gather_free(BACKWARD, FREE_DROPS_VIEWS)),
         Fake("backward all-reduces", "all-reduces the whole gradient and keeps its slice "
              "instead of reduce-scattering", ("test-gather-free", *FSDP_CELLS),
-             by_function(8, backward=BACKWARD_ALL_REDUCE, all_gather_params=ALL_GATHER_PARAMS,
-                         gather=GATHER, free=FREE)),
+             gather_free(BACKWARD_ALL_REDUCE, FREE)),
     ],
     "impl-fsdp-hooks": [
+        Fake("waits for the prefetch at once", "issues the next unit's all-gather "
+             "asynchronously, then waits for it before the current unit computes: a blocking "
+             "gather in another place, nothing in flight", FSDP_CELLS,
+             hooks(WAITS_AT_ONCE.format(i="i", j="i + 1"), AFTER_FORWARD,
+                   WAITS_AT_ONCE.format(i="i", j="i - 1"))),
         Fake("prefetch faked by freeing late", "no prefetch: each unit is gathered when it "
              "starts and freed one unit late, so two units are held", FSDP_CELLS,
-             by_function(8, before_forward="gather(units[i])\n", after_forward=FREES_ONE_LATE,
-                         before_backward="gather(units[i])\n")),
+             hooks("gather(units[i])\n", FREES_ONE_LATE, "gather(units[i])\n")),
         Fake("prefetches the wrong way in backward", "backward prefetches unit i + 1, done "
              "already, instead of i - 1", FSDP_CELLS,
-             by_function(8, before_forward=BEFORE_FORWARD, after_forward=AFTER_FORWARD,
-                         before_backward=PREFETCHES_BACKWARD_WRONG_WAY)),
+             hooks(PREFETCH.format(i="i", j="i + 1"), AFTER_FORWARD,
+                   PREFETCH.format(i="i", j="i + 1"))),
         Fake("prefetches even when prefetched", "drops the 'unless already there' test: a "
              "unit that runs twice is gathered again for nothing", ("test-fsdp",),
-             by_function(8, before_forward=PREFETCHES_AGAIN.format(i="i", j="i + 1"),
-                         after_forward=AFTER_FORWARD,
-                         before_backward=PREFETCHES_AGAIN.format(i="i", j="i - 1"))),
+             hooks(PREFETCHES_AGAIN.format(i="i", j="i + 1"), AFTER_FORWARD,
+                   PREFETCHES_AGAIN.format(i="i", j="i - 1"))),
+    ],
+    "impl-fsdp-schedule": [
+        Fake("no prefetch, whatever the flag", "issues each unit's forward gather when the "
+             "previous unit is done, with or without prefetch", ("test-fsdp-schedule",),
+             indented(SCHEDULE.format(forward=FORWARD_WITHOUT_PREFETCH), 4)),
+        Fake("every gather up front", "issues all forward all-gathers at once, so the link "
+             "never waits: every unit gathered at the same time, unbounded memory",
+             ("test-fsdp-schedule",), indented(SCHEDULE.format(forward=FORWARD_ALL_UP_FRONT), 4)),
+        Fake("parameters kept for backward", "no second all-gather before backward: 2Ψ on "
+             "the link, as if the parameters were never freed", ("test-fsdp-schedule",),
+             indented(KEEPS_FOR_BACKWARD, 4)),
     ],
 }
