@@ -21,35 +21,9 @@ from torch import nn
 
 from minidist import launch, pipeline_exec, profiling
 from minidist import tensor_parallel as tp
-from minidist.ddp import DistributedDataParallel, all_reduce_gradients_flat, broadcast_parameters
-from minidist.fsdp import FullyShardedDataParallel
-from minidist.models import TinyGPT, lm_loss
 from minidist.pipeline import Timeline, schedule, simulate
 
 PIPELINE_TIME_UNIT_S = 0.05
-
-
-def gpt_step(rank: int, world_size: int, how: str):
-    torch.manual_seed(0)
-    model = TinyGPT(vocab=256, hidden=64, heads=4, layers=4, max_seq=64)
-    ids = torch.randint(0, 256, (16, 64), generator=torch.Generator().manual_seed(rank))
-    if how == "flat":
-        broadcast_parameters(model)
-
-        def step():
-            model.loss(ids, ids).backward()
-            all_reduce_gradients_flat(model)
-    elif how == "buckets":
-        wrapped = DistributedDataParallel(model, bucket_cap_mb=0.02)
-
-        def step():
-            lm_loss(wrapped(ids), ids).backward()
-    else:
-        sharded = FullyShardedDataParallel(model, prefetch=how == "prefetch")
-
-        def step():
-            sharded.loss(ids, ids).backward()
-    return step
 
 
 def matmul_share_in_flight(rank: int, world_size: int) -> dict[str, float]:
@@ -88,7 +62,8 @@ def main() -> None:
     print("share of communication hidden behind compute, per rank (2 ranks, TinyGPT)")
     for pair in (("flat", "buckets"), ("no_prefetch", "prefetch")):
         for how in pair:
-            timeline = profiling.profile_ranks(gpt_step, 2, how, warmup=1, steps=3)
+            timeline = profiling.profile_ranks(profiling.gradient_sync_step, 2, how, warmup=1,
+                                               steps=3)
             shares = profiling.overlap_fraction(timeline)
             print(f"  {how:12s} " + "  ".join(f"rank {r}: {v:5.1%}" for r, v in shares.items()))
 

@@ -7,9 +7,6 @@ import pytest
 import torch
 
 from minidist import flops, profiling
-from minidist.ddp import DistributedDataParallel, all_reduce_gradients_flat, broadcast_parameters
-from minidist.fsdp import FullyShardedDataParallel
-from minidist.models import TinyGPT, lm_loss
 
 
 def test_interval_arithmetic():
@@ -38,34 +35,10 @@ def test_classify_keeps_outermost_operators_and_all_communication():
     assert events[0].start == pytest.approx(0.001) and events[0].end == pytest.approx(0.004)
 
 
-def one_step(rank, world_size, how):
-    """One TinyGPT step on each rank, synchronized `how`."""
-    torch.manual_seed(0)
-    model = TinyGPT(vocab=256, hidden=64, heads=4, layers=4, max_seq=64)
-    ids = torch.randint(0, 256, (16, 64), generator=torch.Generator().manual_seed(rank))
-    if how == "flat":  # one buffer, all-reduced after backward: nothing to overlap with
-        broadcast_parameters(model)
-
-        def step():
-            model.loss(ids, ids).backward()
-            all_reduce_gradients_flat(model)
-    elif how == "buckets":  # small buckets, each all-reduced while backward goes on
-        wrapped = DistributedDataParallel(model, bucket_cap_mb=0.02)
-
-        def step():
-            lm_loss(wrapped(ids), ids).backward()
-    else:
-        sharded = FullyShardedDataParallel(model, prefetch=how == "prefetch")
-
-        def step():
-            sharded.loss(ids, ids).backward()
-    return step
-
-
 @pytest.fixture(scope="module")
 def timelines():
-    return {how: profiling.profile_ranks(one_step, 2, how, warmup=1, steps=2)
-            for how in ("flat", "buckets", "no_prefetch", "prefetch")}
+    return {how: profiling.profile_ranks(profiling.gradient_sync_step, 2, how, warmup=1, steps=2)
+            for how in profiling.GRADIENT_SYNCS}
 
 
 def transfers(timeline, rank: int, name: str) -> list[tuple[float, float]]:
@@ -150,7 +123,7 @@ def test_chrome_trace_is_valid_and_holds_every_rank(timelines, tmp_path):
 def test_profiled_ranks_print_nothing_of_their_own(capfd):
     """Kineto logs each profile's start and stop; in a notebook that was a line per rank and
     profile under every profiled cell."""
-    profiling.profile_ranks(one_step, 2, "flat", warmup=0, steps=1)
+    profiling.profile_ranks(profiling.gradient_sync_step, 2, "flat", warmup=0, steps=1)
     printed = "".join(capfd.readouterr())
     assert "profiler_st" not in printed, f"expected no profiler log lines, got {printed[-2000:]}"
 
@@ -169,6 +142,6 @@ def test_peak_flops_and_mfu_from_it():
 
 def test_bad_arguments_are_explained():
     with pytest.raises(ValueError, match="warmup"):
-        profiling.profile_ranks(one_step, 2, "flat", warmup=-1)
+        profiling.profile_ranks(profiling.gradient_sync_step, 2, "flat", warmup=-1)
     with pytest.raises(ValueError, match="kind"):
         profiling.ProfileTimeline(1, [], {0: [(0.0, 1.0)]}).intervals(0, "idle")

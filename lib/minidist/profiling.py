@@ -13,6 +13,9 @@
     timeline.plot()                      # Gantt chart: a compute and a communication lane per rank
     timeline.to_chrome_trace("step.json")  # open in https://ui.perfetto.dev or chrome://tracing
 
+`gradient_sync_step` is such a `make_step`, synchronizing a TinyGPT's gradients each of the ways
+the course compares (a flat buffer, DDP's buckets, FSDP without and with prefetch).
+
 What counts as what. torch.profiler records every operator a rank runs, on every thread.
 - **Communication** is any event of a backend's collective or point-to-point work: the
   operator the caller enters (`c10d::allreduce_`, `c10d::send`, ...) and the work the backend
@@ -57,16 +60,19 @@ import torch
 
 from minidist import collectives
 from minidist._checks import positive_int
+from minidist.ddp import DistributedDataParallel, all_reduce_gradients_flat, broadcast_parameters
+from minidist.fsdp import FullyShardedDataParallel
 from minidist.launch import run
+from minidist.models import TinyGPT, lm_loss
 from minidist.timeline import IDLE_COLOR, Event, clock, plot_events
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 __all__ = [
-    "KINDS", "COMMUNICATION_PREFIXES", "COMPUTE_PREFIX", "Interval", "is_communication", "merge",
-    "total", "intersect", "subtract", "ProfileTimeline", "overlap_fraction", "classify",
-    "profile_ranks", "measure_peak_flops",
+    "KINDS", "GRADIENT_SYNCS", "COMMUNICATION_PREFIXES", "COMPUTE_PREFIX", "Interval",
+    "is_communication", "merge", "total", "intersect", "subtract", "ProfileTimeline",
+    "overlap_fraction", "classify", "profile_ranks", "gradient_sync_step", "measure_peak_flops",
 ]
 
 KINDS = ("compute", "communication")
@@ -337,6 +343,38 @@ def profile_ranks(make_step: Callable[..., Callable[[], Any]], world_size: int, 
     events = [e for result in results for e in result["events"]]
     return ProfileTimeline(world_size, events,
                            {rank: result["steps"] for rank, result in enumerate(results)})
+
+
+GRADIENT_SYNCS = ("flat", "buckets", "no_prefetch", "prefetch")
+
+
+def gradient_sync_step(rank: int, world_size: int, how: str) -> Callable[[], None]:
+    """A `make_step` for `profile_ranks`: a TinyGPT forward and backward whose gradients are
+    synchronized `how`: "flat" (one buffer all-reduced after backward: nothing to hide behind),
+    "buckets" (DDP's small buckets, all-reduced while backward goes on), "no_prefetch" or
+    "prefetch" (FSDP gathering each unit when needed, or one unit ahead)."""
+    if how not in GRADIENT_SYNCS:
+        raise ValueError(f"how={how!r}: choose one of {', '.join(GRADIENT_SYNCS)}")
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=256, hidden=64, heads=4, layers=4, max_seq=64)
+    ids = torch.randint(0, 256, (16, 64), generator=torch.Generator().manual_seed(rank))  # [b, s]
+    if how == "flat":
+        broadcast_parameters(model)
+
+        def step() -> None:
+            model.loss(ids, ids).backward()
+            all_reduce_gradients_flat(model)
+    elif how == "buckets":
+        wrapped = DistributedDataParallel(model, bucket_cap_mb=0.02)
+
+        def step() -> None:
+            lm_loss(wrapped(ids), ids).backward()
+    else:
+        sharded = FullyShardedDataParallel(model, prefetch=how == "prefetch")
+
+        def step() -> None:
+            sharded.loss(ids, ids).backward()
+    return step
 
 
 # --- Peak FLOP/s --------------------------------------------------------------------------------
