@@ -241,29 +241,27 @@ PATH = (
               "**Recursive doubling**: log₂N steps instead of the ring's 2(N−1), and at small "
               "sizes the α of each step is nearly the whole cost."),
          )),
-    Step("02_memory_math", "Memory, communication and bubble math",
+    Step("02_memory_math", "One device and one link",
          "about 40 min of slides, then the lab (2 h)",
-         needs=("Lab 01: the α-β model and the bytes of an all-reduce",
+         needs=("Lab 01: the α-β model of a link",
                 "A transformer's parts (embedding, attention, MLP, LayerNorm) and what "
                 "backward computes"),
          objectives=(
-             "Count the model state of mixed-precision Adam, 16 bytes per parameter, and say "
-             "where each byte lives.",
-             "Predict the activations a transformer layer saves for backward, with and "
-             "without recomputation.",
-             "Count a step's FLOPs (6Ψ per token plus attention) and turn a throughput into "
-             "MFU.",
-             "Price a message on one link with the α-β model, against the compute it could "
-             "hide behind.",
+             "Count the model state of mixed-precision Adam per parameter, say where each "
+             "byte lives, and measure what PyTorch holds.",
+             "Predict the activations a transformer layer keeps for backward, measure them "
+             "tensor by tensor, and write full recompute.",
+             "Count a step's FLOPs, and turn a throughput into MFU and HFU.",
+             "Price a message on one link with the α-β model, and tell from a roofline when a "
+             "transfer hides under compute.",
          ),
          gate=(
              ("Why does mixed-precision Adam need 16 bytes per parameter, not 12 or 14?",
               "2 (bf16 weights) + 2 (bf16 gradients) + 12 (fp32 master weights, Adam's m and "
               "v, 4 bytes each) = **16**."),
-             ("Full recomputation keeps only each layer's input. How many bytes per layer is "
-              "that, and what does it cost?",
-              "**2·s·b·h** bytes (16-bit) instead of s·b·h·(34 + 5·a·s/h); the price is one "
-              "more forward pass, about a third more compute per step."),
+             ("Flash attention and selective recompute: why do they save the same memory?",
+              "Both drop the **s × s attention scores** from what a layer keeps, and recompute "
+              "them in backward from q, k (and a log-sum-exp per row)."),
              ("A 7B model (L = 32, h = 4096, s = 4096) trains at 60,000 tokens/s on 8 H100s "
               "of 989 TFLOP/s (bf16) each. What is its MFU?",
               "6·7·10⁹ + 12·32·4096·4096 ≈ 48.4 GFLOP per token; × 60,000 / (8 × 989·10¹²) "

@@ -45,7 +45,12 @@ from minidist.cost import (  # noqa: E402
     ring_bytes_sent,
 )
 from minidist.ddp import assign_buckets, plot_timeline  # noqa: E402
-from minidist.diagrams import draw_collectives, draw_linear_splits, draw_two_tiers  # noqa: E402
+from minidist.diagrams import (  # noqa: E402
+    draw_collectives,
+    draw_linear_splits,
+    draw_roofline,
+    draw_two_tiers,
+)
 from minidist.mesh import group_ranks  # noqa: E402
 from minidist.network import ALGORITHMS as TWO_TIER_ALGORITHMS  # noqa: E402
 from minidist.network import TwoTier, hierarchical_bytes  # noqa: E402
@@ -53,7 +58,7 @@ from minidist.param_server import stale_gradient_descent  # noqa: E402
 from minidist.planner import MODELS, Cluster  # noqa: E402
 from minidist.profiling import ProfileTimeline  # noqa: E402
 from minidist.timeline import Event, plot_events  # noqa: E402
-from minidist.widgets import draw_memory, memory_by_zero_stage  # noqa: E402
+from minidist.widgets import draw_memory, memory_by_zero_stage, memory_on_one_device  # noqa: E402
 
 GB = memory.GB
 H100 = Cluster.dgx_h100(64)
@@ -349,7 +354,7 @@ def all_reduce_only() -> Figure:
     return draw_collectives(["all_reduce"], world_size=3)
 
 
-# --- Lab 02: memory, communication, bubbles ----------------------------------------------------
+# --- Lab 02: one device and one link -----------------------------------------------------------
 
 
 def sixteen_bytes() -> Figure:
@@ -375,106 +380,90 @@ def sixteen_bytes() -> Figure:
     return fig
 
 
-def zero_stages_7_5b() -> Figure:
-    """ZeRO's own check: Ψ = 7.5B on N = 64 ranks, 120 / 31.4 / 16.6 / 1.9 GB."""
-    fig, ax = plt.subplots(figsize=(10, 4))
-    for stage in range(4):
-        state = memory.model_state_bytes(7.5e9, stage, 64)
-        bottom = 0.0
-        for j, part in enumerate(("params", "grads", "optimizer")):
-            value = getattr(state, part) / GB
-            ax.bar(stage, value, bottom=bottom, color=COLORS(j),
-                   label={"params": "parameters", "grads": "gradients",
-                          "optimizer": "optimizer state"}[part] if stage == 0 else None)
-            bottom += value
-        ax.text(stage, bottom + 2, f"{bottom:.1f} GB", ha="center", fontsize=12)
-    ax.set_xticks(range(4), ["DDP (stage 0)\n16Ψ", "ZeRO-1\n4Ψ + 12Ψ/N", "ZeRO-2\n2Ψ + 14Ψ/N",
-                             "ZeRO-3 / FSDP\n16Ψ/N"])
-    ax.set_ylabel("GB per rank")
-    ax.set_ylim(0, 140)
-    ax.set_title("Ψ = 7.5 B parameters, N = 64 ranks (ZeRO Figure 1)")
-    ax.legend(fontsize=10)
+ONE_DEVICE_LAYER = MODELS["7B"]  # the layer of the one-device slides: h = 4096, a = 32
+
+
+def activations_one_device() -> Figure:
+    """One 7B layer's activations on one device (Korthikanti Table 2), by sequence length and
+    recompute choice: the s² attention core, and what recompute keeps of it."""
+    h, a = ONE_DEVICE_LAYER.hidden, ONE_DEVICE_LAYER.heads
+    lengths = (2048, 4096, 8192)
+    choices = (("keep everything", None), ("selective recompute", "selective"),
+               ("full recompute", "full"))
+    fig, ax = plt.subplots(figsize=(10, 3.9))
+    width = 0.27
+    for k, (label, recompute) in enumerate(choices):
+        values = [memory.activation_bytes(s, 1, h, a, recompute=recompute) / GB for s in lengths]
+        bars = ax.bar([i + (k - 1) * width for i in range(len(lengths))], values, width,
+                      color=COLORS(k), label=label)
+        ax.bar_label(bars, fmt="%.2f", fontsize=10)
+    ax.set_xticks(range(len(lengths)), [f"s = {s}" for s in lengths])
+    ax.set_ylabel("GB kept per layer")
+    ax.set_title(f"One layer (h = {h}, a = {a}, b = 1, 16-bit): the attention core grows as s²")
+    ax.legend(fontsize=10, loc="upper left")
     fig.tight_layout()
     return fig
 
 
-def memory_bars_7b() -> Figure:
-    """minidist's memory calculator: a 7B model on 8 data-parallel ranks, per ZeRO stage."""
-    estimates = memory_by_zero_stage(MODELS["7B"], dp=8, recompute="full")
-    return draw_memory(estimates, H100.gpu_memory, selected=3,
-                       title="7B model (s = 4096, b = 1, full recompute), 8 data-parallel ranks: "
-                             "GB per GPU by ZeRO stage")
+def recompute_schedule() -> Figure:
+    """A step of 4 layers, plain and with full recompute, schematic: forward keeps each
+    layer's input only; backward runs each layer's forward again just before its backward."""
+    fig, ax = _canvas(11, 2.9, (-2.3, 19.5), (-0.3, 2.6))
+    lanes = (("plain", 1.5, False), ("full recompute", 0.2, True))
+    for name, y, again in lanes:
+        ax.text(-0.2, y + 0.35, name, ha="right", va="center", fontsize=11)
+        t = 0.0
+        for layer in range(4):
+            _box(ax, t, y, 1.0, 0.7, f"F{layer}", "#cfe3f3", size=10)
+            t += 1.0
+        for layer in reversed(range(4)):
+            if again:
+                _box(ax, t, y, 1.0, 0.7, f"F{layer}", "#f6d8a8", size=10)
+                t += 1.0
+            _box(ax, t, y, 2.0, 0.7, f"B{layer}", "#d9cdea", size=10)
+            t += 2.0
+    ax.text(0, 2.35, "blue: forward   purple: backward (about twice a forward)   "
+            "orange: the forward run again, with autograd recording", fontsize=10)
+    return fig
 
 
-def activation_settings() -> Figure:
-    """One 7B layer's activations under each setting of Korthikanti Table 2, t = 8."""
-    model = MODELS["7B"]
-    s, h, a, t = model.seq_len, model.hidden, model.heads, 8
-    settings = (("no parallelism", {}), ("TP t=8", {"tp": t}),
-                ("TP + SP", {"tp": t, "sequence_parallel": True}),
-                ("TP + selective\nrecompute", {"tp": t, "recompute": "selective"}),
-                ("TP + SP +\nselective", {"tp": t, "sequence_parallel": True,
-                                          "recompute": "selective"}),
-                ("full recompute", {"recompute": "full"}))
-    values = [memory.activation_bytes(s, 1, h, a, **kwargs) / GB for _, kwargs in settings]
-    fig, ax = plt.subplots(figsize=(10, 4))
-    ax.bar(range(len(values)), values, color=[COLORS(i) for i in range(len(values))])
-    for i, value in enumerate(values):
-        ax.text(i, value, f"{value:.2f}", ha="center", va="bottom", fontsize=11)
-    ax.set_xticks(range(len(values)), [name for name, _ in settings], fontsize=10)
-    ax.set_ylabel("GB per layer per rank")
-    ax.set_title(f"Activations of one layer (s = {s}, b = 1, h = {h}, a = {a}; 16-bit)")
+def one_gpu_memory() -> Figure:
+    """minidist's one-GPU calculator: 1.3B trained alone, each recompute choice."""
+    return draw_memory(memory_on_one_device(MODELS["1.3B"], seq_len=4096), H100.gpu_memory,
+                       selected="selective", name=lambda choice: f"recompute: {choice}",
+                       title="1.3B alone on one 80 GB GPU, s = 4096, b = 1: GB by recompute "
+                             "choice")
+
+
+LINKS = {"NVLink 4, α = 5 µs": (5e-6, 450e9), "InfiniBand NDR, α = 10 µs": (10e-6, 50e9),
+         "a laptop's loopback, α = 50 µs": (50e-6, 1e9)}
+
+
+def link_bandwidth() -> Figure:
+    """The bandwidth one message gets on an α-β link, S / (α + S·β), against its size."""
+    fig, ax = plt.subplots(figsize=(10, 3.9))
+    sizes = [2.0 ** k for k in range(8, 34)]
+    for k, (name, (alpha, bandwidth)) in enumerate(LINKS.items()):
+        got = [s / (alpha + s / bandwidth) / 1e9 for s in sizes]
+        ax.plot(sizes, got, lw=2.5, color=COLORS(k), label=f"{name}, {bandwidth / 1e9:g} GB/s")
+        ax.axhline(bandwidth / 1e9, color=COLORS(k), ls=":", lw=1)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("message size S (bytes)")
+    ax.set_ylabel("GB/s the message gets")
+    ax.set_title("One message on an α-β link: S / (α + S·β); dotted: the link's 1/β")
+    ax.legend(fontsize=10, loc="lower right")
     fig.tight_layout()
     return fig
 
 
-def comm_volume_by_stage() -> Figure:
-    """Bytes each rank sends per step, DDP and ZeRO 1-3 (ring, N = 8, bf16), 7B parameters."""
-    fig, ax = plt.subplots(figsize=(10, 3.8))
-    psi, n = MODELS["7B"].num_params, 8
-    names = ["DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3 / FSDP"]
-    for stage in range(len(names)):
-        volume = traffic.data_parallel_traffic(psi, n, stage)
-        left = 0.0
-        for collective in volume.collectives:
-            value = collective.bytes_sent / GB
-            color = {"all_reduce": "tab:purple", "reduce_scatter": "tab:orange",
-                     "all_gather": "tab:green"}[collective.op]
-            ax.barh(stage, value, left=left, color=color, edgecolor="white")
-            ax.text(left + value / 2, stage, collective.op.replace("_", "-"), ha="center",
-                    va="center", fontsize=10)
-            left += value
-        ax.text(left + 0.3, stage, f"{left:.1f} GB  ({volume.volume / psi / 2:g}Ψ elements)",
-                va="center", fontsize=11)
-    ax.set_yticks(range(4), names)
-    ax.invert_yaxis()
-    ax.set_xlim(0, 40)
-    ax.set_xlabel("GB sent per rank per step (7B parameters, bf16, ring over N = 8)")
-    ax.set_title("ZeRO-1 and ZeRO-2 send what DDP sends; ZeRO-3 sends 1.5×")
-    fig.tight_layout()
-    return fig
-
-
-def bubble_against_m() -> Figure:
-    """Both bubble fractions for p = 4, and the worked values."""
-    fig, ax = plt.subplots(figsize=(10, 4))
-    ms = list(range(1, 33))
-    total = [pipeline.bubble_fraction("1f1b", 4, m) for m in ms]
-    ideal = [pipeline.bubble_relative_to_ideal("1f1b", 4, m) for m in ms]
-    ax.plot(ms, total, lw=2.5, label="share of total time (p−1)/(m+p−1)")
-    ax.plot(ms, ideal, lw=2.5, ls="--", label="relative to ideal time (p−1)/m")
-    for m in (1, 8, 30):
-        value = pipeline.bubble_fraction("1f1b", 4, m)
-        ax.plot(m, value, "o", color="black")
-        ax.annotate(f"m={m}: {value:.1%}", (m, value), (m + 1.2, value + 0.18),
-                    arrowprops={"arrowstyle": "->"}, fontsize=11)
-    ax.set_ylim(0, 1.6)
-    ax.set_xlabel("microbatches m")
-    ax.set_ylabel("bubble")
-    ax.set_title("GPipe and 1F1B, p = 4 stages: two fractions, always say which")
-    ax.legend(fontsize=11)
-    fig.tight_layout()
-    return fig
+def roofline_h100() -> Figure:
+    """An H100's peak against its memory and two of its links, as rooflines."""
+    peak = H100.peak_flops
+    return draw_roofline({"H100 and its HBM3, 3.35 TB/s": (peak, 3.35e12),
+                          "H100, NVLink 4, 450 GB/s each way": (peak, 450e9),
+                          "H100, InfiniBand NDR, 50 GB/s": (peak, 50e9)},
+                         title="989 TFLOP/s (dense bf16) against a memory and two links")
 
 
 # --- Lab 03: data parallel ---------------------------------------------------------------------
@@ -619,6 +608,64 @@ def step_time_against_bucket_size() -> Figure:
 
 
 # --- Lab 04: ZeRO and FSDP ---------------------------------------------------------------------
+
+
+def zero_stages_7_5b() -> Figure:
+    """ZeRO's own check: Ψ = 7.5B on N = 64 ranks, 120 / 31.4 / 16.6 / 1.9 GB."""
+    fig, ax = plt.subplots(figsize=(10, 4))
+    for stage in range(4):
+        state = memory.model_state_bytes(7.5e9, stage, 64)
+        bottom = 0.0
+        for j, part in enumerate(("params", "grads", "optimizer")):
+            value = getattr(state, part) / GB
+            ax.bar(stage, value, bottom=bottom, color=COLORS(j),
+                   label={"params": "parameters", "grads": "gradients",
+                          "optimizer": "optimizer state"}[part] if stage == 0 else None)
+            bottom += value
+        ax.text(stage, bottom + 2, f"{bottom:.1f} GB", ha="center", fontsize=12)
+    ax.set_xticks(range(4), ["DDP (stage 0)\n16Ψ", "ZeRO-1\n4Ψ + 12Ψ/N", "ZeRO-2\n2Ψ + 14Ψ/N",
+                             "ZeRO-3 / FSDP\n16Ψ/N"])
+    ax.set_ylabel("GB per rank")
+    ax.set_ylim(0, 140)
+    ax.set_title("Ψ = 7.5 B parameters, N = 64 ranks (ZeRO Figure 1)")
+    ax.legend(fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def memory_bars_7b() -> Figure:
+    """minidist's memory calculator: a 7B model on 8 data-parallel ranks, per ZeRO stage."""
+    estimates = memory_by_zero_stage(MODELS["7B"], dp=8, recompute="full")
+    return draw_memory(estimates, H100.gpu_memory, selected=3,
+                       title="7B model (s = 4096, b = 1, full recompute), 8 data-parallel ranks: "
+                             "GB per GPU by ZeRO stage")
+
+
+def comm_volume_by_stage() -> Figure:
+    """Bytes each rank sends per step, DDP and ZeRO 1-3 (ring, N = 8, bf16), 7B parameters."""
+    fig, ax = plt.subplots(figsize=(10, 3.8))
+    psi, n = MODELS["7B"].num_params, 8
+    names = ["DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3 / FSDP"]
+    for stage in range(len(names)):
+        volume = traffic.data_parallel_traffic(psi, n, stage)
+        left = 0.0
+        for collective in volume.collectives:
+            value = collective.bytes_sent / GB
+            color = {"all_reduce": "tab:purple", "reduce_scatter": "tab:orange",
+                     "all_gather": "tab:green"}[collective.op]
+            ax.barh(stage, value, left=left, color=color, edgecolor="white")
+            ax.text(left + value / 2, stage, collective.op.replace("_", "-"), ha="center",
+                    va="center", fontsize=10)
+            left += value
+        ax.text(left + 0.3, stage, f"{left:.1f} GB  ({volume.volume / psi / 2:g}Ψ elements)",
+                va="center", fontsize=11)
+    ax.set_yticks(range(4), names)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 40)
+    ax.set_xlabel("GB sent per rank per step (7B parameters, bf16, ring over N = 8)")
+    ax.set_title("ZeRO-1 and ZeRO-2 send what DDP sends; ZeRO-3 sends 1.5×")
+    fig.tight_layout()
+    return fig
 
 
 def zero_sharding_layout() -> Figure:
@@ -1797,11 +1844,14 @@ FIGURES: dict[str, Callable[[], Figure]] = {
     "all-reduce-algorithms": all_reduce_algorithms,
     "algbw-busbw": algbw_busbw,
     "sixteen-bytes": sixteen_bytes,
+    "activations-one-device": activations_one_device,
+    "recompute-schedule": recompute_schedule,
+    "one-gpu-memory": one_gpu_memory,
+    "link-bandwidth": link_bandwidth,
+    "roofline-h100": roofline_h100,
     "zero-stages-7.5b": zero_stages_7_5b,
     "memory-bars-7b": memory_bars_7b,
-    "activation-settings": activation_settings,
     "comm-volume-by-stage": comm_volume_by_stage,
-    "bubble-against-m": bubble_against_m,
     "data-parallel-split": data_parallel_split,
     "ddp-three-versions": ddp_three_versions,
     "ddp-bucket-timeline": ddp_bucket_timeline,
