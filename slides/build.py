@@ -269,14 +269,16 @@ PATH = (
          )),
     Step("03_data_parallel", "Data parallel", "about 35 min of slides, then the lab (2–3 h)",
          needs=("Lab 01: all-reduce and its 2(N−1)/N·S bytes per rank",
-                "Lab 02: bytes per parameter and the α-β model"),
+                "Lab 02: FLOPs per token, and when a transfer hides under compute"),
          objectives=(
              "Average gradients across ranks three ways: an all-reduce per tensor, one flat "
              "buffer, buckets launched during backward.",
+             "Predict and count the bytes each rank sends per step, and derive the fewest "
+             "tokens per GPU for which the all-reduce can hide under backward.",
              "Show on a timeline that bucketed all-reduces overlap backward, and explain why "
              "buckets fill in reverse order.",
              "Accumulate gradients with `no_sync()`, reshuffle with "
-             "`DistributedSampler.set_epoch`, and scale the learning rate with warmup.",
+             "`DistributedSampler.set_epoch`, and derive the learning rate a bigger batch needs.",
          ),
          gate=(
              ("Why does data parallelism send the same bytes per step whatever the batch "
