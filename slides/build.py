@@ -298,11 +298,11 @@ PATH = (
                 "Lab 03: DDP's gradient all-reduce and its buckets"),
          objectives=(
              "Shard the optimizer state (ZeRO-1), then the gradients (ZeRO-2), then the "
-             "parameters (FSDP), and give the memory per rank of each.",
+             "parameters (FSDP), and predict, then measure, what each holds and sends per rank.",
              "Build FSDP's loop over units: gather before forward and backward, free, "
-             "reduce-scatter into the shard, prefetch the next unit.",
+             "reduce-scatter into the shard, prefetch the next unit asynchronously.",
              "Explain why ZeRO-1 and ZeRO-2 send what DDP sends (2Ψ) and ZeRO-3 half as much "
-             "again (3Ψ).",
+             "again (3Ψ), and derive when prefetch hides FSDP's gathers.",
          ),
          gate=(
              ("Ψ = 7.5B parameters on N = 64 ranks: model state per rank under ZeRO-1, ZeRO-2 "

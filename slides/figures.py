@@ -723,52 +723,36 @@ def zero_memory_against_n() -> Figure:
     return fig
 
 
+# One FSDP step of 4 units on one GPU, prefetch on, as Lab 04's model schedules it (a gather
+# takes 0.8 of a unit's forward, a backward twice a forward, a reduce-scatter as long as a
+# gather; the link carries one collective at a time, in the order they are issued):
+# (lane, label, start, end).
+FSDP_STEP = (
+    ("link", "AG 0", 0.0, 0.8), ("compute", "F 0", 0.8, 1.8), ("link", "AG 1", 0.8, 1.6),
+    ("compute", "F 1", 1.8, 2.8), ("link", "AG 2", 1.8, 2.6), ("compute", "F 2", 2.8, 3.8),
+    ("link", "AG 3", 2.8, 3.6), ("compute", "F 3", 3.8, 4.8), ("link", "AG 3", 4.8, 5.6),
+    ("link", "AG 2", 5.6, 6.4), ("compute", "B 3", 5.6, 7.6), ("link", "RS 3", 7.6, 8.4),
+    ("link", "AG 1", 8.4, 9.2), ("compute", "B 2", 7.6, 9.6), ("link", "RS 2", 9.6, 10.4),
+    ("link", "AG 0", 10.4, 11.2), ("compute", "B 1", 9.6, 11.6), ("link", "RS 1", 11.6, 12.4),
+    ("compute", "B 0", 11.6, 13.6), ("link", "RS 0", 13.6, 14.4),
+)
+
+
 def fsdp_unit_timeline() -> Figure:
-    """FSDP's forward and backward with prefetch, modelled: each unit's all-gather is issued
-    when the previous unit starts computing; one link carries the collectives in issue order."""
-    units, gather, scatter, forward, backward = 4, 0.8, 0.8, 1.0, 2.0
-    network_free = 0.0
-    network: list[tuple[float, float, str]] = []
-    compute: list[tuple[float, float, str]] = []
-
-    def communicate(issued: float, duration: float, label: str) -> float:
-        nonlocal network_free
-        start = max(issued, network_free)
-        network_free = start + duration
-        network.append((start, duration, label))
-        return network_free
-
-    gathered = {0: communicate(0.0, gather, "AG 0")}
-    free = 0.0
-    for unit in range(units):  # forward; the last unit prefetches backward's first gather
-        start = max(free, gathered[unit])
-        upcoming = unit + 1 if unit + 1 < units else units - 1
-        gathered[unit + 1 if unit + 1 < units else -1] = communicate(start, gather,
-                                                                    f"AG {upcoming}")
-        compute.append((start, forward, f"F {unit}"))
-        free = start + forward
-    gathered[units - 1] = gathered.pop(-1)
-    for unit in reversed(range(units)):
-        start = max(free, gathered[unit])
-        if unit > 0:
-            gathered[unit - 1] = communicate(start, gather, f"AG {unit - 1}")
-        compute.append((start, backward, f"B {unit}"))
-        free = start + backward
-        communicate(free, scatter, f"RS {unit}")
+    """FSDP_STEP drawn on two lanes: the GPU's compute and the link's collectives."""
     fig, ax = plt.subplots(figsize=(11, 3.4))
-    for row, spans in ((0, compute), (1, network)):
-        for start, duration, label in spans:
-            color = {"F": "tab:blue", "B": "tab:purple", "A": "tab:green",
-                     "R": "tab:orange"}[label[0]]
-            ax.barh(row, duration, left=start, color=color, edgecolor="white")
-            ax.text(start + duration / 2, row, label, ha="center", va="center", fontsize=10,
-                    color="white" if row == 0 else "black")
-    ax.set_yticks([0, 1], ["compute", "network"])
+    colors = {"F": "tab:blue", "B": "tab:purple", "A": "tab:green", "R": "tab:orange"}
+    for lane, label, start, end in FSDP_STEP:
+        row = 0 if lane == "compute" else 1
+        ax.barh(row, end - start, left=start, color=colors[label[0]], edgecolor="white")
+        ax.text((start + end) / 2, row, label, ha="center", va="center", fontsize=10,
+                color="white" if row == 0 else "black")
+    ax.set_yticks([0, 1], ["compute", "link"])
     ax.set_xlabel("time →   (AG = all-gather a unit's parameters, RS = reduce-scatter its "
                   "gradients)")
     ax.set_xticks([])
-    ax.set_title("FSDP, 4 units, modelled: each all-gather is prefetched while the previous "
-                 "unit computes")
+    ax.set_title("FSDP, 4 units, modelled: each gather prefetched while the unit before "
+                 "computes; the last unit gathered again for backward")
     fig.tight_layout()
     return fig
 
