@@ -324,12 +324,12 @@ PATH = (
          objectives=(
              "Split a linear layer by its outputs (column) or its inputs (row), and say what "
              "communication each split needs.",
-             "Write Megatron's f and g, and build the parallel MLP and attention by heads: 2 "
-             "all-reduces forward and 2 backward per block.",
-             "Compute cross-entropy over a vocabulary split across ranks without gathering "
-             "the logits.",
-             "Explain what sequence parallelism splits, and measure its activations per rank "
-             "at 1/t.",
+             "Write Megatron's f and g, build the parallel MLP and attention by heads, and count "
+             "a block's collectives against your prediction.",
+             "Compute cross-entropy over a vocabulary split across ranks without gathering the "
+             "logits, and weigh a layer's messages against its matmuls.",
+             "Write sequence parallelism's g and ḡ, and predict, then measure, what a rank "
+             "keeps and sends with it.",
          ),
          gate=(
              ("Why is the MLP column-parallel first and row-parallel second, not the other way "
@@ -340,7 +340,7 @@ PATH = (
              ("b = 1, s = 4096, h = 4096 in bf16, t = 8: bytes in each TP all-reduce, and "
               "bytes each rank sends for it on a ring?",
               "b·s·h = 16.8M elements = **33.5 MB**; each rank sends 2·7/8 × 33.5 ≈ "
-              "**58.7 MB**, four times per layer."),
+              "**58.7 MB** for it."),
              ("Why does tensor parallelism stay inside a node while data parallelism crosses "
               "nodes?",
               "TP's collectives sit **between** matmuls, on the critical path of every layer; "

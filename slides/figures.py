@@ -49,6 +49,7 @@ from minidist.diagrams import (  # noqa: E402
     draw_collectives,
     draw_linear_splits,
     draw_roofline,
+    draw_tensor_parallel_mlp,
     draw_two_tiers,
 )
 from minidist.mesh import group_ranks  # noqa: E402
@@ -799,53 +800,33 @@ def linear_splits() -> Figure:
 
 
 def tensor_parallel_mlp() -> Figure:
-    """The Megatron MLP on 2 ranks: f, column-parallel A, GeLU, row-parallel B, g."""
-    fig, ax = _canvas(12, 3.8, (0, 12), (0, 4))
-    _box(ax, 0.1, 1.5, 1.2, 1.0, "X\n(whole)", "0.9")
-    _box(ax, 1.8, 1.5, 1.0, 1.0, "f", "#fde9b6", size=16, fontweight="bold")
-    for r in range(2):
-        y = 2.5 - r * 2.0
-        color = matplotlib.colors.to_hex(COLORS(r)) + "66"
-        _arrow(ax, (2.8, 2.0), (3.4, y + 0.5))
-        _box(ax, 3.4, y, 2.0, 1.0, f"X·A{r}\n(A column-split)", color, size=11)
-        _arrow(ax, (5.4, y + 0.5), (5.9, y + 0.5))
-        _box(ax, 5.9, y, 1.2, 1.0, "GeLU", color, size=11)
-        _arrow(ax, (7.1, y + 0.5), (7.6, y + 0.5))
-        _box(ax, 7.6, y, 2.0, 1.0, f"Y{r}·B{r}\n(B row-split)", color, size=11)
-        _arrow(ax, (9.6, y + 0.5), (10.0, 2.0))
-        ax.text(4.4, y + 1.1 if r == 0 else y - 0.3, f"rank {r}", ha="center", fontsize=10)
-    _box(ax, 10.0, 1.5, 1.0, 1.0, "g", "#fde9b6", size=16, fontweight="bold")
-    _arrow(ax, (11.0, 2.0), (11.5, 2.0))
-    ax.text(11.55, 2.0, "Z", va="center", fontsize=14)
-    _arrow(ax, (1.3, 2.0), (1.8, 2.0))
-    ax.text(2.3, 1.2, "fwd: identity\nbwd: all-reduce", ha="center", va="top", fontsize=10)
-    ax.text(10.5, 1.2, "fwd: all-reduce\nbwd: identity", ha="center", va="top", fontsize=10)
-    ax.text(6.5, 3.85, "no communication between A and B: Y's column slice is B's row slice",
-            ha="center", fontsize=11, style="italic")
-    return fig
+    return draw_tensor_parallel_mlp()
+
+
+def sequence_parallel_mlp() -> Figure:
+    return draw_tensor_parallel_mlp(sequence_parallel=True)
 
 
 def tensor_parallel_activations() -> Figure:
-    """Activations of one 7B layer per rank against t: TP alone, TP + SP, each with and
-    without selective recompute (Korthikanti Table 2)."""
+    """Activations of one 7B layer per rank against t under tensor parallelism alone, with
+    and without selective recompute (Korthikanti Table 2), and the part TP never splits."""
     model = MODELS["7B"]
     s, h, a = model.seq_len, model.hidden, model.heads
-    ts = [1, 2, 4, 8]
-    fig, ax = plt.subplots(figsize=(10, 4))
-    for label, sp, recompute, style, color in (
-            ("TP", False, None, "o-", COLORS(0)), ("TP + SP", True, None, "s-", COLORS(1)),
-            ("TP, selective recompute", False, "selective", "o--", COLORS(0)),
-            ("TP + SP, selective recompute", True, "selective", "s--", COLORS(1))):
-        ax.plot(ts, [memory.activation_bytes(s, 1, h, a, tp=t, sequence_parallel=sp,
-                                             recompute=recompute) / GB for t in ts],
-                style, color=color, lw=2.5, label=label)
-    ax.axhline(10 * s * h / GB, color="0.4", ls=":", label="10·s·b·h: what TP never splits")
+    ts = [1, 2, 4, 8, 16]
+    fig, ax = plt.subplots(figsize=(10, 3.9))
+    for label, recompute, style in (("TP alone", None, "o-"),
+                                    ("TP alone, selective recompute", "selective", "o--")):
+        ax.plot(ts, [memory.activation_bytes(s, 1, h, a, tp=t, recompute=recompute) / GB
+                     for t in ts], style, color=COLORS(0), lw=2.5, label=label)
+    ax.axhline(10 * s * h / GB, color="0.4", ls=":", label="10·s·b·h: what TP alone never splits")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xticks(ts, [str(t) for t in ts])
     ax.set_xlabel("tensor-parallel degree t")
     ax.set_ylabel("GB per layer per rank")
-    ax.set_title(f"One 7B layer's activations (s = {s}, b = 1, a = {a}): SP divides all of it by t")
+    ax.set_yticks([0.2, 0.5, 1, 2, 3], ["0.2", "0.5", "1", "2", "3"])
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set_title(f"One 7B layer's activations per rank (s = {s}, b = 1, a = {a}, 16-bit)")
     ax.legend(fontsize=10, loc="upper right")
     fig.tight_layout()
     return fig
@@ -1846,6 +1827,7 @@ FIGURES: dict[str, Callable[[], Figure]] = {
     "fsdp-units-gathered": fsdp_units_gathered,
     "linear-splits": linear_splits,
     "tensor-parallel-mlp": tensor_parallel_mlp,
+    "sequence-parallel-mlp": sequence_parallel_mlp,
     "tensor-parallel-activations": tensor_parallel_activations,
     "tensor-parallel-time": tensor_parallel_time_in_and_across_nodes,
     "naive-pipeline": naive_pipeline,
