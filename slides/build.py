@@ -348,25 +348,29 @@ PATH = (
          )),
     Step("06_pipeline", "Pipeline parallel", "about 40 min of slides, then the lab (3 h)",
          needs=("Lab 00: `send`, `recv` and deadlocks",
-                "Lab 03: accumulating gradients over microbatches"),
+                "Lab 03: accumulating gradients over microbatches",
+                "Lab 05: a transformer layer's matmuls"),
          objectives=(
-             "Write pipeline schedules as data (GPipe, 1F1B), and check them with a "
+             "Write pipeline schedules as data (1F1B, interleaved), and check them with a "
              "validator and a simulator.",
-             "Tell the two bubble fractions apart: (p−1)/(m+p−1) of total time, (p−1)/m of "
-             "ideal time.",
-             "Run a real send/recv pipeline, and say what 1F1B saves (memory) and what "
-             "interleaved and zero-bubble schedules save (bubble).",
+             "Derive GPipe's bubble two ways, of total time and relative to the ideal time, and "
+             "say which one a published figure is.",
+             "Run a real send/recv pipeline with your own executor, and weigh a stage's sends "
+             "against its compute.",
+             "Predict, then measure, what 1F1B, interleaved and zero-bubble schedules change in "
+             "time and in memory.",
          ),
          gate=(
              ("p = 4 stages, m = 8 microbatches: the bubble as a share of total time?",
               "(p−1)/(m+p−1) = 3/11 ≈ **27.3%**, not 8%; relative to the ideal time it is "
               "3/8."),
-             ("Does 1F1B have a smaller bubble than GPipe?",
-              "**No**, the same. 1F1B holds min(p−i, m) microbatches on stage i instead of m: "
-              "it saves memory."),
+             ("What does splitting the backward into B and W let a zero-bubble schedule do?",
+              "Run each **W later**, in the gaps where the rank would idle: nothing upstream waits "
+              "for W, only the optimizer step."),
              ("Why is the pipeline the parallelism that crosses nodes?",
-              "Each stage boundary carries only b·s·h per microbatch, point to point; tensor "
-              "parallelism runs four collectives of that size in every layer."),
+              "Each stage boundary carries only b·s·h per microbatch, point to point, against a "
+              "stage's matmuls; tensor parallelism runs collectives of that size inside every "
+              "layer."),
          )),
     Step("07_3d_parallel", "3D parallel and experts", "about 40 min of slides, then the lab (3 h)",
          needs=("Lab 03: data parallel", "Lab 05: tensor parallel",

@@ -858,54 +858,51 @@ def tensor_parallel_time_in_and_across_nodes() -> Figure:
 # --- Lab 06: pipeline parallel -----------------------------------------------------------------
 
 
-def _gantt(name: str, p: int, m: int, chunks: int = 1, title: str | None = None) -> Figure:
-    timeline = pipeline.simulate(pipeline.schedule(name, p, m, chunks))
-    return gantt.draw(timeline, title)
+def _gantt(name: str, p: int, m: int, title: str) -> Figure:
+    return gantt.draw(pipeline.simulate(pipeline.schedule(name, p, m)), title)
 
 
 def naive_pipeline() -> Figure:
-    return _gantt("gpipe", 4, 1, title="one batch, no microbatches (p = 4)")
-
-
-def gpipe_and_1f1b() -> Figure:
-    timelines = [pipeline.simulate(pipeline.schedule(name, 4, 8)) for name in ("gpipe", "1f1b")]
-    return gantt.draw_all(timelines, ["GPipe, p = 4, m = 8", "1F1B, p = 4, m = 8"])
+    return _gantt("gpipe", 3, 1, "one batch, no microbatches (p = 3)")
 
 
 def gpipe_only() -> Figure:
-    return _gantt("gpipe", 4, 8, title="GPipe, p = 4, m = 8")
+    return _gantt("gpipe", 4, 8, "GPipe, p = 4, m = 8")
 
 
-def interleaved_pipeline() -> Figure:
-    """1F1B against interleaved 1F1B; a chunk is half a stage, so it costs half (as in lab 06)."""
-    half = pipeline.Costs(F=0.5, B=0.5, W=0.5)
-    timelines = [pipeline.simulate(pipeline.schedule("1f1b", 4, 8)),
-                 pipeline.simulate(pipeline.schedule("interleaved", 4, 8, chunks=2), half)]
-    return gantt.draw_all(timelines, ["1F1B, p = 4, m = 8",
-                                      "interleaved 1F1B, p = 4, m = 8, v = 2 (paler = chunk 1)"])
+def interleaved_chunks(p: int = 4, v: int = 2) -> Figure:
+    """Which stages each rank holds with v chunks per rank (stage c·p + r on rank r), and the
+    path of one microbatch's forward through them."""
+    fig, ax = _canvas(11, 3.2, (-1.6, p * v * 1.3 + 0.2), (-0.9, p + 0.5))
+    for rank in range(p):
+        y = p - 1 - rank
+        ax.text(-0.2, y + 0.35, f"rank {rank}", ha="right", va="center", fontsize=11)
+        for chunk in range(v):
+            stage = chunk * p + rank
+            shade = matplotlib.colors.to_hex(COLORS(chunk)) + ("99" if chunk == 0 else "55")
+            _box(ax, stage * 1.3, y, 1.1, 0.7, f"stage {stage}", shade, size=10)
+    for stage in range(p * v - 1):
+        here, there = stage % p, (stage + 1) % p
+        _arrow(ax, (stage * 1.3 + 1.1, p - 1 - here + 0.35),
+               (stage * 1.3 + 1.3, p - 1 - there + 0.35))
+    ax.text(0, -0.7, f"p = {p} ranks, v = {v} chunks each: rank r holds stages r, r + p, …; "
+            "arrows: one microbatch's forward", fontsize=11)
+    return fig
 
 
-def zero_bubble_pipeline() -> Figure:
-    return _gantt("zb-h1", 4, 8, title="ZB-H1, p = 4, m = 8 (B and W split; 1F1B: 27.3%)")
-
-
-def inflight_by_stage() -> Figure:
-    """Peak microbatches whose activations each stage holds, p = 4, m = 8."""
-    fig, ax = plt.subplots(figsize=(10, 3.8))
-    p, m = 4, 8
-    names = ("gpipe", "1f1b", "zb-h1")
-    for k, name in enumerate(names):
-        values = [pipeline.inflight_microbatches(name, p, m, i) for i in range(p)]
-        ax.bar([i + (k - 1) * 0.27 for i in range(p)], values, width=0.27, label=name,
-               color=COLORS(k))
-        for i, value in enumerate(values):
-            ax.text(i + (k - 1) * 0.27, value, str(value), ha="center", va="bottom", fontsize=10)
-    ax.set_xticks(range(p), [f"stage {i}" for i in range(p)])
-    ax.set_ylabel("microbatches in flight (peak)")
-    ax.set_ylim(0, 9.5)
-    ax.set_title("p = 4, m = 8: GPipe holds m everywhere; 1F1B holds p − i")
-    ax.legend(fontsize=11)
-    fig.tight_layout()
+def backward_split() -> Figure:
+    """One stage's backward of one microbatch, split into B (the input's gradient, which the
+    stage before waits for) and W (the weights' gradient, needed only at the step)."""
+    fig, ax = _canvas(11, 2.4, (-0.2, 12.2), (-0.3, 2.2))
+    _box(ax, 0.0, 1.2, 1.6, 0.8, "F", "#cfe3f3")
+    _box(ax, 2.2, 1.2, 2.4, 0.8, "backward (B and W)", "#d9cdea", size=11)
+    ax.text(5.0, 1.6, "as one action (1F1B)", va="center", fontsize=11)
+    _box(ax, 0.0, 0.0, 1.6, 0.8, "F", "#cfe3f3")
+    _box(ax, 2.2, 0.0, 1.2, 0.8, "B", "#d9cdea")
+    _box(ax, 8.2, 0.0, 1.2, 0.8, "W", "#efe6f7")
+    _arrow(ax, (3.4, 0.4), (4.4, 0.4))
+    ax.text(4.5, 0.4, "input's gradient → the stage before", va="center", fontsize=10)
+    ax.text(9.6, 0.4, "weights' gradient:\nany time before the step", va="center", fontsize=10)
     return fig
 
 
@@ -1832,10 +1829,8 @@ FIGURES: dict[str, Callable[[], Figure]] = {
     "tensor-parallel-time": tensor_parallel_time_in_and_across_nodes,
     "naive-pipeline": naive_pipeline,
     "gpipe": gpipe_only,
-    "gpipe-and-1f1b": gpipe_and_1f1b,
-    "interleaved-pipeline": interleaved_pipeline,
-    "zero-bubble-pipeline": zero_bubble_pipeline,
-    "inflight-by-stage": inflight_by_stage,
+    "interleaved-chunks": interleaved_chunks,
+    "backward-split": backward_split,
     "mesh-groups-8": mesh_groups_8,
     "mesh-on-nodes": mesh_on_nodes,
     "bytes-per-dimension-7b": bytes_per_dimension_7b,
