@@ -381,6 +381,8 @@ PATH = (
              "Wire one dp·pp·tp training step from Labs 03, 05 and 06, equal to one process, "
              "and count the bytes of each mesh dimension.",
              "Dispatch tokens to experts with all-to-all, and compute an expert's capacity.",
+             "Write a planner's cost function from Labs 02–06, and predict the layout it picks "
+             "for a 70B model on 64 GPUs.",
          ),
          gate=(
              ("`Mesh(pp=2, dp=2, tp=4)`, TP varying fastest: which ranks are in rank 5's TP, "

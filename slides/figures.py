@@ -29,7 +29,6 @@ from minidist import (  # noqa: E402
     memory,
     moe,
     pipeline,
-    planner,
     tiers,
     traffic,
 )
@@ -48,6 +47,7 @@ from minidist.ddp import assign_buckets, plot_timeline  # noqa: E402
 from minidist.diagrams import (  # noqa: E402
     draw_collectives,
     draw_linear_splits,
+    draw_mesh_groups,
     draw_roofline,
     draw_tensor_parallel_mlp,
     draw_two_tiers,
@@ -908,31 +908,10 @@ def backward_split() -> Figure:
 
 # --- Lab 07: 3D parallel and experts -----------------------------------------------------------
 
-MESH_8 = {"pp": 2, "dp": 2, "tp": 2}
-
-
 def mesh_groups_8() -> Figure:
-    """The 8 ranks of dp2·pp2·tp2 in Megatron's order, with the groups of each dimension."""
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
-    for ax, dim in zip(axes, ("tp", "dp", "pp"), strict=True):
-        ax.set_xlim(0, 4.6)
-        ax.set_ylim(-0.2, 2.6)
-        ax.axis("off")
-        colour_of = {rank: COLORS(k) for k, group in enumerate(group_ranks(MESH_8, dim))
-                     for rank in group}
-        for rank in range(8):
-            pp, dp, tp = rank // 4, rank // 2 % 2, rank % 2
-            x, y = pp * 2.4 + tp * 1.0, 1.3 - dp * 1.1
-            color = matplotlib.colors.to_hex(colour_of[rank]) + "77"
-            _box(ax, x + 0.1, y, 0.85, 0.8, str(rank), color, size=14)
-        for pp in range(2):
-            ax.text(pp * 2.4 + 1.05, 2.3, f"stage {pp}", ha="center", fontsize=11)
-        groups = group_ranks(MESH_8, dim)
-        ax.set_title(f"{dim} groups: " + " ".join(str(g) for g in groups), fontsize=11)
-    fig.suptitle("dp = pp = tp = 2, ranks numbered TP fastest, then DP, then PP "
-                 "(same colour = same group)", fontsize=12)
-    fig.tight_layout()
-    return fig
+    return draw_mesh_groups({"pp": 2, "dp": 2, "tp": 2})
+
+
 def parameter_server_bytes() -> Figure:
     """Bytes per step on a server's link against each rank's in ring all-reduce (Li et al.)."""
     fig, ax = plt.subplots(figsize=(10, 4))
@@ -1008,33 +987,6 @@ def bytes_per_dimension_7b() -> Figure:
     return fig
 
 
-def planner_by_tp_70b() -> Figure:
-    """The planner's best step per TP degree for 70B on 64 H100s, split into its parts."""
-    plan = planner.plan(MODELS["70B"], H100, global_batch=512)
-    best = {}
-    for evaluation in plan.feasible:
-        best.setdefault(evaluation.layout.tp, evaluation)
-    parts = ("compute", "bubble", "tp_comm", "pp_comm", "dp_comm")
-    labels = ("compute", "bubble", "TP exposed", "PP exposed", "DP exposed")
-    fig, ax = plt.subplots(figsize=(10, 3.9))
-    names = [str(e.layout).split(" b=")[0] for _, e in sorted(best.items())]
-    left = [0.0] * len(best)
-    for k, (part, label) in enumerate(zip(parts, labels, strict=True)):
-        values = [getattr(e.time, part) for _, e in sorted(best.items())]
-        ax.barh(range(len(best)), values, left=left, color=COLORS(k), label=label)
-        left = [a + b for a, b in zip(left, values, strict=True)]
-    for y, total in enumerate(left):
-        ax.text(total + 0.2, y, f"{total:.1f} s", va="center", fontsize=11)
-    ax.set_yticks(range(len(best)), names)
-    ax.invert_yaxis()
-    ax.set_xlim(0, 38)
-    ax.set_xlabel("predicted seconds per step (global batch 512 × 4096 tokens)")
-    ax.set_title("70B on 64 H100s: the fastest layout for each TP degree (Lab 02's planner)")
-    ax.legend(fontsize=10, ncol=5, loc="lower center", bbox_to_anchor=(0.5, -0.42))
-    fig.tight_layout()
-    return fig
-
-
 def moe_capacity() -> Figure:
     """A modelled router's load on 8 experts against the capacity per capacity factor."""
     experts, tokens, top_k = 8, 4096, 2
@@ -1088,7 +1040,7 @@ def moe_dispatch() -> Figure:
         _box(ax, 0.2 + k * 2.4, 1.4, 2.0, 1.3, text, color, size=11)
         if k:
             _arrow(ax, (0.2 + k * 2.4 - 0.38, 2.05), (0.2 + k * 2.4 - 0.02, 2.05))
-    ax.text(6, 0.6, "forward: 2 all-to-alls (dispatch, combine); backward: 2 more, in reverse",
+    ax.text(6, 0.6, "a token goes to its expert's rank and comes back",
             ha="center", fontsize=12)
     ax.text(6, 3.35, "each rank holds E / ep experts; split sizes are known only at run time",
             ha="center", fontsize=12)
@@ -1834,7 +1786,6 @@ FIGURES: dict[str, Callable[[], Figure]] = {
     "mesh-groups-8": mesh_groups_8,
     "mesh-on-nodes": mesh_on_nodes,
     "bytes-per-dimension-7b": bytes_per_dimension_7b,
-    "planner-by-tp-70b": planner_by_tp_70b,
     "moe-dispatch": moe_dispatch,
     "moe-capacity": moe_capacity,
     "parameter-server-bytes": parameter_server_bytes,
