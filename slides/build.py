@@ -407,7 +407,8 @@ PATH = (
              "published number is.",
              "Predict strong and weak scaling with the α-β model, and compare with "
              "measurements.",
-             "Find a straggler, and catch a hang and a mismatched collective.",
+             "Find a straggler, catch a hang, and write the fingerprint check that catches a "
+             "mismatched collective.",
          ),
          gate=(
              ("Megatron reported 52% on 3072 A100s for a 1T-parameter model. MFU or HFU?",
