@@ -1113,7 +1113,7 @@ def checkpoint_waste_against_interval() -> Figure:
     fig, ax = plt.subplots(figsize=(8, 4.2))
     write_time = 2.0
     intervals = [5 + i * 0.5 for i in range(391)]
-    for color, hours in enumerate((2, 6, 24)):
+    for color, hours in enumerate((3, 12, 48)):
         mtbf = 60.0 * hours
         ax.plot(intervals, [100 * _wasted_fraction(t, write_time, mtbf) for t in intervals],
                 color=COLORS(color), label=f"M = {hours} h")
@@ -1134,7 +1134,7 @@ def checkpoint_bytes_per_rank() -> Figure:
     """12Ψ/N bytes each rank writes (fp32 master, m, v), against N, for three model sizes."""
     fig, ax = plt.subplots(figsize=(8, 4.2))
     ranks = [2 ** k for k in range(0, 13)]
-    for color, (name, psi) in enumerate((("7B", 7e9), ("70B", 70e9), ("405B", 405e9))):
+    for color, (name, psi) in enumerate((("7B", 7e9), ("30B", 30e9), ("405B", 405e9))):
         ax.plot(ranks, [12 * psi / n / GB for n in ranks], "o-", color=COLORS(color),
                 label=f"{name}: {12 * psi / GB:,.0f} GB in all")
     ax.set_xscale("log", base=2)
