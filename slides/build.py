@@ -451,22 +451,22 @@ PATH = (
                 "Lab 05: the all-gather before a column-parallel layer (sequence parallel)"),
          objectives=(
              "Build a parameter server from `send` and `recv` (synchronous, asynchronous, "
-             "sharded), and compare its link's N·S with the ring's 2(N−1)/N·S.",
+             "sharded), and predict, then count, the bytes on its links against a ring rank's.",
              "Compress gradients inside DDP with top-k and PowerSGD, with error feedback, and "
              "count the bytes saved.",
              "Cut tensor parallelism's all-gather into ring steps that overlap the matmul, "
              "and see it in a profiler trace.",
          ),
          gate=(
-             ("Where is a parameter server still a good choice?",
-              "Sparse updates (huge embedding tables, a few rows touched per step) and "
-              "workers of uneven speed, with asynchronous updates."),
+             ("Top-k with error feedback: what does the sum of everything sent, plus the current "
+              "residual, equal?",
+              "The **sum of all the gradients** so far: nothing is lost, only delayed."),
              ("PowerSGD with rank r = 2 on a 1024 × 4096 gradient: how many elements are "
               "all-reduced?",
               "(1024 + 4096)·2 = **10,240**, instead of 4,194,304: about 400 times fewer."),
              ("Does asynchronous tensor parallelism send fewer bytes?",
-              "**No**, the same as the all-gather; only *when* they move changes, so t−1 of "
-              "the t matmuls overlap a transfer."),
+              "**No**, the same as the all-gather; only *when* they move changes, so the "
+              "transfers hide behind the matmuls."),
          )),
     Step("11_nodes_and_links", "Nodes and links", "about 30 min of slides, then the lab (2 h)",
          needs=("Lab 01: ring all-reduce, the α-β model and `auto`",

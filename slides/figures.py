@@ -912,28 +912,6 @@ def mesh_groups_8() -> Figure:
     return draw_mesh_groups({"pp": 2, "dp": 2, "tp": 2})
 
 
-def parameter_server_bytes() -> Figure:
-    """Bytes per step on a server's link against each rank's in ring all-reduce (Li et al.)."""
-    fig, ax = plt.subplots(figsize=(10, 4))
-    ns = list(range(2, 65))
-    for servers, style in ((1, "-"), (8, "--")):
-        ax.plot(ns, [traffic.parameter_server_traffic(1.0, n, servers)["server"].bytes_sent
-                     for n in ns], lw=2.5, ls=style, label=f"a server's link, {servers} "
-                     f"server{'s' if servers > 1 else ''}: N·S/{servers}")
-    ax.plot(ns, [traffic.parameter_server_traffic(1.0, n)["worker"].bytes_sent for n in ns],
-            lw=2, color="0.5", label="a worker: S")
-    ax.plot(ns, [ring_bytes_sent("all_reduce", 1.0, n) for n in ns], lw=2.5,
-            label="ring all-reduce, every rank: 2(N−1)/N·S")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log", base=2)
-    ax.set_xlabel("workers N")
-    ax.set_ylabel("bytes sent per step / S")
-    ax.set_title("The server's link carries N times the gradient; the ring's ranks under 2S")
-    ax.legend(fontsize=10, loc="upper left")
-    fig.tight_layout()
-    return fig
-
-
 def mesh_on_nodes() -> Figure:
     """Where one TP group of 8 lands on 8 nodes of 8 GPUs, with TP fastest or slowest."""
     fig, axes = plt.subplots(2, 1, figsize=(11, 4.4))
@@ -1083,23 +1061,25 @@ def compressed_bytes_against_n() -> Figure:
     return fig
 
 
-def async_tp_timeline() -> Figure:
+def async_tp_timeline(t: int = 3) -> Figure:
     """All-gather then matmul, against ring steps whose matmuls overlap the next transfer
-    (t = 4, a shard's transfer and matmul take one unit each)."""
-    fig, ax = _canvas(10, 3.2, (-2.4, 8.6), (0.2, 4.1))
+    (a shard's transfer and matmul take one unit each)."""
+    plain_done, async_done = 2 * t - 1, t
+    fig, ax = _canvas(10, 3.2, (-2.4, plain_done + 1.6), (0.2, 4.1))
     rows = {"plain: link": 3.3, "plain: compute": 2.5, "async: link": 1.2, "async: compute": 0.4}
     for label, y in rows.items():
         ax.text(-0.15, y + 0.3, label, ha="right", va="center", fontsize=11)
-    for step in range(3):
+    for step in range(t - 1):
         _box(ax, step, rows["plain: link"], 1, 0.6, f"gather {step + 1}", "#f4b183", size=10)
         _box(ax, step, rows["async: link"], 1, 0.6, f"shard {step + 1}", "#f4b183", size=10)
-    for step in range(4):
-        _box(ax, 3 + step, rows["plain: compute"], 1, 0.6, f"matmul {step}", "#9dc3e6", size=10)
+    for step in range(t):
+        _box(ax, t - 1 + step, rows["plain: compute"], 1, 0.6, f"matmul {step}", "#9dc3e6",
+             size=10)
         _box(ax, step, rows["async: compute"], 1, 0.6, f"matmul {step}", "#9dc3e6", size=10)
-    ax.axvline(4, color="0.4", ls="--", lw=1)
-    ax.axvline(7, color="0.4", ls="--", lw=1)
-    ax.text(4.05, 2.0, "async done: 4", fontsize=11)
-    ax.text(7.05, 2.0, "plain done: 7", fontsize=11)
+    for done, name in ((async_done, "async"), (plain_done, "plain")):
+        ax.axvline(done, color="0.4", ls="--", lw=1)
+        ax.text(done + 0.05, 2.0, f"{name} done: {done}", fontsize=11)
+    ax.text(0, 4.0, f"t = {t} ranks; one rank's view", fontsize=11)
     return fig
 
 
@@ -1788,7 +1768,6 @@ FIGURES: dict[str, Callable[[], Figure]] = {
     "bytes-per-dimension-7b": bytes_per_dimension_7b,
     "moe-dispatch": moe_dispatch,
     "moe-capacity": moe_capacity,
-    "parameter-server-bytes": parameter_server_bytes,
     "parameter-server-time": parameter_server_time_against_n,
     "staleness-convergence": staleness_convergence,
     "compressed-bytes-against-n": compressed_bytes_against_n,
