@@ -350,10 +350,6 @@ def reduce_scatter_then_all_gather() -> Figure:
     return draw_collectives(["reduce_scatter", "all_gather"], world_size=3)
 
 
-def all_reduce_only() -> Figure:
-    return draw_collectives(["all_reduce"], world_size=3)
-
-
 # --- Lab 02: one device and one link -----------------------------------------------------------
 
 
@@ -1069,13 +1065,13 @@ def async_tp_timeline(t: int = 3) -> Figure:
     rows = {"plain: link": 3.3, "plain: compute": 2.5, "async: link": 1.2, "async: compute": 0.4}
     for label, y in rows.items():
         ax.text(-0.15, y + 0.3, label, ha="right", va="center", fontsize=11)
-    for step in range(t - 1):
-        _box(ax, step, rows["plain: link"], 1, 0.6, f"gather {step + 1}", "#f4b183", size=10)
-        _box(ax, step, rows["async: link"], 1, 0.6, f"shard {step + 1}", "#f4b183", size=10)
-    for step in range(t):
-        _box(ax, t - 1 + step, rows["plain: compute"], 1, 0.6, f"matmul {step}", "#9dc3e6",
+    for hop in range(t - 1):
+        _box(ax, hop, rows["plain: link"], 1, 0.6, f"gather {hop + 1}", "#f4b183", size=10)
+        _box(ax, hop, rows["async: link"], 1, 0.6, f"shard {hop + 1}", "#f4b183", size=10)
+    for k in range(t):
+        _box(ax, t - 1 + k, rows["plain: compute"], 1, 0.6, f"matmul {k}", "#9dc3e6",
              size=10)
-        _box(ax, step, rows["async: compute"], 1, 0.6, f"matmul {step}", "#9dc3e6", size=10)
+        _box(ax, k, rows["async: compute"], 1, 0.6, f"matmul {k}", "#9dc3e6", size=10)
     for done, name in ((async_done, "async"), (plain_done, "plain")):
         ax.axvline(done, color="0.4", ls="--", lw=1)
         ax.text(done + 0.05, 2.0, f"{name} done: {done}", fontsize=11)
@@ -1730,7 +1726,6 @@ FIGURES: dict[str, Callable[[], Figure]] = {
     "broadcast-reduce-all-reduce": collectives_part_one,
     "all-gather-reduce-scatter-send": collectives_part_two,
     "reduce-scatter-then-all-gather": reduce_scatter_then_all_gather,
-    "all-reduce": all_reduce_only,
     "ring-reduce-scatter-steps": ring_reduce_scatter_steps,
     "ring-bytes-against-n": ring_bytes_against_n,
     "alpha-beta-time": alpha_beta_time,
