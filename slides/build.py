@@ -241,29 +241,27 @@ PATH = (
               "**Recursive doubling**: log₂N steps instead of the ring's 2(N−1), and at small "
               "sizes the α of each step is nearly the whole cost."),
          )),
-    Step("02_memory_math", "Memory, communication and bubble math",
+    Step("02_memory_math", "One device and one link",
          "about 40 min of slides, then the lab (2 h)",
-         needs=("Lab 01: the α-β model and the bytes of an all-reduce",
+         needs=("Lab 01: the α-β model of a link",
                 "A transformer's parts (embedding, attention, MLP, LayerNorm) and what "
                 "backward computes"),
          objectives=(
-             "Count the model state of mixed-precision Adam, 16 bytes per parameter, and say "
-             "where each byte lives.",
-             "Predict the activations a transformer layer saves for backward, with and "
-             "without recomputation.",
-             "Count a step's FLOPs (6Ψ per token plus attention) and turn a throughput into "
-             "MFU.",
-             "Price a message on one link with the α-β model, against the compute it could "
-             "hide behind.",
+             "Count the model state of mixed-precision Adam per parameter, say where each "
+             "byte lives, and measure what PyTorch holds.",
+             "Predict the activations a transformer layer keeps for backward, measure them "
+             "tensor by tensor, and write full recompute.",
+             "Count a step's FLOPs, and turn a throughput into MFU and HFU.",
+             "Price a message on one link with the α-β model, and tell from a roofline when a "
+             "transfer hides under compute.",
          ),
          gate=(
              ("Why does mixed-precision Adam need 16 bytes per parameter, not 12 or 14?",
               "2 (bf16 weights) + 2 (bf16 gradients) + 12 (fp32 master weights, Adam's m and "
               "v, 4 bytes each) = **16**."),
-             ("Full recomputation keeps only each layer's input. How many bytes per layer is "
-              "that, and what does it cost?",
-              "**2·s·b·h** bytes (16-bit) instead of s·b·h·(34 + 5·a·s/h); the price is one "
-              "more forward pass, about a third more compute per step."),
+             ("Flash attention and selective recompute: why do they save the same memory?",
+              "Both drop the **s × s attention scores** from what a layer keeps, and recompute "
+              "them in backward from q, k (and a log-sum-exp per row)."),
              ("A 7B model (L = 32, h = 4096, s = 4096) trains at 60,000 tokens/s on 8 H100s "
               "of 989 TFLOP/s (bf16) each. What is its MFU?",
               "6·7·10⁹ + 12·32·4096·4096 ≈ 48.4 GFLOP per token; × 60,000 / (8 × 989·10¹²) "
@@ -271,14 +269,16 @@ PATH = (
          )),
     Step("03_data_parallel", "Data parallel", "about 35 min of slides, then the lab (2–3 h)",
          needs=("Lab 01: all-reduce and its 2(N−1)/N·S bytes per rank",
-                "Lab 02: bytes per parameter and the α-β model"),
+                "Lab 02: FLOPs per token, and when a transfer hides under compute"),
          objectives=(
              "Average gradients across ranks three ways: an all-reduce per tensor, one flat "
              "buffer, buckets launched during backward.",
+             "Predict and count the bytes each rank sends per step, and derive the fewest "
+             "tokens per GPU for which the all-reduce can hide under backward.",
              "Show on a timeline that bucketed all-reduces overlap backward, and explain why "
              "buckets fill in reverse order.",
              "Accumulate gradients with `no_sync()`, reshuffle with "
-             "`DistributedSampler.set_epoch`, and scale the learning rate with warmup.",
+             "`DistributedSampler.set_epoch`, and derive the learning rate a bigger batch needs.",
          ),
          gate=(
              ("Why does data parallelism send the same bytes per step whatever the batch "
@@ -298,11 +298,11 @@ PATH = (
                 "Lab 03: DDP's gradient all-reduce and its buckets"),
          objectives=(
              "Shard the optimizer state (ZeRO-1), then the gradients (ZeRO-2), then the "
-             "parameters (FSDP), and give the memory per rank of each.",
+             "parameters (FSDP), and predict, then measure, what each holds and sends per rank.",
              "Build FSDP's loop over units: gather before forward and backward, free, "
-             "reduce-scatter into the shard, prefetch the next unit.",
+             "reduce-scatter into the shard, prefetch the next unit asynchronously.",
              "Explain why ZeRO-1 and ZeRO-2 send what DDP sends (2Ψ) and ZeRO-3 half as much "
-             "again (3Ψ).",
+             "again (3Ψ), and derive when prefetch hides FSDP's gathers.",
          ),
          gate=(
              ("Ψ = 7.5B parameters on N = 64 ranks: model state per rank under ZeRO-1, ZeRO-2 "
@@ -324,12 +324,12 @@ PATH = (
          objectives=(
              "Split a linear layer by its outputs (column) or its inputs (row), and say what "
              "communication each split needs.",
-             "Write Megatron's f and g, and build the parallel MLP and attention by heads: 2 "
-             "all-reduces forward and 2 backward per block.",
-             "Compute cross-entropy over a vocabulary split across ranks without gathering "
-             "the logits.",
-             "Explain what sequence parallelism splits, and measure its activations per rank "
-             "at 1/t.",
+             "Write Megatron's f and g, build the parallel MLP and attention by heads, and count "
+             "a block's collectives against your prediction.",
+             "Compute cross-entropy over a vocabulary split across ranks without gathering the "
+             "logits, and weigh a layer's messages against its matmuls.",
+             "Write sequence parallelism's g and ḡ, and predict, then measure, what a rank "
+             "keeps and sends with it.",
          ),
          gate=(
              ("Why is the MLP column-parallel first and row-parallel second, not the other way "
@@ -340,7 +340,7 @@ PATH = (
              ("b = 1, s = 4096, h = 4096 in bf16, t = 8: bytes in each TP all-reduce, and "
               "bytes each rank sends for it on a ring?",
               "b·s·h = 16.8M elements = **33.5 MB**; each rank sends 2·7/8 × 33.5 ≈ "
-              "**58.7 MB**, four times per layer."),
+              "**58.7 MB** for it."),
              ("Why does tensor parallelism stay inside a node while data parallelism crosses "
               "nodes?",
               "TP's collectives sit **between** matmuls, on the critical path of every layer; "
@@ -348,25 +348,29 @@ PATH = (
          )),
     Step("06_pipeline", "Pipeline parallel", "about 40 min of slides, then the lab (3 h)",
          needs=("Lab 00: `send`, `recv` and deadlocks",
-                "Lab 03: accumulating gradients over microbatches"),
+                "Lab 03: accumulating gradients over microbatches",
+                "Lab 05: a transformer layer's matmuls"),
          objectives=(
-             "Write pipeline schedules as data (GPipe, 1F1B), and check them with a "
+             "Write pipeline schedules as data (1F1B, interleaved), and check them with a "
              "validator and a simulator.",
-             "Tell the two bubble fractions apart: (p−1)/(m+p−1) of total time, (p−1)/m of "
-             "ideal time.",
-             "Run a real send/recv pipeline, and say what 1F1B saves (memory) and what "
-             "interleaved and zero-bubble schedules save (bubble).",
+             "Derive GPipe's bubble two ways, of total time and relative to the ideal time, and "
+             "say which one a published figure is.",
+             "Run a real send/recv pipeline with your own executor, and weigh a stage's sends "
+             "against its compute.",
+             "Predict, then measure, what 1F1B, interleaved and zero-bubble schedules change in "
+             "time and in memory.",
          ),
          gate=(
              ("p = 4 stages, m = 8 microbatches: the bubble as a share of total time?",
               "(p−1)/(m+p−1) = 3/11 ≈ **27.3%**, not 8%; relative to the ideal time it is "
               "3/8."),
-             ("Does 1F1B have a smaller bubble than GPipe?",
-              "**No**, the same. 1F1B holds min(p−i, m) microbatches on stage i instead of m: "
-              "it saves memory."),
+             ("What does splitting the backward into B and W let a zero-bubble schedule do?",
+              "Run each **W later**, in the gaps where the rank would idle: nothing upstream waits "
+              "for W, only the optimizer step."),
              ("Why is the pipeline the parallelism that crosses nodes?",
-              "Each stage boundary carries only b·s·h per microbatch, point to point; tensor "
-              "parallelism runs four collectives of that size in every layer."),
+              "Each stage boundary carries only b·s·h per microbatch, point to point, against a "
+              "stage's matmuls; tensor parallelism runs collectives of that size inside every "
+              "layer."),
          )),
     Step("07_3d_parallel", "3D parallel and experts", "about 40 min of slides, then the lab (3 h)",
          needs=("Lab 03: data parallel", "Lab 05: tensor parallel",
@@ -377,6 +381,8 @@ PATH = (
              "Wire one dp·pp·tp training step from Labs 03, 05 and 06, equal to one process, "
              "and count the bytes of each mesh dimension.",
              "Dispatch tokens to experts with all-to-all, and compute an expert's capacity.",
+             "Write a planner's cost function from Labs 02–06, and predict the layout it picks "
+             "for a 70B model on 64 GPUs.",
          ),
          gate=(
              ("`Mesh(pp=2, dp=2, tp=4)`, TP varying fastest: which ranks are in rank 5's TP, "
@@ -401,7 +407,8 @@ PATH = (
              "published number is.",
              "Predict strong and weak scaling with the α-β model, and compare with "
              "measurements.",
-             "Find a straggler, and catch a hang and a mismatched collective.",
+             "Find a straggler, catch a hang, and write the fingerprint check that catches a "
+             "mismatched collective.",
          ),
          gate=(
              ("Megatron reported 52% on 3072 A100s for a 1T-parameter model. MFU or HFU?",
@@ -444,22 +451,22 @@ PATH = (
                 "Lab 05: the all-gather before a column-parallel layer (sequence parallel)"),
          objectives=(
              "Build a parameter server from `send` and `recv` (synchronous, asynchronous, "
-             "sharded), and compare its link's N·S with the ring's 2(N−1)/N·S.",
+             "sharded), and predict, then count, the bytes on its links against a ring rank's.",
              "Compress gradients inside DDP with top-k and PowerSGD, with error feedback, and "
              "count the bytes saved.",
              "Cut tensor parallelism's all-gather into ring steps that overlap the matmul, "
              "and see it in a profiler trace.",
          ),
          gate=(
-             ("Where is a parameter server still a good choice?",
-              "Sparse updates (huge embedding tables, a few rows touched per step) and "
-              "workers of uneven speed, with asynchronous updates."),
+             ("Top-k with error feedback: what does the sum of everything sent, plus the current "
+              "residual, equal?",
+              "The **sum of all the gradients** so far: nothing is lost, only delayed."),
              ("PowerSGD with rank r = 2 on a 1024 × 4096 gradient: how many elements are "
               "all-reduced?",
               "(1024 + 4096)·2 = **10,240**, instead of 4,194,304: about 400 times fewer."),
              ("Does asynchronous tensor parallelism send fewer bytes?",
-              "**No**, the same as the all-gather; only *when* they move changes, so t−1 of "
-              "the t matmuls overlap a transfer."),
+              "**No**, the same as the all-gather; only *when* they move changes, so the "
+              "transfers hide behind the matmuls."),
          )),
     Step("11_nodes_and_links", "Nodes and links", "about 30 min of slides, then the lab (2 h)",
          needs=("Lab 01: ring all-reduce, the α-β model and `auto`",

@@ -29,7 +29,6 @@ from minidist import (  # noqa: E402
     memory,
     moe,
     pipeline,
-    planner,
     tiers,
     traffic,
 )
@@ -45,7 +44,14 @@ from minidist.cost import (  # noqa: E402
     ring_bytes_sent,
 )
 from minidist.ddp import assign_buckets, plot_timeline  # noqa: E402
-from minidist.diagrams import draw_collectives, draw_linear_splits, draw_two_tiers  # noqa: E402
+from minidist.diagrams import (  # noqa: E402
+    draw_collectives,
+    draw_linear_splits,
+    draw_mesh_groups,
+    draw_roofline,
+    draw_tensor_parallel_mlp,
+    draw_two_tiers,
+)
 from minidist.mesh import group_ranks  # noqa: E402
 from minidist.network import ALGORITHMS as TWO_TIER_ALGORITHMS  # noqa: E402
 from minidist.network import TwoTier, hierarchical_bytes  # noqa: E402
@@ -53,7 +59,7 @@ from minidist.param_server import stale_gradient_descent  # noqa: E402
 from minidist.planner import MODELS, Cluster  # noqa: E402
 from minidist.profiling import ProfileTimeline  # noqa: E402
 from minidist.timeline import Event, plot_events  # noqa: E402
-from minidist.widgets import draw_memory, memory_by_zero_stage  # noqa: E402
+from minidist.widgets import draw_memory, memory_by_zero_stage, memory_on_one_device  # noqa: E402
 
 GB = memory.GB
 H100 = Cluster.dgx_h100(64)
@@ -243,18 +249,18 @@ def ring_bytes_against_n() -> Figure:
     ns = list(range(2, 65))
     ax.plot(ns, [ring_bytes_sent("all_reduce", 1.0, n) for n in ns], lw=3,
             label="ring all-reduce: 2(N−1)/N · S  (correct)")
-    ax.plot(ns, [2.0] * len(ns), ls="--", color="0.4", label="“2S regardless of N” (the limit)")
+    ax.plot(ns, [2.0] * len(ns), ls="--", color="0.4", label="“2S whatever N is”")
     ax.plot(ns, [2.0 / n for n in ns], ls=":", color="tab:red", label="“divided by N” (wrong)")
-    for n in (2, 4, 8):
+    for n, place in ((2, (2.9, 0.95)), (3, (4.5, 1.22)), (16, (20, 1.6))):
         value = ring_bytes_sent("all_reduce", 1.0, n)
-        ax.annotate(f"N={n}: {value:.2f} S", (n, value), (n + 4, value - 0.45),
+        ax.annotate(f"N={n}: {value:.2f} S", (n, value), place,
                     arrowprops={"arrowstyle": "->"}, fontsize=11)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("ranks N")
     ax.set_ylabel("bytes sent per rank / S")
     ax.set_ylim(0, 2.3)
     ax.set_title("Per-rank traffic of ring all-reduce hardly grows with N")
-    ax.legend(fontsize=10, loc="center right")
+    ax.legend(fontsize=10, loc="lower right")
     fig.tight_layout()
     return fig
 
@@ -275,8 +281,8 @@ def alpha_beta_time() -> Figure:
                         for s in sizes], lw=2.5, label=f"N = {n}")
     ax.axvspan(sizes[0], 64e3, color="tab:orange", alpha=0.12)
     ax.axvspan(64e6, sizes[-1], color="tab:blue", alpha=0.10)
-    ax.text(1.5e3, 4, "latency-bound:\n2(N−1)·α dominates", fontsize=11)
-    ax.text(7e7, 0.06, "bandwidth-bound:\n2(N−1)/N·S·β\ndominates", fontsize=11)
+    ax.text(1.5e3, 4, "latency-bound:\nthe α of each step\ndominates", fontsize=11)
+    ax.text(7e7, 0.06, "bandwidth-bound:\nthe bytes\ndominate", fontsize=11)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("message size S (bytes)")
@@ -298,8 +304,7 @@ def all_reduce_algorithms() -> Figure:
                 lw=2.5, label=algorithm.replace("_", " "))
     crossover = crossover_size("recursive_doubling", "rabenseifner", n, ALPHA, beta)
     ax.axvline(crossover, color="0.4", ls=":", lw=1.5)
-    ax.text(crossover * 1.3, 8, f"crossover\n3α/(1.25β)\n≈ {crossover / 1e3:.0f} KB",
-            fontsize=11)
+    ax.text(crossover * 1.3, 8, "recursive doubling\nand Rabenseifner\ncross", fontsize=11)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("message size S (bytes)")
@@ -345,11 +350,7 @@ def reduce_scatter_then_all_gather() -> Figure:
     return draw_collectives(["reduce_scatter", "all_gather"], world_size=3)
 
 
-def all_reduce_only() -> Figure:
-    return draw_collectives(["all_reduce"], world_size=3)
-
-
-# --- Lab 02: memory, communication, bubbles ----------------------------------------------------
+# --- Lab 02: one device and one link -----------------------------------------------------------
 
 
 def sixteen_bytes() -> Figure:
@@ -375,106 +376,90 @@ def sixteen_bytes() -> Figure:
     return fig
 
 
-def zero_stages_7_5b() -> Figure:
-    """ZeRO's own check: Ψ = 7.5B on N = 64 ranks, 120 / 31.4 / 16.6 / 1.9 GB."""
-    fig, ax = plt.subplots(figsize=(10, 4))
-    for stage in range(4):
-        state = memory.model_state_bytes(7.5e9, stage, 64)
-        bottom = 0.0
-        for j, part in enumerate(("params", "grads", "optimizer")):
-            value = getattr(state, part) / GB
-            ax.bar(stage, value, bottom=bottom, color=COLORS(j),
-                   label={"params": "parameters", "grads": "gradients",
-                          "optimizer": "optimizer state"}[part] if stage == 0 else None)
-            bottom += value
-        ax.text(stage, bottom + 2, f"{bottom:.1f} GB", ha="center", fontsize=12)
-    ax.set_xticks(range(4), ["DDP (stage 0)\n16Ψ", "ZeRO-1\n4Ψ + 12Ψ/N", "ZeRO-2\n2Ψ + 14Ψ/N",
-                             "ZeRO-3 / FSDP\n16Ψ/N"])
-    ax.set_ylabel("GB per rank")
-    ax.set_ylim(0, 140)
-    ax.set_title("Ψ = 7.5 B parameters, N = 64 ranks (ZeRO Figure 1)")
-    ax.legend(fontsize=10)
+ONE_DEVICE_LAYER = MODELS["7B"]  # the layer of the one-device slides: h = 4096, a = 32
+
+
+def activations_one_device() -> Figure:
+    """One 7B layer's activations on one device (Korthikanti Table 2), by sequence length and
+    recompute choice: the s² attention core, and what recompute keeps of it."""
+    h, a = ONE_DEVICE_LAYER.hidden, ONE_DEVICE_LAYER.heads
+    lengths = (2048, 4096, 8192)
+    choices = (("keep everything", None), ("selective recompute", "selective"),
+               ("full recompute", "full"))
+    fig, ax = plt.subplots(figsize=(10, 3.9))
+    width = 0.27
+    for k, (label, recompute) in enumerate(choices):
+        values = [memory.activation_bytes(s, 1, h, a, recompute=recompute) / GB for s in lengths]
+        bars = ax.bar([i + (k - 1) * width for i in range(len(lengths))], values, width,
+                      color=COLORS(k), label=label)
+        ax.bar_label(bars, fmt="%.2f", fontsize=10)
+    ax.set_xticks(range(len(lengths)), [f"s = {s}" for s in lengths])
+    ax.set_ylabel("GB kept per layer")
+    ax.set_title(f"One layer (h = {h}, a = {a}, b = 1, 16-bit): the attention core grows as s²")
+    ax.legend(fontsize=10, loc="upper left")
     fig.tight_layout()
     return fig
 
 
-def memory_bars_7b() -> Figure:
-    """minidist's memory calculator: a 7B model on 8 data-parallel ranks, per ZeRO stage."""
-    estimates = memory_by_zero_stage(MODELS["7B"], dp=8, recompute="full")
-    return draw_memory(estimates, H100.gpu_memory, selected=3,
-                       title="7B model (s = 4096, b = 1, full recompute), 8 data-parallel ranks: "
-                             "GB per GPU by ZeRO stage")
+def recompute_schedule() -> Figure:
+    """A step of 4 layers, plain and with full recompute, schematic: forward keeps each
+    layer's input only; backward runs each layer's forward again just before its backward."""
+    fig, ax = _canvas(11, 2.9, (-2.3, 19.5), (-0.3, 2.6))
+    lanes = (("plain", 1.5, False), ("full recompute", 0.2, True))
+    for name, y, again in lanes:
+        ax.text(-0.2, y + 0.35, name, ha="right", va="center", fontsize=11)
+        t = 0.0
+        for layer in range(4):
+            _box(ax, t, y, 1.0, 0.7, f"F{layer}", "#cfe3f3", size=10)
+            t += 1.0
+        for layer in reversed(range(4)):
+            if again:
+                _box(ax, t, y, 1.0, 0.7, f"F{layer}", "#f6d8a8", size=10)
+                t += 1.0
+            _box(ax, t, y, 2.0, 0.7, f"B{layer}", "#d9cdea", size=10)
+            t += 2.0
+    ax.text(0, 2.35, "blue: forward   purple: backward (about twice a forward)   "
+            "orange: the forward run again, with autograd recording", fontsize=10)
+    return fig
 
 
-def activation_settings() -> Figure:
-    """One 7B layer's activations under each setting of Korthikanti Table 2, t = 8."""
-    model = MODELS["7B"]
-    s, h, a, t = model.seq_len, model.hidden, model.heads, 8
-    settings = (("no parallelism", {}), ("TP t=8", {"tp": t}),
-                ("TP + SP", {"tp": t, "sequence_parallel": True}),
-                ("TP + selective\nrecompute", {"tp": t, "recompute": "selective"}),
-                ("TP + SP +\nselective", {"tp": t, "sequence_parallel": True,
-                                          "recompute": "selective"}),
-                ("full recompute", {"recompute": "full"}))
-    values = [memory.activation_bytes(s, 1, h, a, **kwargs) / GB for _, kwargs in settings]
-    fig, ax = plt.subplots(figsize=(10, 4))
-    ax.bar(range(len(values)), values, color=[COLORS(i) for i in range(len(values))])
-    for i, value in enumerate(values):
-        ax.text(i, value, f"{value:.2f}", ha="center", va="bottom", fontsize=11)
-    ax.set_xticks(range(len(values)), [name for name, _ in settings], fontsize=10)
-    ax.set_ylabel("GB per layer per rank")
-    ax.set_title(f"Activations of one layer (s = {s}, b = 1, h = {h}, a = {a}; 16-bit)")
+def one_gpu_memory() -> Figure:
+    """minidist's one-GPU calculator: 1.3B trained alone, each recompute choice."""
+    return draw_memory(memory_on_one_device(MODELS["1.3B"], seq_len=4096), H100.gpu_memory,
+                       selected="selective", name=lambda choice: f"recompute: {choice}",
+                       title="1.3B alone on one 80 GB GPU, s = 4096, b = 1: GB by recompute "
+                             "choice")
+
+
+LINKS = {"NVLink 4, α = 5 µs": (5e-6, 450e9), "InfiniBand NDR, α = 10 µs": (10e-6, 50e9),
+         "a laptop's loopback, α = 50 µs": (50e-6, 1e9)}
+
+
+def link_bandwidth() -> Figure:
+    """The bandwidth one message gets on an α-β link, S / (α + S·β), against its size."""
+    fig, ax = plt.subplots(figsize=(10, 3.9))
+    sizes = [2.0 ** k for k in range(8, 34)]
+    for k, (name, (alpha, bandwidth)) in enumerate(LINKS.items()):
+        got = [s / (alpha + s / bandwidth) / 1e9 for s in sizes]
+        ax.plot(sizes, got, lw=2.5, color=COLORS(k), label=f"{name}, {bandwidth / 1e9:g} GB/s")
+        ax.axhline(bandwidth / 1e9, color=COLORS(k), ls=":", lw=1)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("message size S (bytes)")
+    ax.set_ylabel("GB/s the message gets")
+    ax.set_title("One message on an α-β link: S / (α + S·β); dotted: the link's 1/β")
+    ax.legend(fontsize=10, loc="lower right")
     fig.tight_layout()
     return fig
 
 
-def comm_volume_by_stage() -> Figure:
-    """Bytes each rank sends per step, DDP and ZeRO 1-3 (ring, N = 8, bf16), 7B parameters."""
-    fig, ax = plt.subplots(figsize=(10, 3.8))
-    psi, n = MODELS["7B"].num_params, 8
-    names = ["DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3 / FSDP"]
-    for stage in range(len(names)):
-        volume = traffic.data_parallel_traffic(psi, n, stage)
-        left = 0.0
-        for collective in volume.collectives:
-            value = collective.bytes_sent / GB
-            color = {"all_reduce": "tab:purple", "reduce_scatter": "tab:orange",
-                     "all_gather": "tab:green"}[collective.op]
-            ax.barh(stage, value, left=left, color=color, edgecolor="white")
-            ax.text(left + value / 2, stage, collective.op.replace("_", "-"), ha="center",
-                    va="center", fontsize=10)
-            left += value
-        ax.text(left + 0.3, stage, f"{left:.1f} GB  ({volume.volume / psi / 2:g}Ψ elements)",
-                va="center", fontsize=11)
-    ax.set_yticks(range(4), names)
-    ax.invert_yaxis()
-    ax.set_xlim(0, 40)
-    ax.set_xlabel("GB sent per rank per step (7B parameters, bf16, ring over N = 8)")
-    ax.set_title("ZeRO-1 and ZeRO-2 send what DDP sends; ZeRO-3 sends 1.5×")
-    fig.tight_layout()
-    return fig
-
-
-def bubble_against_m() -> Figure:
-    """Both bubble fractions for p = 4, and the worked values."""
-    fig, ax = plt.subplots(figsize=(10, 4))
-    ms = list(range(1, 33))
-    total = [pipeline.bubble_fraction("1f1b", 4, m) for m in ms]
-    ideal = [pipeline.bubble_relative_to_ideal("1f1b", 4, m) for m in ms]
-    ax.plot(ms, total, lw=2.5, label="share of total time (p−1)/(m+p−1)")
-    ax.plot(ms, ideal, lw=2.5, ls="--", label="relative to ideal time (p−1)/m")
-    for m in (1, 8, 30):
-        value = pipeline.bubble_fraction("1f1b", 4, m)
-        ax.plot(m, value, "o", color="black")
-        ax.annotate(f"m={m}: {value:.1%}", (m, value), (m + 1.2, value + 0.18),
-                    arrowprops={"arrowstyle": "->"}, fontsize=11)
-    ax.set_ylim(0, 1.6)
-    ax.set_xlabel("microbatches m")
-    ax.set_ylabel("bubble")
-    ax.set_title("GPipe and 1F1B, p = 4 stages: two fractions, always say which")
-    ax.legend(fontsize=11)
-    fig.tight_layout()
-    return fig
+def roofline_h100() -> Figure:
+    """An H100's peak against its memory and two of its links, as rooflines."""
+    peak = H100.peak_flops
+    return draw_roofline({"H100 and its HBM3, 3.35 TB/s": (peak, 3.35e12),
+                          "H100, NVLink 4, 450 GB/s each way": (peak, 450e9),
+                          "H100, InfiniBand NDR, 50 GB/s": (peak, 50e9)},
+                         title="989 TFLOP/s (dense bf16) against a memory and two links")
 
 
 # --- Lab 03: data parallel ---------------------------------------------------------------------
@@ -621,6 +606,64 @@ def step_time_against_bucket_size() -> Figure:
 # --- Lab 04: ZeRO and FSDP ---------------------------------------------------------------------
 
 
+def zero_stages_7_5b() -> Figure:
+    """ZeRO's own check: Ψ = 7.5B on N = 64 ranks, 120 / 31.4 / 16.6 / 1.9 GB."""
+    fig, ax = plt.subplots(figsize=(10, 4))
+    for stage in range(4):
+        state = memory.model_state_bytes(7.5e9, stage, 64)
+        bottom = 0.0
+        for j, part in enumerate(("params", "grads", "optimizer")):
+            value = getattr(state, part) / GB
+            ax.bar(stage, value, bottom=bottom, color=COLORS(j),
+                   label={"params": "parameters", "grads": "gradients",
+                          "optimizer": "optimizer state"}[part] if stage == 0 else None)
+            bottom += value
+        ax.text(stage, bottom + 2, f"{bottom:.1f} GB", ha="center", fontsize=12)
+    ax.set_xticks(range(4), ["DDP (stage 0)\n16Ψ", "ZeRO-1\n4Ψ + 12Ψ/N", "ZeRO-2\n2Ψ + 14Ψ/N",
+                             "ZeRO-3 / FSDP\n16Ψ/N"])
+    ax.set_ylabel("GB per rank")
+    ax.set_ylim(0, 140)
+    ax.set_title("Ψ = 7.5 B parameters, N = 64 ranks (ZeRO Figure 1)")
+    ax.legend(fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def memory_bars_7b() -> Figure:
+    """minidist's memory calculator: a 7B model on 8 data-parallel ranks, per ZeRO stage."""
+    estimates = memory_by_zero_stage(MODELS["7B"], dp=8, recompute="full")
+    return draw_memory(estimates, H100.gpu_memory, selected=3,
+                       title="7B model (s = 4096, b = 1, full recompute), 8 data-parallel ranks: "
+                             "GB per GPU by ZeRO stage")
+
+
+def comm_volume_by_stage() -> Figure:
+    """Bytes each rank sends per step, DDP and ZeRO 1-3 (ring, N = 8, bf16), 7B parameters."""
+    fig, ax = plt.subplots(figsize=(10, 3.8))
+    psi, n = MODELS["7B"].num_params, 8
+    names = ["DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3 / FSDP"]
+    for stage in range(len(names)):
+        volume = traffic.data_parallel_traffic(psi, n, stage)
+        left = 0.0
+        for collective in volume.collectives:
+            value = collective.bytes_sent / GB
+            color = {"all_reduce": "tab:purple", "reduce_scatter": "tab:orange",
+                     "all_gather": "tab:green"}[collective.op]
+            ax.barh(stage, value, left=left, color=color, edgecolor="white")
+            ax.text(left + value / 2, stage, collective.op.replace("_", "-"), ha="center",
+                    va="center", fontsize=10)
+            left += value
+        ax.text(left + 0.3, stage, f"{left:.1f} GB  ({volume.volume / psi / 2:g}Ψ elements)",
+                va="center", fontsize=11)
+    ax.set_yticks(range(4), names)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 40)
+    ax.set_xlabel("GB sent per rank per step (7B parameters, bf16, ring over N = 8)")
+    ax.set_title("ZeRO-1 and ZeRO-2 send what DDP sends; ZeRO-3 sends 1.5×")
+    fig.tight_layout()
+    return fig
+
+
 def zero_sharding_layout() -> Figure:
     """What each of 4 ranks keeps, per ZeRO stage."""
     stages = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3 / FSDP")
@@ -677,52 +720,36 @@ def zero_memory_against_n() -> Figure:
     return fig
 
 
+# One FSDP step of 4 units on one GPU, prefetch on, as Lab 04's model schedules it (a gather
+# takes 0.8 of a unit's forward, a backward twice a forward, a reduce-scatter as long as a
+# gather; the link carries one collective at a time, in the order they are issued):
+# (lane, label, start, end).
+FSDP_STEP = (
+    ("link", "AG 0", 0.0, 0.8), ("compute", "F 0", 0.8, 1.8), ("link", "AG 1", 0.8, 1.6),
+    ("compute", "F 1", 1.8, 2.8), ("link", "AG 2", 1.8, 2.6), ("compute", "F 2", 2.8, 3.8),
+    ("link", "AG 3", 2.8, 3.6), ("compute", "F 3", 3.8, 4.8), ("link", "AG 3", 4.8, 5.6),
+    ("link", "AG 2", 5.6, 6.4), ("compute", "B 3", 5.6, 7.6), ("link", "RS 3", 7.6, 8.4),
+    ("link", "AG 1", 8.4, 9.2), ("compute", "B 2", 7.6, 9.6), ("link", "RS 2", 9.6, 10.4),
+    ("link", "AG 0", 10.4, 11.2), ("compute", "B 1", 9.6, 11.6), ("link", "RS 1", 11.6, 12.4),
+    ("compute", "B 0", 11.6, 13.6), ("link", "RS 0", 13.6, 14.4),
+)
+
+
 def fsdp_unit_timeline() -> Figure:
-    """FSDP's forward and backward with prefetch, modelled: each unit's all-gather is issued
-    when the previous unit starts computing; one link carries the collectives in issue order."""
-    units, gather, scatter, forward, backward = 4, 0.8, 0.8, 1.0, 2.0
-    network_free = 0.0
-    network: list[tuple[float, float, str]] = []
-    compute: list[tuple[float, float, str]] = []
-
-    def communicate(issued: float, duration: float, label: str) -> float:
-        nonlocal network_free
-        start = max(issued, network_free)
-        network_free = start + duration
-        network.append((start, duration, label))
-        return network_free
-
-    gathered = {0: communicate(0.0, gather, "AG 0")}
-    free = 0.0
-    for unit in range(units):  # forward; the last unit prefetches backward's first gather
-        start = max(free, gathered[unit])
-        upcoming = unit + 1 if unit + 1 < units else units - 1
-        gathered[unit + 1 if unit + 1 < units else -1] = communicate(start, gather,
-                                                                    f"AG {upcoming}")
-        compute.append((start, forward, f"F {unit}"))
-        free = start + forward
-    gathered[units - 1] = gathered.pop(-1)
-    for unit in reversed(range(units)):
-        start = max(free, gathered[unit])
-        if unit > 0:
-            gathered[unit - 1] = communicate(start, gather, f"AG {unit - 1}")
-        compute.append((start, backward, f"B {unit}"))
-        free = start + backward
-        communicate(free, scatter, f"RS {unit}")
+    """FSDP_STEP drawn on two lanes: the GPU's compute and the link's collectives."""
     fig, ax = plt.subplots(figsize=(11, 3.4))
-    for row, spans in ((0, compute), (1, network)):
-        for start, duration, label in spans:
-            color = {"F": "tab:blue", "B": "tab:purple", "A": "tab:green",
-                     "R": "tab:orange"}[label[0]]
-            ax.barh(row, duration, left=start, color=color, edgecolor="white")
-            ax.text(start + duration / 2, row, label, ha="center", va="center", fontsize=10,
-                    color="white" if row == 0 else "black")
-    ax.set_yticks([0, 1], ["compute", "network"])
+    colors = {"F": "tab:blue", "B": "tab:purple", "A": "tab:green", "R": "tab:orange"}
+    for lane, label, start, end in FSDP_STEP:
+        row = 0 if lane == "compute" else 1
+        ax.barh(row, end - start, left=start, color=colors[label[0]], edgecolor="white")
+        ax.text((start + end) / 2, row, label, ha="center", va="center", fontsize=10,
+                color="white" if row == 0 else "black")
+    ax.set_yticks([0, 1], ["compute", "link"])
     ax.set_xlabel("time →   (AG = all-gather a unit's parameters, RS = reduce-scatter its "
                   "gradients)")
     ax.set_xticks([])
-    ax.set_title("FSDP, 4 units, modelled: each all-gather is prefetched while the previous "
-                 "unit computes")
+    ax.set_title("FSDP, 4 units, modelled: each gather prefetched while the unit before "
+                 "computes; the last unit gathered again for backward")
     fig.tight_layout()
     return fig
 
@@ -769,53 +796,33 @@ def linear_splits() -> Figure:
 
 
 def tensor_parallel_mlp() -> Figure:
-    """The Megatron MLP on 2 ranks: f, column-parallel A, GeLU, row-parallel B, g."""
-    fig, ax = _canvas(12, 3.8, (0, 12), (0, 4))
-    _box(ax, 0.1, 1.5, 1.2, 1.0, "X\n(whole)", "0.9")
-    _box(ax, 1.8, 1.5, 1.0, 1.0, "f", "#fde9b6", size=16, fontweight="bold")
-    for r in range(2):
-        y = 2.5 - r * 2.0
-        color = matplotlib.colors.to_hex(COLORS(r)) + "66"
-        _arrow(ax, (2.8, 2.0), (3.4, y + 0.5))
-        _box(ax, 3.4, y, 2.0, 1.0, f"X·A{r}\n(A column-split)", color, size=11)
-        _arrow(ax, (5.4, y + 0.5), (5.9, y + 0.5))
-        _box(ax, 5.9, y, 1.2, 1.0, "GeLU", color, size=11)
-        _arrow(ax, (7.1, y + 0.5), (7.6, y + 0.5))
-        _box(ax, 7.6, y, 2.0, 1.0, f"Y{r}·B{r}\n(B row-split)", color, size=11)
-        _arrow(ax, (9.6, y + 0.5), (10.0, 2.0))
-        ax.text(4.4, y + 1.1 if r == 0 else y - 0.3, f"rank {r}", ha="center", fontsize=10)
-    _box(ax, 10.0, 1.5, 1.0, 1.0, "g", "#fde9b6", size=16, fontweight="bold")
-    _arrow(ax, (11.0, 2.0), (11.5, 2.0))
-    ax.text(11.55, 2.0, "Z", va="center", fontsize=14)
-    _arrow(ax, (1.3, 2.0), (1.8, 2.0))
-    ax.text(2.3, 1.2, "fwd: identity\nbwd: all-reduce", ha="center", va="top", fontsize=10)
-    ax.text(10.5, 1.2, "fwd: all-reduce\nbwd: identity", ha="center", va="top", fontsize=10)
-    ax.text(6.5, 3.85, "no communication between A and B: Y's column slice is B's row slice",
-            ha="center", fontsize=11, style="italic")
-    return fig
+    return draw_tensor_parallel_mlp()
+
+
+def sequence_parallel_mlp() -> Figure:
+    return draw_tensor_parallel_mlp(sequence_parallel=True)
 
 
 def tensor_parallel_activations() -> Figure:
-    """Activations of one 7B layer per rank against t: TP alone, TP + SP, each with and
-    without selective recompute (Korthikanti Table 2)."""
+    """Activations of one 7B layer per rank against t under tensor parallelism alone, with
+    and without selective recompute (Korthikanti Table 2), and the part TP never splits."""
     model = MODELS["7B"]
     s, h, a = model.seq_len, model.hidden, model.heads
-    ts = [1, 2, 4, 8]
-    fig, ax = plt.subplots(figsize=(10, 4))
-    for label, sp, recompute, style, color in (
-            ("TP", False, None, "o-", COLORS(0)), ("TP + SP", True, None, "s-", COLORS(1)),
-            ("TP, selective recompute", False, "selective", "o--", COLORS(0)),
-            ("TP + SP, selective recompute", True, "selective", "s--", COLORS(1))):
-        ax.plot(ts, [memory.activation_bytes(s, 1, h, a, tp=t, sequence_parallel=sp,
-                                             recompute=recompute) / GB for t in ts],
-                style, color=color, lw=2.5, label=label)
-    ax.axhline(10 * s * h / GB, color="0.4", ls=":", label="10·s·b·h: what TP never splits")
+    ts = [1, 2, 4, 8, 16]
+    fig, ax = plt.subplots(figsize=(10, 3.9))
+    for label, recompute, style in (("TP alone", None, "o-"),
+                                    ("TP alone, selective recompute", "selective", "o--")):
+        ax.plot(ts, [memory.activation_bytes(s, 1, h, a, tp=t, recompute=recompute) / GB
+                     for t in ts], style, color=COLORS(0), lw=2.5, label=label)
+    ax.axhline(10 * s * h / GB, color="0.4", ls=":", label="10·s·b·h: what TP alone never splits")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xticks(ts, [str(t) for t in ts])
     ax.set_xlabel("tensor-parallel degree t")
     ax.set_ylabel("GB per layer per rank")
-    ax.set_title(f"One 7B layer's activations (s = {s}, b = 1, a = {a}): SP divides all of it by t")
+    ax.set_yticks([0.2, 0.5, 1, 2, 3], ["0.2", "0.5", "1", "2", "3"])
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set_title(f"One 7B layer's activations per rank (s = {s}, b = 1, a = {a}, 16-bit)")
     ax.legend(fontsize=10, loc="upper right")
     fig.tight_layout()
     return fig
@@ -847,104 +854,58 @@ def tensor_parallel_time_in_and_across_nodes() -> Figure:
 # --- Lab 06: pipeline parallel -----------------------------------------------------------------
 
 
-def _gantt(name: str, p: int, m: int, chunks: int = 1, title: str | None = None) -> Figure:
-    timeline = pipeline.simulate(pipeline.schedule(name, p, m, chunks))
-    return gantt.draw(timeline, title)
+def _gantt(name: str, p: int, m: int, title: str) -> Figure:
+    return gantt.draw(pipeline.simulate(pipeline.schedule(name, p, m)), title)
 
 
 def naive_pipeline() -> Figure:
-    return _gantt("gpipe", 4, 1, title="one batch, no microbatches (p = 4)")
-
-
-def gpipe_and_1f1b() -> Figure:
-    timelines = [pipeline.simulate(pipeline.schedule(name, 4, 8)) for name in ("gpipe", "1f1b")]
-    return gantt.draw_all(timelines, ["GPipe, p = 4, m = 8", "1F1B, p = 4, m = 8"])
+    return _gantt("gpipe", 3, 1, "one batch, no microbatches (p = 3)")
 
 
 def gpipe_only() -> Figure:
-    return _gantt("gpipe", 4, 8, title="GPipe, p = 4, m = 8")
+    return _gantt("gpipe", 4, 8, "GPipe, p = 4, m = 8")
 
 
-def interleaved_pipeline() -> Figure:
-    """1F1B against interleaved 1F1B; a chunk is half a stage, so it costs half (as in lab 06)."""
-    half = pipeline.Costs(F=0.5, B=0.5, W=0.5)
-    timelines = [pipeline.simulate(pipeline.schedule("1f1b", 4, 8)),
-                 pipeline.simulate(pipeline.schedule("interleaved", 4, 8, chunks=2), half)]
-    return gantt.draw_all(timelines, ["1F1B, p = 4, m = 8",
-                                      "interleaved 1F1B, p = 4, m = 8, v = 2 (paler = chunk 1)"])
+def interleaved_chunks(p: int = 4, v: int = 2) -> Figure:
+    """Which stages each rank holds with v chunks per rank (stage c·p + r on rank r), and the
+    path of one microbatch's forward through them."""
+    fig, ax = _canvas(11, 3.2, (-1.6, p * v * 1.3 + 0.2), (-0.9, p + 0.5))
+    for rank in range(p):
+        y = p - 1 - rank
+        ax.text(-0.2, y + 0.35, f"rank {rank}", ha="right", va="center", fontsize=11)
+        for chunk in range(v):
+            stage = chunk * p + rank
+            shade = matplotlib.colors.to_hex(COLORS(chunk)) + ("99" if chunk == 0 else "55")
+            _box(ax, stage * 1.3, y, 1.1, 0.7, f"stage {stage}", shade, size=10)
+    for stage in range(p * v - 1):
+        here, there = stage % p, (stage + 1) % p
+        _arrow(ax, (stage * 1.3 + 1.1, p - 1 - here + 0.35),
+               (stage * 1.3 + 1.3, p - 1 - there + 0.35))
+    ax.text(0, -0.7, f"p = {p} ranks, v = {v} chunks each: rank r holds stages r, r + p, …; "
+            "arrows: one microbatch's forward", fontsize=11)
+    return fig
 
 
-def zero_bubble_pipeline() -> Figure:
-    return _gantt("zb-h1", 4, 8, title="ZB-H1, p = 4, m = 8 (B and W split; 1F1B: 27.3%)")
-
-
-def inflight_by_stage() -> Figure:
-    """Peak microbatches whose activations each stage holds, p = 4, m = 8."""
-    fig, ax = plt.subplots(figsize=(10, 3.8))
-    p, m = 4, 8
-    names = ("gpipe", "1f1b", "zb-h1")
-    for k, name in enumerate(names):
-        values = [pipeline.inflight_microbatches(name, p, m, i) for i in range(p)]
-        ax.bar([i + (k - 1) * 0.27 for i in range(p)], values, width=0.27, label=name,
-               color=COLORS(k))
-        for i, value in enumerate(values):
-            ax.text(i + (k - 1) * 0.27, value, str(value), ha="center", va="bottom", fontsize=10)
-    ax.set_xticks(range(p), [f"stage {i}" for i in range(p)])
-    ax.set_ylabel("microbatches in flight (peak)")
-    ax.set_ylim(0, 9.5)
-    ax.set_title("p = 4, m = 8: GPipe holds m everywhere; 1F1B holds p − i")
-    ax.legend(fontsize=11)
-    fig.tight_layout()
+def backward_split() -> Figure:
+    """One stage's backward of one microbatch, split into B (the input's gradient, which the
+    stage before waits for) and W (the weights' gradient, needed only at the step)."""
+    fig, ax = _canvas(11, 2.4, (-0.2, 12.2), (-0.3, 2.2))
+    _box(ax, 0.0, 1.2, 1.6, 0.8, "F", "#cfe3f3")
+    _box(ax, 2.2, 1.2, 2.4, 0.8, "backward (B and W)", "#d9cdea", size=11)
+    ax.text(5.0, 1.6, "as one action (1F1B)", va="center", fontsize=11)
+    _box(ax, 0.0, 0.0, 1.6, 0.8, "F", "#cfe3f3")
+    _box(ax, 2.2, 0.0, 1.2, 0.8, "B", "#d9cdea")
+    _box(ax, 8.2, 0.0, 1.2, 0.8, "W", "#efe6f7")
+    _arrow(ax, (3.4, 0.4), (4.4, 0.4))
+    ax.text(4.5, 0.4, "input's gradient → the stage before", va="center", fontsize=10)
+    ax.text(9.6, 0.4, "weights' gradient:\nany time before the step", va="center", fontsize=10)
     return fig
 
 
 # --- Lab 07: 3D parallel and experts -----------------------------------------------------------
 
-MESH_8 = {"pp": 2, "dp": 2, "tp": 2}
-
-
 def mesh_groups_8() -> Figure:
-    """The 8 ranks of dp2·pp2·tp2 in Megatron's order, with the groups of each dimension."""
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
-    for ax, dim in zip(axes, ("tp", "dp", "pp"), strict=True):
-        ax.set_xlim(0, 4.6)
-        ax.set_ylim(-0.2, 2.6)
-        ax.axis("off")
-        colour_of = {rank: COLORS(k) for k, group in enumerate(group_ranks(MESH_8, dim))
-                     for rank in group}
-        for rank in range(8):
-            pp, dp, tp = rank // 4, rank // 2 % 2, rank % 2
-            x, y = pp * 2.4 + tp * 1.0, 1.3 - dp * 1.1
-            color = matplotlib.colors.to_hex(colour_of[rank]) + "77"
-            _box(ax, x + 0.1, y, 0.85, 0.8, str(rank), color, size=14)
-        for pp in range(2):
-            ax.text(pp * 2.4 + 1.05, 2.3, f"stage {pp}", ha="center", fontsize=11)
-        groups = group_ranks(MESH_8, dim)
-        ax.set_title(f"{dim} groups: " + " ".join(str(g) for g in groups), fontsize=11)
-    fig.suptitle("dp = pp = tp = 2, ranks numbered TP fastest, then DP, then PP "
-                 "(same colour = same group)", fontsize=12)
-    fig.tight_layout()
-    return fig
-def parameter_server_bytes() -> Figure:
-    """Bytes per step on a server's link against each rank's in ring all-reduce (Li et al.)."""
-    fig, ax = plt.subplots(figsize=(10, 4))
-    ns = list(range(2, 65))
-    for servers, style in ((1, "-"), (8, "--")):
-        ax.plot(ns, [traffic.parameter_server_traffic(1.0, n, servers)["server"].bytes_sent
-                     for n in ns], lw=2.5, ls=style, label=f"a server's link, {servers} "
-                     f"server{'s' if servers > 1 else ''}: N·S/{servers}")
-    ax.plot(ns, [traffic.parameter_server_traffic(1.0, n)["worker"].bytes_sent for n in ns],
-            lw=2, color="0.5", label="a worker: S")
-    ax.plot(ns, [ring_bytes_sent("all_reduce", 1.0, n) for n in ns], lw=2.5,
-            label="ring all-reduce, every rank: 2(N−1)/N·S")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log", base=2)
-    ax.set_xlabel("workers N")
-    ax.set_ylabel("bytes sent per step / S")
-    ax.set_title("The server's link carries N times the gradient; the ring's ranks under 2S")
-    ax.legend(fontsize=10, loc="upper left")
-    fig.tight_layout()
-    return fig
+    return draw_mesh_groups({"pp": 2, "dp": 2, "tp": 2})
 
 
 def mesh_on_nodes() -> Figure:
@@ -996,33 +957,6 @@ def bytes_per_dimension_7b() -> Figure:
     ax.set_xlabel("GB of full tensors per rank per step")
     ax.set_title(f"7B, s = {s}, b = 1, m = {m}, bf16, tp = {tp_size}, pp = {pp_size}: "
                  "TP moves the most")
-    fig.tight_layout()
-    return fig
-
-
-def planner_by_tp_70b() -> Figure:
-    """The planner's best step per TP degree for 70B on 64 H100s, split into its parts."""
-    plan = planner.plan(MODELS["70B"], H100, global_batch=512)
-    best = {}
-    for evaluation in plan.feasible:
-        best.setdefault(evaluation.layout.tp, evaluation)
-    parts = ("compute", "bubble", "tp_comm", "pp_comm", "dp_comm")
-    labels = ("compute", "bubble", "TP exposed", "PP exposed", "DP exposed")
-    fig, ax = plt.subplots(figsize=(10, 3.9))
-    names = [str(e.layout).split(" b=")[0] for _, e in sorted(best.items())]
-    left = [0.0] * len(best)
-    for k, (part, label) in enumerate(zip(parts, labels, strict=True)):
-        values = [getattr(e.time, part) for _, e in sorted(best.items())]
-        ax.barh(range(len(best)), values, left=left, color=COLORS(k), label=label)
-        left = [a + b for a, b in zip(left, values, strict=True)]
-    for y, total in enumerate(left):
-        ax.text(total + 0.2, y, f"{total:.1f} s", va="center", fontsize=11)
-    ax.set_yticks(range(len(best)), names)
-    ax.invert_yaxis()
-    ax.set_xlim(0, 38)
-    ax.set_xlabel("predicted seconds per step (global batch 512 × 4096 tokens)")
-    ax.set_title("70B on 64 H100s: the fastest layout for each TP degree (Lab 02's planner)")
-    ax.legend(fontsize=10, ncol=5, loc="lower center", bbox_to_anchor=(0.5, -0.42))
     fig.tight_layout()
     return fig
 
@@ -1080,7 +1014,7 @@ def moe_dispatch() -> Figure:
         _box(ax, 0.2 + k * 2.4, 1.4, 2.0, 1.3, text, color, size=11)
         if k:
             _arrow(ax, (0.2 + k * 2.4 - 0.38, 2.05), (0.2 + k * 2.4 - 0.02, 2.05))
-    ax.text(6, 0.6, "forward: 2 all-to-alls (dispatch, combine); backward: 2 more, in reverse",
+    ax.text(6, 0.6, "a token goes to its expert's rank and comes back",
             ha="center", fontsize=12)
     ax.text(6, 3.35, "each rank holds E / ep experts; split sizes are known only at run time",
             ha="center", fontsize=12)
@@ -1123,23 +1057,25 @@ def compressed_bytes_against_n() -> Figure:
     return fig
 
 
-def async_tp_timeline() -> Figure:
+def async_tp_timeline(t: int = 3) -> Figure:
     """All-gather then matmul, against ring steps whose matmuls overlap the next transfer
-    (t = 4, a shard's transfer and matmul take one unit each)."""
-    fig, ax = _canvas(10, 3.2, (-2.4, 8.6), (0.2, 4.1))
+    (a shard's transfer and matmul take one unit each)."""
+    plain_done, async_done = 2 * t - 1, t
+    fig, ax = _canvas(10, 3.2, (-2.4, plain_done + 1.6), (0.2, 4.1))
     rows = {"plain: link": 3.3, "plain: compute": 2.5, "async: link": 1.2, "async: compute": 0.4}
     for label, y in rows.items():
         ax.text(-0.15, y + 0.3, label, ha="right", va="center", fontsize=11)
-    for step in range(3):
-        _box(ax, step, rows["plain: link"], 1, 0.6, f"gather {step + 1}", "#f4b183", size=10)
-        _box(ax, step, rows["async: link"], 1, 0.6, f"shard {step + 1}", "#f4b183", size=10)
-    for step in range(4):
-        _box(ax, 3 + step, rows["plain: compute"], 1, 0.6, f"matmul {step}", "#9dc3e6", size=10)
-        _box(ax, step, rows["async: compute"], 1, 0.6, f"matmul {step}", "#9dc3e6", size=10)
-    ax.axvline(4, color="0.4", ls="--", lw=1)
-    ax.axvline(7, color="0.4", ls="--", lw=1)
-    ax.text(4.05, 2.0, "async done: 4", fontsize=11)
-    ax.text(7.05, 2.0, "plain done: 7", fontsize=11)
+    for hop in range(t - 1):
+        _box(ax, hop, rows["plain: link"], 1, 0.6, f"gather {hop + 1}", "#f4b183", size=10)
+        _box(ax, hop, rows["async: link"], 1, 0.6, f"shard {hop + 1}", "#f4b183", size=10)
+    for k in range(t):
+        _box(ax, t - 1 + k, rows["plain: compute"], 1, 0.6, f"matmul {k}", "#9dc3e6",
+             size=10)
+        _box(ax, k, rows["async: compute"], 1, 0.6, f"matmul {k}", "#9dc3e6", size=10)
+    for done, name in ((async_done, "async"), (plain_done, "plain")):
+        ax.axvline(done, color="0.4", ls="--", lw=1)
+        ax.text(done + 0.05, 2.0, f"{name} done: {done}", fontsize=11)
+    ax.text(0, 4.0, f"t = {t} ranks; one rank's view", fontsize=11)
     return fig
 
 
@@ -1153,7 +1089,7 @@ def checkpoint_waste_against_interval() -> Figure:
     fig, ax = plt.subplots(figsize=(8, 4.2))
     write_time = 2.0
     intervals = [5 + i * 0.5 for i in range(391)]
-    for color, hours in enumerate((2, 6, 24)):
+    for color, hours in enumerate((3, 12, 48)):
         mtbf = 60.0 * hours
         ax.plot(intervals, [100 * _wasted_fraction(t, write_time, mtbf) for t in intervals],
                 color=COLORS(color), label=f"M = {hours} h")
@@ -1174,7 +1110,7 @@ def checkpoint_bytes_per_rank() -> Figure:
     """12Ψ/N bytes each rank writes (fp32 master, m, v), against N, for three model sizes."""
     fig, ax = plt.subplots(figsize=(8, 4.2))
     ranks = [2 ** k for k in range(0, 13)]
-    for color, (name, psi) in enumerate((("7B", 7e9), ("70B", 70e9), ("405B", 405e9))):
+    for color, (name, psi) in enumerate((("7B", 7e9), ("30B", 30e9), ("405B", 405e9))):
         ax.plot(ranks, [12 * psi / n / GB for n in ranks], "o-", color=COLORS(color),
                 label=f"{name}: {12 * psi / GB:,.0f} GB in all")
     ax.set_xscale("log", base=2)
@@ -1790,18 +1726,20 @@ FIGURES: dict[str, Callable[[], Figure]] = {
     "broadcast-reduce-all-reduce": collectives_part_one,
     "all-gather-reduce-scatter-send": collectives_part_two,
     "reduce-scatter-then-all-gather": reduce_scatter_then_all_gather,
-    "all-reduce": all_reduce_only,
     "ring-reduce-scatter-steps": ring_reduce_scatter_steps,
     "ring-bytes-against-n": ring_bytes_against_n,
     "alpha-beta-time": alpha_beta_time,
     "all-reduce-algorithms": all_reduce_algorithms,
     "algbw-busbw": algbw_busbw,
     "sixteen-bytes": sixteen_bytes,
+    "activations-one-device": activations_one_device,
+    "recompute-schedule": recompute_schedule,
+    "one-gpu-memory": one_gpu_memory,
+    "link-bandwidth": link_bandwidth,
+    "roofline-h100": roofline_h100,
     "zero-stages-7.5b": zero_stages_7_5b,
     "memory-bars-7b": memory_bars_7b,
-    "activation-settings": activation_settings,
     "comm-volume-by-stage": comm_volume_by_stage,
-    "bubble-against-m": bubble_against_m,
     "data-parallel-split": data_parallel_split,
     "ddp-three-versions": ddp_three_versions,
     "ddp-bucket-timeline": ddp_bucket_timeline,
@@ -1813,21 +1751,18 @@ FIGURES: dict[str, Callable[[], Figure]] = {
     "fsdp-units-gathered": fsdp_units_gathered,
     "linear-splits": linear_splits,
     "tensor-parallel-mlp": tensor_parallel_mlp,
+    "sequence-parallel-mlp": sequence_parallel_mlp,
     "tensor-parallel-activations": tensor_parallel_activations,
     "tensor-parallel-time": tensor_parallel_time_in_and_across_nodes,
     "naive-pipeline": naive_pipeline,
     "gpipe": gpipe_only,
-    "gpipe-and-1f1b": gpipe_and_1f1b,
-    "interleaved-pipeline": interleaved_pipeline,
-    "zero-bubble-pipeline": zero_bubble_pipeline,
-    "inflight-by-stage": inflight_by_stage,
+    "interleaved-chunks": interleaved_chunks,
+    "backward-split": backward_split,
     "mesh-groups-8": mesh_groups_8,
     "mesh-on-nodes": mesh_on_nodes,
     "bytes-per-dimension-7b": bytes_per_dimension_7b,
-    "planner-by-tp-70b": planner_by_tp_70b,
     "moe-dispatch": moe_dispatch,
     "moe-capacity": moe_capacity,
-    "parameter-server-bytes": parameter_server_bytes,
     "parameter-server-time": parameter_server_time_against_n,
     "staleness-convergence": staleness_convergence,
     "compressed-bytes-against-n": compressed_bytes_against_n,

@@ -279,6 +279,7 @@ def draw_roofline(roofs: dict[str, tuple[float, float]], points: dict[str, float
                  fontsize=10)
     ax.legend(fontsize=8, loc="lower right")
     ax.grid(True, which="major", alpha=0.3)
+    return fig
 
 
 def _box(ax, x: float, y: float, w: float, h: float, text: str, color: str = "0.9",
