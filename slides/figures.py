@@ -52,6 +52,7 @@ from minidist.diagrams import (  # noqa: E402
     draw_tensor_parallel_mlp,
     draw_two_tiers,
 )
+from minidist.fsdp import modelled_step  # noqa: E402
 from minidist.mesh import group_ranks  # noqa: E402
 from minidist.network import ALGORITHMS as TWO_TIER_ALGORITHMS  # noqa: E402
 from minidist.network import TwoTier, hierarchical_bytes  # noqa: E402
@@ -720,27 +721,18 @@ def zero_memory_against_n() -> Figure:
     return fig
 
 
-# One FSDP step of 4 units on one GPU, prefetch on, as Lab 04's model schedules it (a gather
-# takes 0.8 of a unit's forward, a backward twice a forward, a reduce-scatter as long as a
-# gather; the link carries one collective at a time, in the order they are issued):
-# (lane, label, start, end).
-FSDP_STEP = (
-    ("link", "AG 0", 0.0, 0.8), ("compute", "F 0", 0.8, 1.8), ("link", "AG 1", 0.8, 1.6),
-    ("compute", "F 1", 1.8, 2.8), ("link", "AG 2", 1.8, 2.6), ("compute", "F 2", 2.8, 3.8),
-    ("link", "AG 3", 2.8, 3.6), ("compute", "F 3", 3.8, 4.8), ("link", "AG 3", 4.8, 5.6),
-    ("link", "AG 2", 5.6, 6.4), ("compute", "B 3", 5.6, 7.6), ("link", "RS 3", 7.6, 8.4),
-    ("link", "AG 1", 8.4, 9.2), ("compute", "B 2", 7.6, 9.6), ("link", "RS 2", 9.6, 10.4),
-    ("link", "AG 0", 10.4, 11.2), ("compute", "B 1", 9.6, 11.6), ("link", "RS 1", 11.6, 12.4),
-    ("compute", "B 0", 11.6, 13.6), ("link", "RS 0", 13.6, 14.4),
-)
-
-
 def fsdp_unit_timeline() -> Figure:
-    """FSDP_STEP drawn on two lanes: the GPU's compute and the link's collectives."""
+    """One FSDP step of 4 equal units on one GPU, prefetch on, as `fsdp.modelled_step` (Lab
+    04's model) schedules it: a gather takes 0.8 of a unit's forward, on two lanes, the GPU's
+    compute and the link's collectives."""
+    events = modelled_step([1.0] * 4, tokens=1.0, world_size=2, flops_per_s=2.0,
+                           link_bytes_per_s=1.25)  # forward 1, gather (1/2)·2 B/1.25 = 0.8
+    short = {"forward": "F", "backward": "B", "all_gather": "AG", "reduce_scatter": "RS"}
     fig, ax = plt.subplots(figsize=(11, 3.4))
     colors = {"F": "tab:blue", "B": "tab:purple", "A": "tab:green", "R": "tab:orange"}
-    for lane, label, start, end in FSDP_STEP:
-        row = 0 if lane == "compute" else 1
+    for event in events:
+        label, start, end = f"{short[event.kind]} {event.name}", event.start, event.end
+        row = 0 if event.kind in ("forward", "backward") else 1
         ax.barh(row, end - start, left=start, color=colors[label[0]], edgecolor="white")
         ax.text((start + end) / 2, row, label, ha="center", va="center", fontsize=10,
                 color="white" if row == 0 else "black")
@@ -749,7 +741,7 @@ def fsdp_unit_timeline() -> Figure:
                   "gradients)")
     ax.set_xticks([])
     ax.set_title("FSDP, 4 units, modelled: each gather prefetched while the unit before "
-                 "computes; the last unit gathered again for backward")
+                 "computes;\nthe last unit gathered again for backward")
     fig.tight_layout()
     return fig
 
