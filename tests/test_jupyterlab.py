@@ -141,15 +141,26 @@ class Lab:
         """Move the selection to cell `index` with the keyboard, as a student pages through a
         notebook (J and K in command mode; the notebook scrolls along); the cell's locator."""
         self.page.keyboard.press("Escape")
-        while (at := self.position()[0]) != index:
+        at = self.position()[0]
+        while at != index:
             self.page.keyboard.press("j" if at < index else "k")
+            at = self.moved_from(at)
         return self.page.locator(f"{PANEL} .jp-Cell.jp-mod-active")
+
+    def moved_from(self, at: int, limit_s: float = 5) -> int:
+        """The selected cell's index once the status bar shows it has left cell `at`: it
+        lags behind the keys, and reading it too soon would press one key too many."""
+        deadline = time.monotonic() + limit_s
+        while (now := self.position()[0]) == at and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return now
 
     def start(self, index: int) -> None:
         """Select cell `index` and press the toolbar's Run button (run it, select the next)."""
         self.select(index)
         self.page.locator(f"{PANEL} .jp-NotebookPanel-toolbar "
                           "[data-command='notebook:run-cell-and-select-next']").click()
+        self.moved_from(index)
 
     def run(self, index: int, limit_ms: int = CELL_LIMIT_MS):
         """Run cell `index`, go back to it and wait until it has run. A freshly opened notebook
