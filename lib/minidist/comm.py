@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from minidist._checks import require_process_group
+from minidist._groups import per_group_cache
 from minidist.traffic import members
 
 __all__ = [
@@ -91,7 +92,8 @@ class Ring:
         return self.peer(self.rank + 1)
 
 
-_rings: dict[dist.ProcessGroup, Ring] = {}  # a small collective takes tens of microseconds
+# Kept per group: a small collective takes tens of microseconds.
+_rings: dict[dist.ProcessGroup, Ring] = per_group_cache()
 
 
 def ring_of(group: dist.ProcessGroup | None = None, what: str = "a collective") -> Ring:

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 import inspect
 import linecache
 import math
@@ -53,6 +54,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+# Imported only once a group exists (torch.optim imports it, through torch._dynamo), its
+# functions would keep the default group in their default arguments past
+# destroy_process_group; `_leave_group` must be able to free the group.
+import torch.distributed.nn.functional  # noqa: F401
 
 from minidist._calls import LatestCall
 from minidist._checks import positive_int
@@ -67,6 +73,7 @@ from minidist._diagnose import (
     shown_frames,
     waits_for,
 )
+from minidist._groups import forget_groups
 from minidist._supervisor import Failure, RanksFailed, RanksStuck, Supervisor, to_cpu
 
 __all__ = [
@@ -294,6 +301,13 @@ def _torchrun_attempt_store(world_size: int, timeout: float) -> dist.Store | Non
 def _leave_group() -> None:
     # Rank 0 hosts the store: leaving before the others are done aborts them mid-teardown.
     dist.barrier()
+    # The groups must be freed now, while Python still runs: a gloo worker thread that drops
+    # the last reference to a finished collective's tensors during interpreter shutdown
+    # cannot take the GIL, and aborts the process ("terminate called without an active
+    # exception"). So forget minidist's per-group caches and collect cycles (hooks) holding
+    # groups; destroying the last reference then joins the group's threads.
+    forget_groups()
+    gc.collect()
     dist.destroy_process_group()
 
 

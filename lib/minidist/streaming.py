@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from minidist import comm
+from minidist._groups import per_group_cache
 from minidist.comm import Messages, Ring, chunk_bounds
 from minidist.cost import AlgorithmLinks, AlphaBeta
 from minidist.timing import time_in_turns
@@ -239,7 +240,7 @@ ALGORITHMS = {
 
 # Sizes each algorithm is timed at; its links are fitted on each range between two of them.
 _FIT_SIZES = (2**12, 2**16, 2**18, 2**20, 2**22)
-_links: dict[dist.ProcessGroup, AlgorithmLinks] = {}
+_links: dict[dist.ProcessGroup, AlgorithmLinks] = per_group_cache()
 
 
 def fit_links(group: dist.ProcessGroup | None = None, rounds: int = 9) -> AlgorithmLinks:

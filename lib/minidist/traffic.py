@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from minidist._checks import one_of, positive, positive_int
+from minidist._groups import per_group_cache
 from minidist.cost import ring_bytes_sent
 
 if TYPE_CHECKING:
@@ -374,7 +375,7 @@ _active_logs: list[TrafficLog] = []
 _paused = 0  # how many uncounted() blocks are open
 _uncounted_send: Any = None  # ProcessGroup.send as torch defines it, once a block has opened
 _route: Any = None  # an emulated network's send (minidist.network), while one is on
-_members: dict[Any, tuple[int, ...]] = {}  # process group -> its global ranks
+_members: dict[Any, tuple[int, ...]] = per_group_cache()  # process group -> its global ranks
 
 
 def members(group: dist.ProcessGroup | None) -> tuple[int, ...]:
