@@ -717,3 +717,25 @@ def test_i_every_fake_scores_zero_on_the_checks_of_its_exercise(
             earned += [f"{fake.name!r} ({fake.skips}) earned {got[cell][0]} of {got[cell][1]} "
                        f"on {cell}" for cell in fake.checked_by if got[cell][0] > 0]
     assert not earned, f"{lab}: fakes earned points:\n" + "\n".join(earned)
+
+
+@pytest.mark.parametrize("lab", LABS)
+def test_every_exercise_has_two_fakes_and_every_graded_cell_hidden_tests(lab: str) -> None:
+    """Read from the sources alone (test i grades the fakes): an implementation exercise (a
+    solution cell that defines a function) needs at least two fakes, and a graded test cell
+    that students can read in full would grade only what they can see."""
+    cells = read_notebook(REPO / "solutions" / lab / f"{lab}.ipynb").cells
+    exercises = [nbgrader_meta(cell)["grade_id"] for cell in cells
+                 if nbgrader_meta(cell).get("solution") and cell.cell_type == "code"
+                 and "def " in cell.source]
+    faked = fakes_of(lab)
+    short = {grade_id: len(faked.get(grade_id, [])) for grade_id in exercises
+             if len(faked.get(grade_id, [])) < 2}
+    assert not short, f"{lab}: exercises with fewer than two fakes in tests/fakes/{lab}.py: {short}"
+    assert set(faked) <= set(exercises), (
+        f"{lab}: fakes of cells that are not implementation exercises: "
+        f"{sorted(set(faked) - set(exercises))}")
+    open_tests = [nbgrader_meta(cell)["grade_id"] for cell in cells
+                  if nbgrader_meta(cell).get("grade") and not nbgrader_meta(cell).get("solution")
+                  and HIDDEN_TESTS[0] not in cell.source]
+    assert not open_tests, f"{lab}: graded test cells without hidden tests: {open_tests}"

@@ -246,7 +246,7 @@ class ColumnParallelLinear(nn.Module):
         return self
 
     @torch.no_grad()
-    def full_weights(self) -> dict[str, torch.Tensor]:
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The unsharded layer's weight (and bias), gathered on every rank."""
         full = {"weight": _gather_along(self.weight, 0, self.group, "forward")}
         if self.bias is not None:
@@ -352,7 +352,7 @@ class RowParallelLinear(nn.Module):
         return self
 
     @torch.no_grad()
-    def full_weights(self) -> dict[str, torch.Tensor]:
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
         full = {"weight": _gather_along(self.weight, 1, self.group, "forward")}
         if self.bias is not None:
             full["bias"] = self.bias.detach().clone()
@@ -465,7 +465,7 @@ class ParallelTransformerBlock(nn.Module):
                                                               "out_proj")}
         layers |= {"mlp.fc1": self.mlp.fc1, "mlp.fc2": self.mlp.fc2}
         for prefix, layer in layers.items():
-            state |= {f"{prefix}.{key}": value for key, value in layer.full_weights().items()}
+            state |= {f"{prefix}.{key}": value for key, value in layer.full_state_dict().items()}
         return state
 
 

@@ -1,7 +1,7 @@
 """Plausible fakes of every implementation exercise: what a student who wants the points
 without the work might hand in. Each lab's module, `NN_topic.py`, maps the grade id of an
-exercise's solution cell to its fakes; tests/test_fakes.py grades them with nbgrader and
-requires each to score 0 on the test cells that check that exercise."""
+exercise's solution cell to its fakes; tests/test_grading.py (test i) grades them with
+nbgrader and requires each to score 0 on the test cells that check that exercise."""
 
 from __future__ import annotations
 
