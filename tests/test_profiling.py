@@ -46,41 +46,49 @@ def transfers(timeline, rank: int, name: str) -> list[tuple[float, float]]:
     return sorted((e.start, e.end) for e in timeline.events if e.rank == rank and e.name == name)
 
 
-def computing_during(timeline, rank: int, interval: tuple[float, float]) -> bool:
-    """True if some compute event of `rank` ran while `interval` lasted."""
-    start, end = interval
-    return any(s < end and start < e for s, e in timeline.intervals(rank, "compute"))
-
-
 def launches(timeline, rank: int, name: str) -> list[float]:
     return sorted(e.start for e in timeline.events if e.rank == rank and e.name == name)
 
 
-# Overlap is asserted as mechanism (which transfers run while compute runs, which launches come
-# before backward's last gradient), never as a share of wall-clock time, which a busy machine
-# changes; bench/overlap_and_bubbles.py prints the measured shares.
+def in_flight_during_compute(timeline, rank: int, launch: str, transfer: str,
+                             window: tuple[float, float]) -> list[tuple[float, float]]:
+    """(launch, transfer end) of each collective launched in `window` while compute went on:
+    some compute event of `rank` started after the launch and before the transfer ended.
+
+    That is the mechanism, whether or not gloo's thread got a core at the time: a request
+    waited on at once (a synchronous call, a hook that waits) lets no compute start until its
+    transfer ends. Requests pair with transfers in order."""
+    first, last = window
+    computes = [s for s, _ in timeline.intervals(rank, "compute")]
+    ends = [end for _, end in transfers(timeline, rank, transfer)]
+    pairs = zip(launches(timeline, rank, launch), ends, strict=True)
+    return [(sent, done) for sent, done in pairs if first <= sent < last
+            and any(sent < start < min(done, last) for start in computes)]
+
+
+# Overlap is asserted as mechanism (which requests stay in flight while compute runs, which
+# launches come before backward's last gradient), never as a share of wall-clock time, which a
+# busy machine changes; bench/overlap_and_bubbles.py prints the measured shares.
 def test_ddp_buckets_hide_communication_and_one_flat_buffer_does_not(timelines):
     flat, buckets = timelines["flat"], timelines["buckets"]
     for rank in (0, 1):
-        flat_transfers = transfers(flat, rank, "gloo:all_reduce")
-        assert len(flat_transfers) == 2, f"rank {rank}: one flat all-reduce per step"
-        hidden = [t for t in flat_transfers if computing_during(flat, rank, t)]
-        assert not hidden, (f"rank {rank}: expected no compute while the flat buffer is "
-                            f"all-reduced (backward has ended), got compute during {hidden}")
+        assert len(transfers(flat, rank, "gloo:all_reduce")) == 2, (
+            f"rank {rank}: one flat all-reduce per step")
+        for window in flat.steps[rank]:
+            hidden = in_flight_during_compute(flat, rank, "c10d::allreduce_", "gloo:all_reduce",
+                                              window)
+            assert not hidden, (f"rank {rank}: expected no compute while the flat buffer is "
+                                f"all-reduced (backward has ended), got compute during {hidden}")
         for start, end in buckets.steps[rank]:
             started = [t for t in launches(buckets, rank, "c10d::allreduce_") if start <= t <= end]
             assert len(started) >= 3, f"rank {rank}: {len(started)} bucket all-reduces per step"
             # The last launch follows backward's last gradient; every earlier one came while
-            # backward was still producing gradients, and its transfer runs beside that work.
-            last_gradient = started[-1]
-            backward = [(s, e) for s, e in buckets.intervals(rank, "compute")
-                        if start <= s and e <= last_gradient]
-            hidden = [(s, e) for s, e in transfers(buckets, rank, "gloo:all_reduce")
-                      if start <= s < last_gradient
-                      and any(cs < e and s < ce for cs, ce in backward)]
+            # backward was still producing gradients, and stays in flight beside that work.
+            hidden = in_flight_during_compute(buckets, rank, "c10d::allreduce_",
+                                              "gloo:all_reduce", (start, started[-1]))
             assert hidden, (
                 f"rank {rank}: expected bucket all-reduces in flight while backward still "
-                f"computes gradients; {len(started)} launches, none ran beside backward")
+                f"computes gradients; {len(started)} launches, none was")
     for timeline in timelines.values():
         for rank in (0, 1):
             assert len(timeline.steps[rank]) == 2, timeline.steps
@@ -89,16 +97,20 @@ def test_ddp_buckets_hide_communication_and_one_flat_buffer_does_not(timelines):
 
 
 def test_fsdp_prefetch_gathers_the_next_unit_while_this_one_computes(timelines):
+    gather = ("c10d::_allgather_base_", "gloo:all_gather")
     for rank in (0, 1):
-        without = transfers(timelines["no_prefetch"], rank, "gloo:all_gather")
-        hidden = [t for t in without if computing_during(timelines["no_prefetch"], rank, t)]
-        assert not hidden, (f"rank {rank}: without prefetch each unit waits for its own "
-                            f"all-gather; expected none to run during compute, got {len(hidden)}")
-        prefetched = transfers(timelines["prefetch"], rank, "gloo:all_gather")
-        assert len(prefetched) == len(without), "prefetch gathers the same units"
-        hidden = [t for t in prefetched if computing_during(timelines["prefetch"], rank, t)]
-        assert hidden, (f"rank {rank}: with prefetch, expected the next unit's all-gather to "
-                        f"run while this unit computes; none of {len(prefetched)} did")
+        without, prefetched = timelines["no_prefetch"], timelines["prefetch"]
+        assert len(transfers(prefetched, rank, gather[1])) == len(
+            transfers(without, rank, gather[1])), "prefetch gathers the same units"
+        for window in without.steps[rank]:
+            hidden = in_flight_during_compute(without, rank, *gather, window)
+            assert not hidden, (f"rank {rank}: without prefetch each unit waits for its own "
+                                f"all-gather; expected none in flight during compute, got "
+                                f"{len(hidden)}")
+        for window in prefetched.steps[rank]:
+            hidden = in_flight_during_compute(prefetched, rank, *gather, window)
+            assert hidden, (f"rank {rank}: with prefetch, expected the next unit's all-gather "
+                            f"in flight while this unit computes; none was")
 
 
 def test_chrome_trace_is_valid_and_holds_every_rank(timelines, tmp_path):
