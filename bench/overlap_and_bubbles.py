@@ -43,7 +43,7 @@ def matmul_share_in_flight(rank: int, world_size: int) -> dict[str, float]:
     return shares
 
 
-def pipeline_spans(rank: int, world_size: int, configs: list[tuple[str, int, int]]) -> list:
+def pipeline_events(rank: int, world_size: int, configs: list[tuple[str, int, int]]) -> list:
     torch.manual_seed(2)
     inputs, targets = torch.randn(16, 8), torch.randn(16, 8)
     traces = []
@@ -54,7 +54,7 @@ def pipeline_spans(rank: int, world_size: int, configs: list[tuple[str, int, int
         stages = pipeline_exec.split_layers(layers, s.num_stages)
         mine = {k: stages[k] for k in s.stages_of(rank)}
         traces.append(pipeline_exec.execute(s, mine, inputs, targets, nn.functional.mse_loss,
-                                            time_unit=PIPELINE_TIME_UNIT_S).spans)
+                                            time_unit=PIPELINE_TIME_UNIT_S).events)
     return traces
 
 
@@ -78,10 +78,10 @@ def main() -> None:
           "vs simulated")
     configs = [(name, m, v) for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))
                for m in (4, 8, 16)]
-    per_rank = launch.run(pipeline_spans, 4, configs, timeout=300)
+    per_rank = launch.run(pipeline_events, 4, configs, timeout=300)
     for index, (name, m, v) in enumerate(configs):
         s = schedule(name, 4, m, chunks=v)
-        measured = Timeline(s, [spans[index] for spans in per_rank], measured=True)
+        measured = Timeline(s, [events[index] for events in per_rank], measured=True)
         simulated = simulate(s).bubble_fraction
         print(f"  {name:11s} m={m:2d}  measured {measured.bubble_fraction:6.1%}  simulated "
               f"{simulated:6.1%}  difference {measured.bubble_fraction - simulated:+6.1%}")
