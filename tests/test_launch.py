@@ -544,8 +544,9 @@ def test_an_in_place_job_frees_its_groups_before_python_shuts_down(tmp_path):
     """A gloo worker thread still alive at interpreter shutdown can abort a rank that has
     finished ("terminate called without an active exception", about 1 run in 20 on a busy
     machine): by the time Python shuts down, no group's threads may be left. What keeps a
-    group alive: minidist's per-group caches (a ring, a counted collective) and functions that
-    capture the default group when torch.optim first imports them."""
+    group alive: minidist's per-group state (a ring, a counted collective, a Mesh's declared
+    network) and functions that capture the default group when torch.optim first imports
+    them."""
     script = tmp_path / "lab.py"
     script.write_text(textwrap.dedent("""
         import atexit, os
@@ -556,9 +557,12 @@ def test_an_in_place_job_frees_its_groups_before_python_shuts_down(tmp_path):
         import torch
         from minidist import collectives
         from minidist.launch import run
+        from minidist.mesh import Mesh
+        from minidist.network import TwoTier
         from minidist.traffic import count_traffic
         def step(rank, world_size):
             torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+            Mesh(dp=2, network=TwoTier(ranks_per_node=1))
             with count_traffic():
                 collectives.all_reduce(torch.ones(8), impl="ring")
             return rank

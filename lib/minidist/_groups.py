@@ -1,23 +1,29 @@
-"""Caches kept per process group, and one call that forgets them all when the job's groups end
-(so that nothing in minidist keeps a destroyed group, and its threads, alive)."""
+"""Per-group state, and one call that forgets it all when the job's groups end (so that
+nothing in minidist keeps a destroyed group, and its threads, alive)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["forget_groups", "per_group_cache"]
+__all__ = ["forget_groups", "on_forget_groups", "per_group_cache"]
 
-_caches: list[dict[Any, Any]] = []
+_forgetters: list[Callable[[], None]] = []
 
 
 def per_group_cache() -> dict[Any, Any]:
     """A new dict keyed by process group, emptied by `forget_groups`."""
     cache: dict[Any, Any] = {}
-    _caches.append(cache)
+    _forgetters.append(cache.clear)
     return cache
 
 
+def on_forget_groups(forget: Callable[[], None]) -> None:
+    """Have `forget_groups` call `forget`: for state holding groups that is not a cache."""
+    _forgetters.append(forget)
+
+
 def forget_groups() -> None:
-    """Empty every per-group cache."""
-    for cache in _caches:
-        cache.clear()
+    """Forget every group minidist holds: empty each cache, run each `on_forget_groups`."""
+    for forget in _forgetters:
+        forget()

@@ -304,7 +304,7 @@ def _leave_group() -> None:
     # The groups must be freed now, while Python still runs: a gloo worker thread that drops
     # the last reference to a finished collective's tensors during interpreter shutdown
     # cannot take the GIL, and aborts the process ("terminate called without an active
-    # exception"). So forget minidist's per-group caches and collect cycles (hooks) holding
+    # exception"). So forget minidist's per-group state and collect cycles (hooks) holding
     # groups; destroying the last reference then joins the group's threads.
     forget_groups()
     gc.collect()

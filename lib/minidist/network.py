@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from minidist import comm, streaming
 from minidist._checks import positive, positive_int
+from minidist._groups import on_forget_groups
 from minidist.comm import Ring, chunk_bounds
 from minidist.cost import ALL_REDUCE_ALGORITHMS, AlphaBeta
 from minidist.timing import barrier
@@ -242,6 +243,9 @@ def detach() -> None:
         route_sends(None)
         _emulation.close()
     _job = _emulation = None
+
+
+on_forget_groups(detach)  # the job's groups end with it: stop emulating, drop them
 
 
 def job(group: dist.ProcessGroup | None = None) -> _Job | None:
