@@ -106,10 +106,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._reduced = False  # whether this step's gradient slices are all in `shards`
         self.nvme = (_NvmeSlices(self.offload.folder, self.shards)
                      if self.offload is not None and self.offload.tier == "nvme" else None)
-        self.store = self.nvme.store if self.nvme is not None else None  # the NVMe files
         if stage == 2:
             for index, param in enumerate(self.params):
                 param.register_post_accumulate_grad_hook(self._scatter_hook(index))
+
+    @property
+    def store(self) -> NvmeStore | None:
+        """The NVMe tier's files (offload to "nvme" only), with the bytes and time they moved."""
+        return self.nvme.store if self.nvme is not None else None
 
     def _place(self, what: str, nbytes: int) -> None:
         if self.device_memory is not None:
