@@ -11,6 +11,8 @@ from pathlib import Path
 
 import nbgrader
 from nbconvert.preprocessors import CSSHTMLHeaderPreprocessor
+from nbgrader.converters import Autograde
+from nbgrader.coursedir import CourseDirectory
 from nbgrader.preprocessors import GetGrades
 
 c = get_config()  # noqa: F821  (injected by traitlets when it loads this file)
@@ -28,6 +30,9 @@ from grading.feedback import (  # noqa: E402
     HideHiddenTests,
     MathToMathML,
 )
+from grading.predictions import KeepPredictionRecords, RestorePredictionLedger  # noqa: E402
+
+from minidist.predictions import LEDGER_NAME  # noqa: E402
 
 # Instructor notebooks live in solutions/<lab>/<lab>.ipynb; `nbgrader generate_assignment`
 # writes the student versions to labs/<lab>/<lab>.ipynb, which students get from git. The
@@ -53,6 +58,19 @@ CELL_TIMEOUT_S = 60
 c.Execute.timeout = CELL_TIMEOUT_S
 c.Execute.interrupt_on_timeout = True
 os.environ.setdefault("MINIDIST_TIMEOUT", str(CELL_TIMEOUT_S // 2))
+
+# Predictions are graded as first committed (minidist.predictions): the history each prediction
+# cell and measurement cell showed is kept before autograde clears the outputs, and written as
+# the ledger that the notebook's run reads. A ledger is never copied as a course file: an
+# instructor's own run of a solution must not become every student's history.
+NBGRADER_DEFAULTS = {**Autograde.class_traits(), **CourseDirectory.class_traits()}
+c.Autograde.sanitize_preprocessors = [
+    KeepPredictionRecords, *NBGRADER_DEFAULTS["sanitize_preprocessors"].default()
+]
+c.Autograde.autograde_preprocessors = [
+    RestorePredictionLedger, *NBGRADER_DEFAULTS["autograde_preprocessors"].default()
+]
+c.CourseDirectory.ignore = [*NBGRADER_DEFAULTS["ignore"].default(), LEDGER_NAME]
 
 # Feedback goes to students: strip the hidden tests that autograding put back into the
 # test cells, and the tracebacks that quote them. Its math is MathML and its template loads

@@ -14,7 +14,7 @@ PACKAGE = REPO / "lib" / "minidist"
 
 # Bottom to top: a module may import only modules before it in this list.
 STACK = [
-    "_checks", "_groups", "_fork_server_exit", "cost", "memory", "tiers", "fsdp1", "traffic",
+    "_checks", "_groups", "_fork_server_exit", "predictions", "cost", "memory", "tiers", "fsdp1", "traffic",
     "flops", "timeline", "pipeline",
     "gantt", "planner", "widgets", "_calls", "_diagnose", "_supervisor", "launch", "flat",
     "checking", "comm", "timing", "streaming", "network", "collectives", "mesh", "bandwidth",

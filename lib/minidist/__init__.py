@@ -63,6 +63,10 @@ Fault tolerance and measuring
     train       a resumable TinyGPT training job (python -m minidist.train)
     profiling   torch.profiler on every rank, merged: compute, communication, idle, overlap
 
+The labs' own plumbing
+    predictions  commit a prediction before its measurement; the grader reads it as first
+                 committed
+
 Private plumbing: _checks (the input checks every module shares), _supervisor (the rank
 processes behind launch.run), _calls (each rank's latest collective or point-to-point call,
 recorded for launch.run's reports), _diagnose (mismatches, wait-for cycles and native
