@@ -14,8 +14,8 @@ PACKAGE = REPO / "lib" / "minidist"
 
 # Bottom to top: a module may import only modules before it in this list.
 STACK = [
-    "_checks", "_groups", "_fork_server_exit", "predictions", "cost", "memory", "tiers", "fsdp1", "traffic",
-    "flops", "timeline", "pipeline",
+    "_checks", "_groups", "_fork_server_exit", "predictions", "cost", "memory", "tiers", "fsdp1",
+    "traffic", "flops", "timeline", "pipeline",
     "gantt", "planner", "widgets", "_calls", "_diagnose", "_supervisor", "launch", "flat",
     "checking", "comm", "timing", "streaming", "network", "collectives", "mesh", "bandwidth",
     "diagrams", "models", "footprint", "offload", "param_server", "compression", "ddp", "zero",

@@ -29,7 +29,7 @@ from typing import Any
 __all__ = [
     "LEDGER_NAME",
     "MIME_TYPE",
-    "Event",
+    "LedgerEvent",
     "History",
     "PredictionNotCommitted",
     "assert_unchanged_after_measurement",
@@ -52,7 +52,7 @@ class PredictionNotCommitted(RuntimeError):
 
 
 @dataclass(frozen=True)
-class Event:
+class LedgerEvent:
     """One line of the ledger: `kind` is "commit" (the value a prediction was set to) or
     "reveal" (its measurement was shown; `value` is the prediction committed then). `digest`
     chains each event to the one before it, so that an edited ledger no longer verifies."""
@@ -91,16 +91,16 @@ def _digest(previous: str, name: str, kind: str, value: Any, when: float) -> str
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def chain(events: list[dict[str, Any]]) -> list[Event]:
+def chain(events: list[dict[str, Any]]) -> list[LedgerEvent]:
     """`events` without repeats, ordered by time (a commit before a reveal of the same moment),
     each digest computed on the one before it."""
     unique = {(e["name"], e["kind"], json.dumps(e["value"], sort_keys=True), e["time"]): e
               for e in events}
-    chained: list[Event] = []
+    chained: list[LedgerEvent] = []
     previous = ""
     for event in sorted(unique.values(), key=lambda e: (e["time"], e["kind"] == "reveal")):
         previous = _digest(previous, event["name"], event["kind"], event["value"], event["time"])
-        chained.append(Event(event["name"], event["kind"], event["value"], event["time"],
+        chained.append(LedgerEvent(event["name"], event["kind"], event["value"], event["time"],
                              previous))
     return chained
 
@@ -109,7 +109,7 @@ def _ledger_path(ledger: Path | None) -> Path:
     return Path(ledger) if ledger is not None else Path.cwd() / LEDGER_NAME
 
 
-def read_ledger(ledger: Path | None = None) -> tuple[list[Event], bool]:
+def read_ledger(ledger: Path | None = None) -> tuple[list[LedgerEvent], bool]:
     """(the events in `ledger`, default `.predictions.json` in the current folder, and whether
     their digests verify). A missing file is an empty ledger that verifies."""
     path = _ledger_path(ledger)
@@ -120,7 +120,7 @@ def read_ledger(ledger: Path | None = None) -> tuple[list[Event], bool]:
     return events, [e.digest for e in events] == [e["digest"] for e in stored]
 
 
-def write_ledger(events: list[dict[str, Any]], ledger: Path | None = None) -> list[Event]:
+def write_ledger(events: list[dict[str, Any]], ledger: Path | None = None) -> list[LedgerEvent]:
     """Write `events`, chained, to `ledger`; returns what was written."""
     chained = chain(events)
     path = _ledger_path(ledger)
@@ -134,8 +134,8 @@ class History:
     first shown (None if it was never shown), and the values committed after that."""
 
     name: str
-    commits: list[Event]
-    first_reveal: Event | None
+    commits: list[LedgerEvent]
+    first_reveal: LedgerEvent | None
 
     @property
     def current(self) -> Any:
@@ -159,7 +159,7 @@ class History:
         return text + f", measurement shown {_clock(shown.time)}"
 
 
-def history(name: str, events: list[Event]) -> History:
+def history(name: str, events: list[LedgerEvent]) -> History:
     mine = [e for e in events if e.name == name]
     reveals = [e for e in mine if e.kind == "reveal"]
     return History(name, [e for e in mine if e.kind == "commit"], reveals[0] if reveals else None)
@@ -174,7 +174,7 @@ def _clock(when: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(when))
 
 
-def _record(name: str, events: list[Event]) -> dict[str, Any]:
+def _record(name: str, events: list[LedgerEvent]) -> dict[str, Any]:
     """The output record of one prediction: its events, for the grader to rebuild the ledger."""
     return {"name": name, "events": [e.as_dict() for e in events if e.name == name]}
 
