@@ -42,7 +42,8 @@ STUDENT = "me"  # the submission's student id in the scratch gradebook
 # half of it, so that a deadlocked multi-rank cell fails first with RankTimeout's report.
 CELL_TIMEOUT_S = 60
 GRADING_LIMIT_S = 600  # an nbgrader command that runs longer is stopped: a grade never hangs
-MESSAGE_LINES = 12  # a long message (a rank's traceback) is cut to its first lines
+MESSAGE_LINES = 8  # a long message (a rank's traceback) is cut to its first lines
+STATEMENT_CHARS = 100  # the failed statement is a reminder of which check failed, not a listing
 ERROR_LOG_CHARS = 4000
 
 # What only the full course has; the student release (`make release`) leaves all of it out.
@@ -74,7 +75,8 @@ def resolve_lab(name: str) -> str:
     if len(matches) == 1:
         return matches[0]
     hint = f" (did you mean LAB={int(name):02d}?)" if name.isdigit() and len(name) < 2 else ""
-    raise CannotGrade(f"no lab {name!r}{hint}; give its number or folder name\n{listing}")
+    raise CannotGrade(f"LAB={name} names no lab{hint}; give a lab's number or folder name\n"
+                      f"{listing}")
 
 
 def has_hidden_tests(lab: str) -> bool:
@@ -126,7 +128,10 @@ def failure(cell: NotebookNode) -> list[str] | None:
     if statement is not None and hidden and quotes_hidden(statement, hidden):
         lines.append("a hidden test failed")
     elif statement is not None:
-        lines.append(f"failed: {statement.strip()}")
+        statement = statement.strip()
+        if len(statement) > STATEMENT_CHARS:
+            statement = statement[:STATEMENT_CHARS - 3] + "..."
+        lines.append(f"failed: {statement}")
     # The message says what was wrong; any of its lines that quotes hidden code is left out.
     message = _cut([line for line in str(error.evalue).splitlines()
                     if not quotes_hidden(line, hidden)])
@@ -135,6 +140,7 @@ def failure(cell: NotebookNode) -> list[str] | None:
 
 
 def _cut(message: list[str]) -> list[str]:
+    message = [line for line in message if line.strip()]
     return message[:MESSAGE_LINES] + ["..."] if len(message) > MESSAGE_LINES else message
 
 
