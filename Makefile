@@ -59,7 +59,7 @@ update:
 # The lab's name is checked first (stdlib only), so a mistyped LAB fails before an install.
 grade:
 	@$(PYTHON) tools/grade.py --check-lab "$(LAB)"
-	@$(MAKE) --no-print-directory install
+	@$(MAKE) --no-print-directory --silent install
 	@$(VENV)/bin/python tools/grade.py "$(LAB)"
 
 release:

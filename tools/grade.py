@@ -193,7 +193,11 @@ def run_visible_tests(lab: str, mine: Path, scratch: Path) -> list[CellResult]:
     client = NotebookClient(notebook, timeout=CELL_TIMEOUT_S, interrupt_on_timeout=True,
                             allow_errors=True, kernel_name="python3",
                             resources={"metadata": {"path": str(folder)}})
-    client.execute()
+    # The kernel's own stderr (ipykernel's warning about TCP without encryption, which only
+    # ever listens on 127.0.0.1) goes to a log, as it does under nbgrader; the cells' errors
+    # are in the notebook's outputs.
+    with open(scratch / "kernel.log", "w") as kernel_log:
+        client.execute(stderr=kernel_log)
     results = []
     for cell in graded_test_cells(notebook):
         why = failure(cell)
