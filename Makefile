@@ -2,7 +2,10 @@
 #   make lab   install the course into .venv, copy the labs into my-labs/ (first time only)
 #              and open JupyterLab there
 #   make test  install the course into .venv and run the whole test suite
-# and two more:
+# and three more:
+#   make grade LAB=03  grade my-labs/03_*/ as a graded class's autograde would, hidden tests
+#                      included, in a scratch copy (tools/grade.py); in the student release,
+#                      which has no hidden tests, it runs the visible ones
 #   make update   git pull, then bring new and changed labs into my-labs/ without touching the
 #                 student's copies (tools/my_labs.py)
 #   make release  the student release of a graded class (solutions/README.md): release/scaling-lab/
@@ -27,7 +30,7 @@ RELEASE := release/scaling-lab
 RELEASED := labs lib slides tools ':(exclude)tools/grading' README.md REFERENCES.md requirements.txt \
 	pyproject.toml Makefile .gitignore
 
-.PHONY: lab test install cluster-tools update release
+.PHONY: lab test install cluster-tools update release grade
 
 install: $(STAMP)
 
@@ -52,6 +55,12 @@ update:
 	git pull --ff-only
 	$(MAKE) --no-print-directory install
 	$(VENV)/bin/python tools/my_labs.py update
+
+# The lab's name is checked first (stdlib only), so a mistyped LAB fails before an install.
+grade:
+	@$(PYTHON) tools/grade.py --check-lab "$(LAB)"
+	@$(MAKE) --no-print-directory --silent install
+	@$(VENV)/bin/python tools/grade.py "$(LAB)"
 
 release:
 	rm -rf $(RELEASE) $(RELEASE).tar.gz

@@ -596,7 +596,7 @@ def _step(step: Step, markdown: str | None) -> str:
                 f"<code>slides/pdf/{step.lab}.pdf</code>)")
     if (SLIDES.parent / "labs" / step.lab / f"{step.lab}.ipynb").exists():
         work = (f'<a href="../{copy}"><code>{copy}</code></a>, your copy (it appears after '
-                "<code>make lab</code>)")
+                f"<code>make lab</code>); grade it with <code>make grade LAB={number}</code>")
     else:
         work = (f'<span class="coming">lab coming</span>: <code>make update</code> will copy '
                 f"it to <code>{copy}</code>")
@@ -664,6 +664,10 @@ turning the page.</li>
 the labs check your code.</li>
 <li>Answer its self-check questions on paper before you open an answer. Any you miss: go back to
 its deck or lab before moving on.</li>
+<li>Grade your lab: <code>make grade LAB=NN</code> (its number, e.g. <code>LAB=03</code>) runs
+the grader's hidden tests on your copy, in a scratch copy that leaves <code>my-labs/</code> as it
+is, and prints each graded cell's points and, for a failed one, the check's message. Fix and
+regrade until it gives full marks.</li>
 </ol>
 <p>Keys: <kbd>→</kbd>/<kbd>←</kbd> move, <kbd>Esc</kbd> overview, <kbd>S</kbd> speaker notes,
 <kbd>Ctrl</kbd>+<kbd>Shift</kbd>+<kbd>F</kbd> search. Every deck is one file that works

@@ -13,6 +13,9 @@ nbgrader_config.py) and, in every test cell:
 nbgrader's feedback page loads MathJax from a CDN, so a student reading it offline sees raw
 LaTeX. `MathToMathML` turns the markdown cells' `$...$` and `$$...$$` into MathML, which
 browsers draw themselves, and the `scaling_lab_feedback` template (templates/) loads no script.
+
+`hidden_lines`, `quotes_hidden` and `failed_statement` are the rules HideHiddenTests applies;
+tools/grade.py (`make grade`, for self-learners) prints failures by the same rules.
 """
 
 from __future__ import annotations
@@ -27,6 +30,11 @@ from nbformat.notebooknode import NotebookNode
 from nbgrader import utils
 from nbgrader.preprocessors import ClearHiddenTests
 from traitlets import Bool, List
+
+__all__ = [
+    "FEEDBACK_TEMPLATE", "TEMPLATES", "HideHiddenTests", "MathToMathML", "failed_statement",
+    "hidden_lines", "markdown_with_mathml", "quotes_hidden",
+]
 
 # The feedback template's folder: GenerateFeedback's HTMLExporter looks here first.
 TEMPLATES = Path(__file__).resolve().parent / "templates"
@@ -56,32 +64,48 @@ class HideHiddenTests(ClearHiddenTests):
         return cell, resources
 
     def _hidden_lines(self, source: str) -> list[str]:
-        """The hidden region's lines, delimiters included, that could give anything away."""
-        lines, inside = [], False
-        for line in source.splitlines():
-            if self.begin_test_delimeter in line:
-                inside = True
-            if inside and any(char.isalnum() for char in line):  # skip lines like ")"
-                lines.append(line.strip())
-            if self.end_test_delimeter in line:
-                inside = False
-        return lines
+        return hidden_lines(source, self.begin_test_delimeter, self.end_test_delimeter)
+
+
+def hidden_lines(
+    source: str,
+    begin: str = ClearHiddenTests.begin_test_delimeter.default_value,
+    end: str = ClearHiddenTests.end_test_delimeter.default_value,
+) -> list[str]:
+    """A test cell's hidden region's lines, delimiters included, that could give anything
+    away (stripped). Text that contains one of them quotes the hidden tests."""
+    lines, inside = [], False
+    for line in source.splitlines():
+        if begin in line:
+            inside = True
+        if inside and any(char.isalnum() for char in line):  # skip lines like ")"
+            lines.append(line.strip())
+        if end in line:
+            inside = False
+    return lines
+
+
+def quotes_hidden(text: str, hidden: list[str]) -> bool:
+    """Whether `text` quotes one of the `hidden_lines`."""
+    return any(line in text for line in hidden)
+
+
+def failed_statement(output: NotebookNode) -> str | None:
+    """The statement of the test cell that raised an error output: IPython's first arrow in
+    the traceback, which is in the cell's own frame; None if the traceback shows none."""
+    lines = _ANSI.sub("", "\n".join(output.traceback)).splitlines()
+    return next((m[1] for m in map(_EXECUTING_LINE.match, lines) if m), None)
 
 
 def _redact(output: NotebookNode, hidden: list[str]) -> NotebookNode:
     if output.output_type != "error":
         return output
-
-    def quotes_hidden(text: str) -> bool:
-        return any(line in text for line in hidden)
-
     lines = _ANSI.sub("", "\n".join(output.traceback)).splitlines()
-    if not quotes_hidden("\n".join(lines)) and not quotes_hidden(output.evalue):
+    if not quotes_hidden("\n".join(lines), hidden) and not quotes_hidden(output.evalue, hidden):
         return output
-    # The first arrow is in the test cell's own frame: the test statement that failed.
-    failed = next((m[1] for m in map(_EXECUTING_LINE.match, lines) if m), None)
-    if failed is not None and not quotes_hidden(failed):
-        output.traceback = [line for line in lines if not quotes_hidden(line)]
+    failed = failed_statement(output)
+    if failed is not None and not quotes_hidden(failed, hidden):
+        output.traceback = [line for line in lines if not quotes_hidden(line, hidden)]
         return output
     return NotebookNode(
         output_type="error",
