@@ -40,6 +40,7 @@ from test_grading import (  # noqa: E402
     run_in_course,
     scores,
 )
+from test_self_grade import course_copy, make_grade  # noqa: E402
 
 LAB = "02_memory_math"  # the cheapest lab whose first prediction is measured within a few cells
 PREDICTION = "fp32_adam_bytes"
@@ -132,6 +133,7 @@ def test_autograde_and_the_report_catch_a_prediction_changed_after_its_measureme
     # measurement, then writes the right one; "rethinker" changes it before measuring.
     sessions = {"honest": (correct, None), "changer": (wrong, correct),
                 "rethinker": (correct, None)}
+    notebooks = {}
     for student, (first, then) in sessions.items():
         notebook = nbformat.from_dict(json.loads(json.dumps(solved)))
         folder = tmp_path / student
@@ -141,6 +143,7 @@ def test_autograde_and_the_report_catch_a_prediction_changed_after_its_measureme
             commit(**{PREDICTION: "a first guess"}, ledger=folder / LEDGER_NAME)
         student_session(notebook, folder, then)
         course.submit(LAB, student, notebook)
+        notebooks[student] = notebook
     course.run(COLLECT, LAB)
     course.run(AUTOGRADE, LAB)
 
@@ -157,3 +160,12 @@ def test_autograde_and_the_report_catch_a_prediction_changed_after_its_measureme
     assert f"changer  {LAB}  {PREDICTION} = " in report and "CHANGED" in report, report
     assert "honest" not in report and "rethinker" not in report, report
     assert "1 prediction(s) changed after their measurement was shown" in report, report
+
+    # A self-learner's `make grade` reads the same history, from the notebook and the ledger.
+    own = course_copy(tmp_path / "self-study")
+    (own / "my-labs" / LAB / LEDGER_NAME).write_bytes((tmp_path / "changer" / LEDGER_NAME)
+                                                      .read_bytes())
+    graded = make_grade(own, LAB, notebooks["changer"])
+    assert graded.returncode == 0, graded.output
+    assert graded.points()[cell][0] == 0, graded.output
+    assert "changed after its measurement was shown" in graded.feedback(cell), graded.output
