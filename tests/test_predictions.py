@@ -50,15 +50,15 @@ def test_a_prediction_changed_after_its_measurement_fails_and_one_put_back_passe
     ledger = tmp_path / LEDGER_NAME
     with pytest.raises(PredictionNotCommitted, match="x is not committed"):
         reveal("x", ledger=ledger)
-    commit(x=3, ledger=ledger)
-    commit(x=4, ledger=ledger)  # changed before the measurement: free
+    commit("x", 3, ledger=ledger)
+    commit("x", 4, ledger=ledger)  # changed before the measurement: free
     reveal("x", ledger=ledger)
-    commit(x=4.0, ledger=ledger)  # the same number written another way
+    commit("x", 4.0, ledger=ledger)  # the same number written another way
     assert_unchanged_after_measurement("x", ledger=ledger)
-    commit(x=5, ledger=ledger)
+    commit("x", 5, ledger=ledger)
     with pytest.raises(AssertionError, match="it was 4.0 then and is 5.0 now"):
         assert_unchanged_after_measurement("x", ledger=ledger)
-    commit(x=4, ledger=ledger)
+    commit("x", 4, ledger=ledger)
     assert_unchanged_after_measurement("x", ledger=ledger)
     events, verified = read_ledger(ledger)
     assert verified and [e.kind for e in events] == ["commit"] * 2 + ["reveal"] + ["commit"] * 2
@@ -66,7 +66,7 @@ def test_a_prediction_changed_after_its_measurement_fails_and_one_put_back_passe
 
 def test_an_edited_ledger_no_longer_verifies(tmp_path):
     ledger = tmp_path / LEDGER_NAME
-    commit(x=1, ledger=ledger)
+    commit("x", 1, ledger=ledger)
     reveal("x", ledger=ledger)
     stored = json.loads(ledger.read_text())
     stored["events"][0]["value"] = 2.0
@@ -140,7 +140,7 @@ def test_autograde_and_the_report_catch_a_prediction_changed_after_its_measureme
         folder.mkdir()
         notebook.cells[prediction].source = first
         if student == "rethinker":
-            commit(**{PREDICTION: "a first guess"}, ledger=folder / LEDGER_NAME)
+            commit(PREDICTION, "a first guess", ledger=folder / LEDGER_NAME)
         student_session(notebook, folder, then)
         course.submit(LAB, student, notebook)
         notebooks[student] = notebook

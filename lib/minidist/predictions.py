@@ -1,10 +1,10 @@
 """Predictions committed before their measurement, and graded as first committed.
 
 A lab asks for a prediction, then measures it. The prediction cell ends with
-`commit(name=value)`, and the measurement cell starts with `reveal("name")`, which refuses to
-go on until that prediction is committed. Each call appends an event to the lab's ledger, a
-JSON file beside the notebook (`.predictions.json`), and shows the prediction's whole history
-in the cell's output, so the history travels inside the submitted notebook as well.
+`commit("name", prediction_name)`, and the measurement cell starts with `reveal("name")`, which
+refuses to go on until that prediction is committed. Each call appends an event to the lab's
+ledger, a JSON file beside the notebook (`.predictions.json`), and shows the prediction's whole
+history in the cell's output, so the history travels inside the submitted notebook as well.
 
 At grading, the course's nbgrader configuration rebuilds the ledger from the submitted outputs
 (tools/grading/predictions.py) before the notebook runs again, and the prediction's hidden test
@@ -189,29 +189,23 @@ def _display(lines: list[str], records: list[dict[str, Any]]) -> None:
     display(bundle, raw=True)
 
 
-def commit(*, ledger: Path | None = None, **predictions: Any) -> None:
-    """Commit each prediction, `name=value`, to `ledger` (default: `.predictions.json` in the
+def commit(name: str, value: Any, *, ledger: Path | None = None) -> None:
+    """Commit the prediction `name` = `value` to `ledger` (default: `.predictions.json` in the
     current folder, the notebook's). A value that differs from the last committed one is a new
     commit; one that changes after the measurement was shown is marked so (and graded 0)."""
-    if not predictions:
-        raise TypeError("commit() needs at least one prediction, as commit(name=value)")
     events, _ = read_ledger(ledger)
-    now = time.time()
+    value = canonical(value)
+    before = history(name, events)
     new = [e.as_dict() for e in events]
-    for name, value in predictions.items():
-        value = canonical(value)
-        if history(name, events).current != value or not history(name, events).commits:
-            new.append({"name": name, "kind": "commit", "value": value, "time": now})
+    if not before.commits or before.current != value:
+        new.append({"name": name, "kind": "commit", "value": value, "time": time.time()})
     events = write_ledger(new, ledger)
-    lines, records = [], []
-    for name in predictions:
-        found = history(name, events)
-        lines.append("Committed: " + found.describe())
-        if found.changed_after_measurement:
-            lines.append(f"  A prediction changed after its measurement scores 0; the value "
-                         f"committed when it was shown was {_show(found.first_reveal.value)}.")
-        records.append(_record(name, events))
-    _display(lines, records)
+    found = history(name, events)
+    lines = ["Committed: " + found.describe()]
+    if found.changed_after_measurement:
+        lines.append(f"  A prediction changed after its measurement scores 0; the value "
+                     f"committed when it was shown was {_show(found.first_reveal.value)}.")
+    _display(lines, [_record(name, events)])
 
 
 def reveal(*names: str, ledger: Path | None = None) -> None:
