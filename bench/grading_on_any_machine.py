@@ -120,6 +120,12 @@ def autograde(root: Path, lab: str, condition: str) -> Outcome:
     return Outcome(score, max_score, ran.seconds, note.strip())
 
 
+def shown(outcome: Outcome) -> str:
+    if outcome.score is None:
+        return "failed"
+    return f"{outcome.score:g}/{outcome.max_score:g}"
+
+
 def labs_named(names: list[str]) -> list[str]:
     if not names:
         return grading.LABS
@@ -156,9 +162,8 @@ def main() -> int:
             for condition in CONDITIONS:
                 outcome = autograde(Path(folder), lab, condition)
                 table[lab][condition] = outcome
-                shown = "failed" if outcome.score is None else f"{outcome.score:g}/{outcome.max_score:g}"
-                print(f"{lab} [{condition}]: {shown} in {outcome.seconds:.0f} s {outcome.note}",
-                      flush=True)
+                print(f"{lab} [{condition}]: {shown(outcome)} in {outcome.seconds:.0f} s "
+                      f"{outcome.note}", flush=True)
 
     print()
     header = f"{'lab':28s}" + "".join(f"{condition:>18s}" for condition in CONDITIONS)
@@ -168,8 +173,7 @@ def main() -> int:
         cells = []
         for condition in CONDITIONS:
             o = row[condition]
-            shown = "failed" if o.score is None else f"{o.score:g}/{o.max_score:g}"
-            cells.append(f"{shown + ('' if o.full else ' !'):>10s} {o.seconds:5.0f} s")
+            cells.append(f"{shown(o) + ('' if o.full else ' !'):>10s} {o.seconds:5.0f} s")
         print(f"{lab:28s}" + "".join(f"{c:>18s}" for c in cells))
     notes = [(lab, c, o.note) for lab, row in table.items() for c, o in row.items() if o.note]
     for lab, condition, note in notes:
