@@ -6,8 +6,10 @@ would hand in: the released notebook with every answer cell filled in from the s
 ("solution"), left untouched ("untouched"), or with one quiz answer wrong, one quiz cell
 looping forever and another deadlocking two ranks ("mistaken"). The plausible fakes of the lab's
 exercises (tests/fakes/) go in rounds, one submission per round: the first round in the
-mistaken submission, the others in submissions of their own, all graded together. The
-solution's autograde run is also the lab's timed run.
+mistaken submission, the others in submissions of their own, all graded together; the correct
+alternatives (tests/fakes/), which differ from the solution only where the spec allows it, go
+in rounds of their own in the same autograde. The solution's autograde run is also the lab's
+timed run.
 
 Quiz cells follow the labs' convention: an autograded-answer cell whose solution region only
 assigns `answer_<name> = ...`, each answer checked by exactly one test cell.
@@ -43,7 +45,7 @@ from nbgrader.api import Gradebook
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))  # tools/grading/, the instructors' tooling
-from fakes import Fake, fakes_of, rounds  # noqa: E402
+from fakes import Alternative, Fake, alternatives_of, fakes_of, rounds  # noqa: E402
 from grading.feedback import HideHiddenTests, markdown_with_mathml  # noqa: E402
 
 LABS = sorted({notebook.parent.name for notebook in REPO.glob("solutions/*/*.ipynb")})
@@ -444,11 +446,14 @@ class Mistaken:
     faked: dict[str, list[Fake]]  # the submission (student id) each round of fakes is in
     faked_cells: set[str]  # the test cells that check the first round's fakes
     rounds_s: float  # how long the other rounds' notebooks ran, in the same autograde
+    # the submission (student id) each round of correct alternatives is in
+    alternatives: dict[str, list[Alternative]] = field(default_factory=dict)
 
 
-def faked_submission(course: Course, lab: str, fakes: dict[str, Fake],
+def faked_submission(course: Course, lab: str, fakes: dict[str, Fake] | dict[str, Alternative],
                      replaced: dict[str, list[str]] | None = None) -> NotebookNode:
-    """The solution with each faked exercise's solution region replaced by its fake."""
+    """The solution with each faked exercise's solution region replaced by its fake (or by
+    its correct alternative)."""
     replaced = dict(replaced or {})
     sources = {nbgrader_meta(c).get("grade_id"): c.source for c in course.solution.cells}
     for cell, fake in fakes.items():
@@ -487,6 +492,10 @@ def mistaken(lab: str, course: Course, graded: Graded) -> Mistaken:
     for k, fakes in enumerate(fake_rounds[1:], start=1):
         course.submit(lab, f"fakes-{k}", faked_submission(course, lab, fakes))
         faked[f"fakes-{k}"] = list(fakes.values())
+    alternatives = {}
+    for k, correct in enumerate(rounds(alternatives_of(lab))):
+        course.submit(lab, f"alternatives-{k}", faked_submission(course, lab, correct))
+        alternatives[f"alternatives-{k}"] = list(correct.values())
     course.run(COLLECT, lab)
     # Three times the slowest cell of the solution's run, which ran under the same load, and
     # minidist's half of that, still 1.5 times it. Never above the real per-cell limit: one
@@ -515,9 +524,9 @@ def mistaken(lab: str, course: Course, graded: Graded) -> Mistaken:
     faked_cells = {cell for fake in first.values() for cell in fake.checked_by}
     rounds_s = sum(execution_times(read_notebook(
         course.root / "autograded" / student / lab / f"{lab}.ipynb")).seconds
-        for student in faked if student != "mistaken")
+        for student in [*faked, *alternatives] if student != "mistaken")
     return Mistaken(ran, execution_times(executed), cell_timeout, hang_s, wrong, stuck, faked,
-                    faked_cells, rounds_s)
+                    faked_cells, rounds_s, alternatives)
 
 
 # --- Tests ---------------------------------------------------------------------------------
@@ -638,8 +647,9 @@ def test_e_hangs_are_bounded_and_cleaned_up(lab: str, course: Course, mistaken: 
     for hang, limit in limits.items():
         assert mistaken.hang_s[hang] <= limit, (
             f"the {hang} should end within {limit} s; it ran {mistaken.hang_s[hang]:.1f} s")
-    # Each further round of fakes is one more notebook: its own kernel start and end.
-    notebooks = len(mistaken.faked)
+    # Each further round of fakes or alternatives is one more notebook: its own kernel start
+    # and end.
+    notebooks = len(mistaken.faked) + len(mistaken.alternatives)
     overhead = mistaken.ran.seconds - mistaken.executed.seconds - mistaken.rounds_s
     assert overhead <= 30 * notebooks, (
         f"autograde should end within 30 s of each notebook's last cell; it took "
@@ -719,6 +729,22 @@ def test_i_every_fake_scores_zero_on_the_checks_of_its_exercise(
     assert not earned, f"{lab}: fakes earned points:\n" + "\n".join(earned)
 
 
+def test_j_correct_alternatives_score_full(lab: str, course: Course, mistaken: Mistaken) -> None:
+    """The mirror of test i: an answer the spec allows, though the solution does it otherwise
+    (tests/fakes/, ALTERNATIVES), earns full marks on the cells that check its exercise. The
+    lowered cell timeout of this autograde is three times the solution's slowest cell."""
+    if not mistaken.alternatives:
+        pytest.skip(f"{lab} has no correct alternatives (tests/fakes/{lab}.py, ALTERNATIVES)")
+    lost = []
+    for student, alternatives in mistaken.alternatives.items():
+        got = scores(course.root, lab, student)
+        for alternative in alternatives:
+            lost += [f"{alternative.name!r} ({alternative.why}) earned {got[cell][0]} of "
+                     f"{got[cell][1]} on {cell}"
+                     for cell in alternative.checked_by if got[cell][0] < got[cell][1]]
+    assert not lost, f"{lab}: correct alternatives lost points:\n" + "\n".join(lost)
+
+
 @pytest.mark.parametrize("lab", LABS)
 def test_every_exercise_has_two_fakes_and_every_graded_cell_hidden_tests(lab: str) -> None:
     """Read from the sources alone (test i grades the fakes): an implementation exercise (a
@@ -735,6 +761,10 @@ def test_every_exercise_has_two_fakes_and_every_graded_cell_hidden_tests(lab: st
     assert set(faked) <= set(exercises), (
         f"{lab}: fakes of cells that are not implementation exercises: "
         f"{sorted(set(faked) - set(exercises))}")
+    alternatives = alternatives_of(lab)
+    assert set(alternatives) <= set(exercises), (
+        f"{lab}: correct alternatives of cells that are not implementation exercises: "
+        f"{sorted(set(alternatives) - set(exercises))}")
     open_tests = [nbgrader_meta(cell)["grade_id"] for cell in cells
                   if nbgrader_meta(cell).get("grade") and not nbgrader_meta(cell).get("solution")
                   and HIDDEN_TESTS[0] not in cell.source]

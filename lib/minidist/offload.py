@@ -403,17 +403,23 @@ def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                 weight_decay=weight_decay, eps=eps, maximize=False)
 
 
-def measure_optimizer_throughput(numel: int = 2**22, steps: int = 5) -> float:
-    """Parameters per second AdamW updates on this host (one thread as the ranks run): the
-    CPU optimizer's throughput, for `tiers.offload_step_time`. The median of `steps` steps
-    over `numel` fp32 parameters, after one warm-up step."""
+def measure_optimizer_throughput(numel: int = 2**22, steps: int = 5, threads: int = 1) -> float:
+    """Parameters per second AdamW updates on this host with `threads` torch threads (one by
+    default, as the ranks run): the CPU optimizer's throughput, for `tiers.offload_step_time`.
+    The median of `steps` steps over `numel` fp32 parameters, after one warm-up step. The
+    caller's thread count is restored afterwards."""
     param = torch.zeros(numel)
     param.grad = torch.full((numel,), 1e-3)
     optimizer = torch.optim.AdamW([param], lr=1e-3)
-    optimizer.step()
-    times = []
-    for _ in range(steps):
-        start = clock()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
         optimizer.step()
-        times.append(clock() - start)
+        times = []
+        for _ in range(steps):
+            start = clock()
+            optimizer.step()
+            times.append(clock() - start)
+    finally:
+        torch.set_num_threads(before)
     return numel / sorted(times)[steps // 2]

@@ -3,7 +3,7 @@ communication pattern."""
 
 import textwrap
 
-from fakes import Fake
+from fakes import Alternative, Fake
 
 
 def indented(body: str, indent: int) -> str:
@@ -175,6 +175,36 @@ for unit in reversed(range(last + 1)):  # parameters kept from forward: no secon
     run_on("link", "reduce_scatter", unit, end, moved[unit])
 """
 
+# Correct, though not the solution's order of calls: each prefetch is issued before the compute
+# it overlaps, in forward as in backward. Each lane runs the same things at the same times; only
+# the list's order across lanes differs, which the spec leaves open.
+PREFETCH_FIRST = """\
+n, last = world_size, len(unit_params) - 1
+moved = [(n - 1) / n * bytes_per_element * p / link_bytes_per_s for p in unit_params]
+forward = [2 * p * tokens / flops_per_s for p in unit_params]
+ready = run_on("link", "all_gather", 0, 0.0, moved[0])
+for unit in range(last + 1):
+    start = max(free["compute"], ready)
+    if prefetch and unit < last:
+        upcoming = run_on("link", "all_gather", unit + 1, start, moved[unit + 1])
+    end = run_on("compute", "forward", unit, ready, forward[unit])
+    if not prefetch and unit < last:
+        upcoming = run_on("link", "all_gather", unit + 1, end, moved[unit + 1])
+    if unit < last:
+        ready = upcoming
+ready = run_on("link", "all_gather", last, free["compute"], moved[last])
+for unit in reversed(range(last + 1)):
+    start = max(free["compute"], ready)
+    if prefetch and unit > 0:
+        upcoming = run_on("link", "all_gather", unit - 1, start, moved[unit - 1])
+    end = run_on("compute", "backward", unit, ready, 2 * forward[unit])
+    run_on("link", "reduce_scatter", unit, end, moved[unit])
+    if not prefetch and unit > 0:
+        upcoming = run_on("link", "all_gather", unit - 1, end, moved[unit - 1])
+    if unit > 0:
+        ready = upcoming
+"""
+
 FSDP_CELLS = ("test-fsdp", "test-fsdp-vs-torch", "test-mixed-precision")
 
 FAKES = {
@@ -258,5 +288,14 @@ FAKES = {
         Fake("parameters kept for backward", "no second all-gather before backward: 2Ψ on "
              "the link, as if the parameters were never freed", ("test-fsdp-schedule",),
              indented(KEEPS_FOR_BACKWARD, 4)),
+    ],
+}
+
+ALTERNATIVES = {
+    "impl-fsdp-schedule": [
+        Alternative("prefetch issued first", "issues each prefetch before the compute it "
+                    "overlaps, in forward too (the solution issues forward's after it): the "
+                    "same events on each lane, the list in another order across lanes",
+                    ("test-fsdp-schedule",), indented(PREFETCH_FIRST, 4)),
     ],
 }

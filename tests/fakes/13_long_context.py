@@ -1,7 +1,7 @@
 """Fakes of Lab 13's exercises: each gets the numbers right (or close) without the mechanism the
 exercise is about, or hands the work to the library's own version."""
 
-from fakes import Fake
+from fakes import Alternative, Fake
 
 FAKES = {
     "impl-merge": [
@@ -143,5 +143,26 @@ FAKES = {
              source="""    shape = (seq_len, BATCH, HEADS, HEAD_DIM, cp_size)
     times = context_parallel.forward_times(*shape, link, flops_per_second)
     return times["ring"], times["ulysses"]"""),
+    ],
+}
+
+ALTERNATIVES = {
+    "impl-predict": [
+        Alternative("the ring step by step", "walks the ring's cp steps one by one and sums them, "
+                    "with s/cp as real division and the terms in another order: the same model, "
+                    "other rounding, and 4096 tokens over cp = 3 not rounded to whole tokens",
+                    ("test-predict",), """\
+    local = seq_len / cp_size  # tokens per rank: the model's, not a layout's
+    block_bytes = 4 * BATCH * HEADS * local * HEAD_DIM
+    flops = 4 * BATCH * HEADS * local * seq_len * HEAD_DIM
+    step = flops / cp_size / flops_per_second
+    transfer = link.alpha + 2 * block_bytes * link.beta
+    ring = 0.0
+    for k in range(cp_size):
+        ring += step if k == cp_size - 1 else max(step, transfer)
+    all_to_all = link.alpha + block_bytes * link.beta * (cp_size - 1) / cp_size
+    ulysses = flops / flops_per_second + 4 * all_to_all
+    return ring, ulysses
+"""),
     ],
 }
