@@ -71,14 +71,19 @@ def test_visible_source_drops_only_hidden_tests() -> None:
     assert asserts_without_message(source) == ["line 5: assert c"]
 
 
-@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda path: path.parent.name)
-def test_every_visible_assert_has_a_message(notebook: Path) -> None:
+def graded_asserts_without_message(notebook: Path, find) -> list[str]:
+    """`find`'s asserts without a message in every graded cell of `notebook`."""
     missing = []
     for cell in nbformat.read(notebook, as_version=nbformat.NO_CONVERT).cells:
         meta = cell.metadata.get("nbgrader", {})
         if cell.cell_type == "code" and meta.get("grade"):
-            found = asserts_without_message(cell.source)
-            missing += [f"{meta['grade_id']} {line}" for line in found]
+            missing += [f"{meta['grade_id']} {line}" for line in find(cell.source)]
+    return missing
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda path: path.parent.name)
+def test_every_visible_assert_has_a_message(notebook: Path) -> None:
+    missing = graded_asserts_without_message(notebook, asserts_without_message)
     assert not missing, (
         f"{notebook.relative_to(REPO)}: give these asserts a message saying what was expected and "
         "what was got:\n" + "\n".join(missing)
@@ -87,12 +92,7 @@ def test_every_visible_assert_has_a_message(notebook: Path) -> None:
 
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda path: path.parent.name)
 def test_every_hidden_assert_has_a_message(notebook: Path) -> None:
-    missing = []
-    for cell in nbformat.read(notebook, as_version=nbformat.NO_CONVERT).cells:
-        meta = cell.metadata.get("nbgrader", {})
-        if cell.cell_type == "code" and meta.get("grade"):
-            missing += [f"{meta['grade_id']} {line}"
-                        for line in hidden_asserts_without_message(cell.source)]
+    missing = graded_asserts_without_message(notebook, hidden_asserts_without_message)
     assert not missing, (
         f"{notebook.relative_to(REPO)}: give these hidden asserts a message (a string or an "
         "f-string) saying what was expected and what was got, without the hidden inputs:\n"

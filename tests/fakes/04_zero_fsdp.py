@@ -178,10 +178,7 @@ for unit in reversed(range(last + 1)):  # parameters kept from forward: no secon
 # Correct, though not the solution's order of calls: each prefetch is issued before the compute
 # it overlaps, in forward as in backward. Each lane runs the same things at the same times; only
 # the list's order across lanes differs, which the spec leaves open.
-PREFETCH_FIRST = """\
-n, last = world_size, len(unit_params) - 1
-moved = [(n - 1) / n * bytes_per_element * p / link_bytes_per_s for p in unit_params]
-forward = [2 * p * tokens / flops_per_s for p in unit_params]
+PREFETCH_FIRST = SCHEDULE.format(forward="""\
 ready = run_on("link", "all_gather", 0, 0.0, moved[0])
 for unit in range(last + 1):
     start = max(free["compute"], ready)
@@ -191,19 +188,7 @@ for unit in range(last + 1):
     if not prefetch and unit < last:
         upcoming = run_on("link", "all_gather", unit + 1, end, moved[unit + 1])
     if unit < last:
-        ready = upcoming
-ready = run_on("link", "all_gather", last, free["compute"], moved[last])
-for unit in reversed(range(last + 1)):
-    start = max(free["compute"], ready)
-    if prefetch and unit > 0:
-        upcoming = run_on("link", "all_gather", unit - 1, start, moved[unit - 1])
-    end = run_on("compute", "backward", unit, ready, 2 * forward[unit])
-    run_on("link", "reduce_scatter", unit, end, moved[unit])
-    if not prefetch and unit > 0:
-        upcoming = run_on("link", "all_gather", unit - 1, end, moved[unit - 1])
-    if unit > 0:
-        ready = upcoming
-"""
+        ready = upcoming""")
 
 FSDP_CELLS = ("test-fsdp", "test-fsdp-vs-torch", "test-mixed-precision")
 
