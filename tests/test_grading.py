@@ -540,10 +540,11 @@ def test_readme_gives_the_tested_commands() -> None:
 
 def test_feedback_hides_hidden_tests_and_tracebacks_that_quote_them() -> None:
     """A failed visible test keeps its traceback, minus the hidden lines IPython shows around
-    it; a failed hidden test shows only the error's name."""
+    it; a failed hidden test shows the error's name and its message, unless the message quotes
+    a hidden line."""
     source = "assert f(1) == 1\n### BEGIN HIDDEN TESTS\nassert f(2) == 4\n### END HIDDEN TESTS"
 
-    def failed_at(line: int) -> NotebookNode:  # IPython's traceback, colours included
+    def failed_at(line: int, message: str = "") -> NotebookNode:  # IPython's, colours included
         listing = "\n".join(
             f"\x1b[32m{'---->' if number == line else '     '} {number}\x1b[39m {text}"
             for number, text in enumerate(source.splitlines(), 1)
@@ -551,8 +552,9 @@ def test_feedback_hides_hidden_tests_and_tracebacks_that_quote_them() -> None:
         return nbformat.v4.new_output(
             "error",
             ename="AssertionError",
-            evalue="",
-            traceback=[f"\x1b[36mCell In[3], line {line}\x1b[39m\n{listing}", "AssertionError: "],
+            evalue=message,
+            traceback=[f"\x1b[36mCell In[3], line {line}\x1b[39m\n{listing}",
+                       f"AssertionError: {message}"],
         )
 
     meta = {"grade": True, "grade_id": "test-f", "points": 1, "solution": False, "locked": True}
@@ -568,6 +570,13 @@ def test_feedback_hides_hidden_tests_and_tracebacks_that_quote_them() -> None:
         "AssertionError: ",
     ]
     assert hidden.outputs[0].traceback == ["A hidden test failed: AssertionError"]
+    said, quoted = (
+        HideHiddenTests().preprocess_cell(nbformat.v4.new_code_cell(
+            source, metadata={"nbgrader": meta}, outputs=[failed_at(3, message)]), {}, 0)[0]
+        for message in ("f(2) should be 4, got 5", "assert f(2) == 4 failed"))
+    assert said.outputs[0].traceback == [
+        "A hidden test failed: AssertionError: f(2) should be 4, got 5"]
+    assert quoted.outputs[0].traceback == ["A hidden test failed: AssertionError"]
 
 
 def test_feedback_math_is_mathml_and_code_is_left_alone() -> None:

@@ -107,11 +107,14 @@ def _redact(output: NotebookNode, hidden: list[str]) -> NotebookNode:
     if failed is not None and not quotes_hidden(failed, hidden):
         output.traceback = [line for line in lines if not quotes_hidden(line, hidden)]
         return output
+    # The assert's message says what was expected without the hidden inputs (every hidden
+    # assert has one, tests/test_assert_messages.py); it stays unless it quotes them.
+    message = "" if quotes_hidden(output.evalue, hidden) else output.evalue
     return NotebookNode(
         output_type="error",
         ename=output.ename,
-        evalue="",
-        traceback=[f"A hidden test failed: {output.ename}"],
+        evalue=message,
+        traceback=[f"A hidden test failed: {output.ename}" + (f": {message}" if message else "")],
     )
 
 
