@@ -3,7 +3,7 @@ the mechanism the exercise is about. Sources replace the solution region, inside
 body (4-space indent). The H100 prediction (a quiz) is computed with the student's time model,
 so the fakes of that model that change its host-tier answer fail it too."""
 
-from fakes import Fake
+from fakes import Alternative, Fake
 
 FAKES = {
     "impl-offload-hooks": [
@@ -232,6 +232,31 @@ FAKES = {
     total = sum(p.grad.float().pow(2).sum() for p in params if p.grad is not None)
     norm = total.sqrt()
     scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(scale)
+    return norm"""),
+    ],
+}
+
+ALTERNATIVES = {
+    "impl-clip-parallel": [
+        Alternative("no epsilon in the scale",
+                    "scales by max_norm / norm (capped at 1), where clip_grad_norm_ divides by "
+                    "norm + 1e-6: a factor 2e-6 apart (relative) here, which 'like "
+                    "clip_grad_norm_' allows; the factors are checked to a relative 1e-5, not to "
+                    "6 decimals (0.080763 against 0.080762 here)",
+                    ("test-clip-parallel",), """\
+    once = {id(p) for p in replicated}
+    counts_replicated = dist.get_rank(tp_group) == 0
+    total = torch.zeros(1)
+    for p in params:
+        if p.grad is not None and (counts_replicated or id(p) not in once):
+            total += p.grad.float().pow(2).sum()
+    collectives.all_reduce(total, group=tp_group)
+    collectives.all_reduce(total, group=pp_group)
+    norm = total.sqrt()[0]
+    scale = torch.clamp(max_norm / norm, max=1.0)
     for p in params:
         if p.grad is not None:
             p.grad.mul_(scale)
