@@ -199,3 +199,18 @@ def test_without_a_process_group_it_is_torchs_clip():
     assert abs(norm.item() - torch.nn.utils.clip_grad_norm_(twin.parameters(), MAX_NORM)) < 1e-6
     for a, b in zip(model.parameters(), twin.parameters(), strict=True):
         assert torch.allclose(a.grad, b.grad, atol=1e-7)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+def test_fp64_gradients_keep_fp64_norms(norm_type):
+    """Nothing below the input's precision: an fp64 model's norm is torch's fp64 norm to
+    rounding, not an fp32 sum's (about 1e-7 off)."""
+    model, twin = gpt().double(), gpt().double()
+    for m in (model, twin):
+        m.loss(*batch()).backward()
+    norm = clipping.clip_grad_norm_(model.parameters(), MAX_NORM, norm_type=norm_type)
+    expected = torch.nn.utils.clip_grad_norm_(twin.parameters(), MAX_NORM, norm_type=norm_type)
+    assert norm.dtype == torch.float64, f"the norm of fp64 gradients came back {norm.dtype}"
+    assert abs(norm.item() - expected.item()) <= 1e-12 * expected.item(), (norm, expected)
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-12, atol=0), "fp64 gradients clipped"

@@ -27,12 +27,13 @@ CASES = [(method, layout, causal) for method in METHODS for layout in cp.LAYOUTS
 TOLERANCE = 1e-5  # fp32
 
 
-def _reference(causal: bool, seq: int = SEQ) -> dict[str, torch.Tensor]:
+def _reference(causal: bool, seq: int = SEQ,
+               dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Attention over the whole sequence in one process, and its gradients."""
     generator = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(BATCH, HEADS, seq, HEAD_DIM, generator=generator,
+    q, k, v = (torch.randn(BATCH, HEADS, seq, HEAD_DIM, generator=generator, dtype=dtype,
                            requires_grad=True) for _ in range(3))
-    grad = torch.randn(BATCH, HEADS, seq, HEAD_DIM, generator=generator)
+    grad = torch.randn(BATCH, HEADS, seq, HEAD_DIM, generator=generator, dtype=dtype)
     out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     out.backward(grad)
     return {"q": q.detach(), "k": k.detach(), "v": v.detach(), "grad": grad,
@@ -97,6 +98,17 @@ def _every_case(rank: int, world_size: int) -> dict:
             saved[seq] = sum(t.nbytes for t in saved_activations(
                 lambda a, b, c, fn=fn: fn(a, b, c, causal=True), q, k, v))
         results["saved", method] = saved
+    for method, fn in METHODS.items():
+        for causal in (True, False):
+            ref = _reference(causal, dtype=torch.float64)
+            mine = {name: cp.split_sequence(ref[name], world_size)[rank] for name in ref}
+            q, k, v = (mine[name].clone().requires_grad_() for name in "qkv")
+            out = fn(q, k, v, causal=causal)
+            out.backward(mine["grad"])
+            results["fp64", method, causal] = {
+                "dtypes": {str(t.dtype) for t in (out, q.grad, k.grad, v.grad)},
+                "error": max((got - mine[name]).abs().max().item() for name, got in
+                             (("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad)))}
     results["bad"] = _bad_inputs(rank, world_size)
     return results
 
@@ -114,6 +126,22 @@ def test_equal_to_one_process_attention_outputs_and_gradients(per_rank):
                 assert error <= TOLERANCE, (
                     f"cp={world}, rank {rank}, {case}: {name} off by {error:.1e} from "
                     f"F.scaled_dot_product_attention on the whole sequence")
+
+
+def test_fp64_inputs_are_computed_in_fp64(per_rank):
+    """Nothing below the input's precision: fp64 in, fp64 out, equal to one process's fp64
+    attention to rounding (an fp32 accumulation would leave errors near 1e-6)."""
+    world, results = per_rank
+    for rank, result in enumerate(results):
+        for method in METHODS:
+            for causal in (True, False):
+                found = result["fp64", method, causal]
+                assert found["dtypes"] == {"torch.float64"}, (
+                    f"cp={world}, rank {rank}, {method}, causal={causal}: outputs and "
+                    f"gradients should stay fp64, got {found['dtypes']}")
+                assert found["error"] <= 1e-12, (
+                    f"cp={world}, rank {rank}, {method}, causal={causal}: off by "
+                    f"{found['error']:.1e} from one process's fp64 attention")
 
 
 def test_bytes_per_rank_equal_the_formulas(per_rank):

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from minidist import collectives
+from minidist.flat import accumulation_dtype
 from minidist.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -87,14 +88,18 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, group: 
     pieces = [p.grad for p in params if counts or p not in replicated]
     groups = list(group) if isinstance(group, Sequence) else [group]
     device = params[0].grad.device if params else torch.device("cpu")
+    # fp32 at least, fp64 for fp64 gradients: every rank adds its part in the same dtype
+    acc = accumulation_dtype(*(p.grad.dtype for p in params))
     if norm_type == math.inf:
-        local = torch.stack([g.abs().max() for g in pieces]).max().float() if pieces else None
-        total = (local if local is not None else torch.zeros((), device=device)).reshape(1)
+        local = torch.stack([g.abs().max().to(acc) for g in pieces]).max() if pieces else None
+        total = (local if local is not None else torch.zeros((), dtype=acc, device=device))
+        total = total.reshape(1)
         for each in groups if dist.is_initialized() else ():
             collectives.all_reduce(total, op="max", group=each, when="gradient norm")
     else:
-        squares = [torch.linalg.vector_norm(g, 2.0, dtype=torch.float32) ** 2 for g in pieces]
-        total = (torch.stack(squares).sum() if squares else torch.zeros((), device=device))
+        squares = [torch.linalg.vector_norm(g, 2.0, dtype=acc) ** 2 for g in pieces]
+        total = (torch.stack(squares).sum() if squares
+                 else torch.zeros((), dtype=acc, device=device))
         total = total.reshape(1)
         for each in groups if dist.is_initialized() else ():  # alone: nothing to add
             collectives.all_reduce(total, op="sum", group=each, when="gradient norm")

@@ -65,6 +65,7 @@ import torch.distributed as dist
 from minidist import collectives, traffic
 from minidist.comm import ring_of
 from minidist.cost import AlphaBeta
+from minidist.flat import accumulation_dtype
 from minidist.timeline import Event, clock, note
 
 __all__ = [
@@ -159,15 +160,16 @@ def _pairs_scored(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
             phase: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """softmax(q kᵀ/√d) v over the keys `mask` allows (all, if None), in fp32, TILE queries at
-    a time: the output and the log-sum-exp of each query's scores. Notes an "attention"
-    Event."""
+    """softmax(q kᵀ/√d) v over the keys `mask` allows (all, if None), in fp32 or wider
+    (`accumulation_dtype`), TILE queries at a time: the output and the log-sum-exp of each
+    query's scores. Notes an "attention" Event."""
     start = clock()
-    keys, values = k.float().transpose(-2, -1), v.float()
+    acc = accumulation_dtype(q.dtype, k.dtype, v.dtype)
+    keys, values = k.to(acc).transpose(-2, -1), v.to(acc)
     outs, lses = [], []
     for first in range(0, q.shape[2], TILE):
         rows = slice(first, first + TILE)
-        scores = (q[:, :, rows].float() / math.sqrt(q.shape[-1])) @ keys
+        scores = (q[:, :, rows].to(acc) / math.sqrt(q.shape[-1])) @ keys
         if mask is not None:
             scores.masked_fill_(~mask[rows], float("-inf"))
         lse = scores.logsumexp(dim=-1)
@@ -180,7 +182,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     diagonal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of queries q [b, h, n, d] over one block of keys and values [b, h, m, d]:
-    (output [b, h, n, d] in fp32, log-sum-exp of each query's scores [b, h, n]). With
+    (output [b, h, n, d] in fp32 or wider, log-sum-exp of each query's scores [b, h, n]). With
     `diagonal` the queries and keys are the same tokens and the causal mask applies (query i
     sees keys 0..i); otherwise every key is seen. Notes an "attention" `timeline.Event` whose
     detail is the number of query-key pairs scored."""
@@ -372,8 +374,9 @@ def _positions_of(plan: _Plan, rank: int) -> torch.Tensor:
 
 def _ring_forward(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+    acc = accumulation_dtype(q.dtype, k.dtype, v.dtype)
+    out = torch.zeros(q.shape, dtype=acc, device=q.device)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
     block = torch.stack([k, v])  # one message per step: the key and value blocks together
     for step in range(plan.cp):
         source = (plan.rank - step) % plan.cp
@@ -393,7 +396,8 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
                  group: Group = None, layout: Layout = "contiguous"
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ring attention's forward without autograd: (this rank's output [b, h, s/cp, d], the
-    log-sum-exp of each of its queries [b, h, s/cp] in fp32). See the module doc."""
+    log-sum-exp of each of its queries [b, h, s/cp] in fp32, or fp64 for fp64 inputs). See the
+    module doc."""
     plan = _plan({"q": q, "k": k, "v": v}, causal, group, layout, "ring_forward")
     return _ring_forward(plan, q, k, v, causal)
 
@@ -424,20 +428,21 @@ def _attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out
 def _ring_backward(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor, causal: bool
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    q32, grad_out32 = q.float(), grad_out.float()
-    delta = (grad_out32 * out.float()).sum(-1)  # D_i = Σ_d dO·O: softmax's backward term
-    grad_q = torch.zeros_like(q32)
+    acc = accumulation_dtype(q.dtype, k.dtype, v.dtype, grad_out.dtype)
+    q_acc, grad_out_acc = q.to(acc), grad_out.to(acc)
+    delta = (grad_out_acc * out.to(acc)).sum(-1)  # D_i = Σ_d dO·O: softmax's backward term
+    grad_q = torch.zeros_like(q_acc)
     block = torch.stack([k, v])
     coming = None  # the gradient of the block held now, accumulated by the ranks before
     for step in range(plan.cp):
         source = (plan.rank - step) % plan.cp
         travelling = (collectives.shift(block, plan.group, "backward, key/value blocks",
                                         async_op=True) if step < plan.cp - 1 else None)
-        grads = torch.zeros(block.shape, dtype=torch.float32, device=block.device)
+        grads = torch.zeros(block.shape, dtype=acc, device=block.device)
         for rows, cols, kind in _pairs(plan, source, causal):
             mask = _mask(plan, source, rows, cols, q.device) if kind == "mask" else None
-            dq, dk, dv = _attend_backward(q32[:, :, rows], block[0][:, :, cols].float(),
-                                          block[1][:, :, cols].float(), grad_out32[:, :, rows],
+            dq, dk, dv = _attend_backward(q_acc[:, :, rows], block[0][:, :, cols].to(acc),
+                                          block[1][:, :, cols].to(acc), grad_out_acc[:, :, rows],
                                           lse[:, :, rows], delta[:, :, rows], mask)
             grad_q[:, :, rows] += dq
             grads[0][:, :, cols] += dk
@@ -445,7 +450,7 @@ def _ring_backward(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         if plan.cp == 1:
             return grad_q.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype)
         if coming is not None:
-            grads += coming.wait()  # in fp32; the messages in the inputs' dtype
+            grads += coming.wait()  # accumulated in `acc`; the messages in the inputs' dtype
         coming = collectives.shift(grads.to(block.dtype), plan.group,
                                    "backward, key/value gradients", async_op=True)
         if travelling is not None:

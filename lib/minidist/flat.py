@@ -11,7 +11,16 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["flatten", "views", "copy_back"]
+__all__ = ["accumulation_dtype", "flatten", "views", "copy_back"]
+
+
+def accumulation_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """The dtype to accumulate `dtypes` in: at least fp32, and never narrower than any of them
+    (bf16 and fp16 sum in fp32; fp64 stays fp64, so a gradient check in fp64 keeps its digits)."""
+    found = torch.float32
+    for dtype in dtypes:
+        found = torch.promote_types(found, dtype)
+    return found
 
 
 def flatten(tensors: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
