@@ -525,3 +525,40 @@ def test_count_traffic_outside_ranks_counts_nothing() -> None:
     with count_traffic() as counter:
         pass
     assert (counter.bytes_sent, counter.messages) == (0, 0)
+
+
+def _all_to_all_with(rank: int, world_size: int, impl: str, receive_more: bool) -> torch.Tensor:
+    """Rank r sends r + 1 rows to every rank; rank 1 expects one row more (or fewer) from
+    rank 0 than rank 0 sends it."""
+    sends = [rank + 1] * world_size
+    receives = [peer + 1 for peer in range(world_size)]
+    if rank == 1:
+        receives[0] += 1 if receive_more else -1
+    x = torch.full((sum(sends), 2), float(rank))
+    return collectives.all_to_all(x, sends, receives, impl=impl)
+
+
+@pytest.mark.parametrize("impl", ["pairwise", "torch"])
+@pytest.mark.parametrize("receive_more", [True, False])
+def test_all_to_all_with_mismatched_splits_names_both_ranks(impl, receive_more):
+    """A receive size larger than what the peer sends would come back as uninitialised
+    memory, a smaller one as a shape error inside torch: every rank raises first, naming
+    both ranks' calls."""
+    with pytest.raises(RankError) as raised:
+        run(_all_to_all_with, 3, impl, receive_more, timeout=20)
+    message = str(raised.value)
+    expected = 2 if receive_more else 0
+    assert "mismatched splits" in message and (
+        f"rank 1 expects {expected} rows from rank 0, which sends it 1" in message), message
+    assert "send_sizes=[1, 1, 1]" in message, message
+    assert all(f"rank {rank}" in message for rank in range(3)), message
+
+
+def test_all_to_all_with_matching_uneven_splits_still_runs():
+    def uneven(rank: int, world_size: int) -> list[float]:
+        sends = [rank + 1] * world_size
+        got = collectives.all_to_all(torch.full((sum(sends),), float(rank)), sends,
+                                     [peer + 1 for peer in range(world_size)], impl="pairwise")
+        return got.tolist()
+
+    assert run(uneven, 3) == [[0.0, 1.0, 1.0, 2.0, 2.0, 2.0]] * 3

@@ -32,6 +32,7 @@ meeting of every rank of its group.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import math
 import pickle
 import threading
@@ -44,7 +45,8 @@ import torch.nn.functional as F
 
 from minidist import network, streaming
 from minidist._checks import require_process_group
-from minidist.comm import binomial_broadcast, chunk_bounds, ring_of
+from minidist._groups import per_group_cache
+from minidist.comm import Ring, binomial_broadcast, chunk_bounds, ring_of
 from minidist.cost import ALL_REDUCE_ALGORITHMS, AlgorithmLinks, AlphaBeta
 from minidist.flat import copy_back, flatten
 from minidist.timeline import Event, clock, note
@@ -384,6 +386,7 @@ def all_to_all(x: torch.Tensor, send_sizes: Sequence[int], receive_sizes: Sequen
     rank at once, then waits for them all."""
     _check_impl("all_to_all", impl)
     ring = ring_of(group, "all_to_all")
+    _check_splits(x, send_sizes, receive_sizes, ring, group)
     row_bytes = math.prod(x.shape[1:]) * x.element_size()
     leaving = sum(send_sizes) - send_sizes[ring.rank]
     record("all_to_all", leaving * row_bytes, group, when)
@@ -404,6 +407,49 @@ def all_to_all(x: torch.Tensor, send_sizes: Sequence[int], receive_sizes: Sequen
             request.wait()
 
     return _run(exchange, False, lambda: out)
+
+
+_split_calls = per_group_cache()  # all_to_all calls made on each group: the store's key
+
+
+def _check_splits(x: torch.Tensor, send_sizes: Sequence[int], receive_sizes: Sequence[int],
+                  ring: Ring, group: dist.ProcessGroup | None) -> None:
+    """Every rank's splits against every other's, before any row moves: a rank that expects
+    more rows than a peer sends it would get uninitialised memory back, one that expects fewer
+    a shape error inside torch. The splits meet in the group's store, not on its links, so
+    no count of messages or bytes sees them; every rank raises the same error."""
+    me = ring.members[ring.rank]
+    if len(send_sizes) != ring.size or len(receive_sizes) != ring.size:
+        raise ValueError(f"all_to_all on rank {me}: send_sizes {list(send_sizes)} and "
+                         f"receive_sizes {list(receive_sizes)} need one entry per rank of the "
+                         f"group ({ring.size})")
+    if sum(send_sizes) != x.shape[0] or min(send_sizes, default=0) < 0:
+        raise ValueError(f"all_to_all on rank {me}: send_sizes {list(send_sizes)} should be "
+                         f"row counts that add up to the tensor's {x.shape[0]} rows")
+    if ring.size == 1:
+        return
+    key = group or dist.group.WORLD
+    call = _split_calls[key] = _split_calls.get(key, 0) + 1
+    store = dist.distributed_c10d._get_process_group_store(key)
+    mine = json.dumps({"send": list(map(int, send_sizes)),
+                       "receive": list(map(int, receive_sizes))})
+    store.set(f"minidist/all_to_all/{call}/{ring.rank}", mine)
+    keys = [f"minidist/all_to_all/{call}/{peer}" for peer in range(ring.size)]
+    store.wait(keys)
+    splits = [json.loads(value) for value in store.multi_get(keys)]
+    if call > 1:  # every rank has read the last call's splits: it has written this call's
+        store.delete_key(f"minidist/all_to_all/{call - 1}/{ring.rank}")
+    for receiver, theirs in enumerate(splits):
+        for sender, expected in enumerate(theirs["receive"]):
+            sent = splits[sender]["send"][receiver]
+            if sent != expected:
+                raise ValueError(
+                    f"all_to_all with mismatched splits: rank {ring.members[receiver]} expects "
+                    f"{expected} rows from rank {ring.members[sender]}, which sends it {sent} "
+                    f"(rank {ring.members[sender]} called it with send_sizes="
+                    f"{splits[sender]['send']}, rank {ring.members[receiver]} with "
+                    f"receive_sizes={theirs['receive']}); each rank's receive_sizes[p] must be "
+                    f"what rank p's send_sizes sends it")
 
 
 def shift(tensor: torch.Tensor, group: dist.ProcessGroup | None = None, when: str = "",
