@@ -20,7 +20,7 @@ from nbclient import NotebookClient
 from minidist.predictions import (
     LEDGER_NAME,
     PredictionNotCommitted,
-    assert_unchanged_after_measurement,
+    assert_committed_unchanged,
     canonical,
     commit,
     read_ledger,
@@ -54,12 +54,14 @@ def test_a_prediction_changed_after_its_measurement_fails_and_one_put_back_passe
     commit("x", 4, ledger=ledger)  # changed before the measurement: free
     reveal("x", ledger=ledger)
     commit("x", 4.0, ledger=ledger)  # the same number written another way
-    assert_unchanged_after_measurement("x", ledger=ledger)
+    assert_committed_unchanged("x", 4, ledger=ledger)
+    with pytest.raises(AssertionError, match="is 5.0 but 4.0 was committed"):
+        assert_committed_unchanged("x", 5, ledger=ledger)  # set again after its commit
     commit("x", 5, ledger=ledger)
     with pytest.raises(AssertionError, match="it was 4.0 then and is 5.0 now"):
-        assert_unchanged_after_measurement("x", ledger=ledger)
+        assert_committed_unchanged("x", 5, ledger=ledger)
     commit("x", 4, ledger=ledger)
-    assert_unchanged_after_measurement("x", ledger=ledger)
+    assert_committed_unchanged("x", 4, ledger=ledger)
     events, verified = read_ledger(ledger)
     assert verified and [e.kind for e in events] == ["commit"] * 2 + ["reveal"] + ["commit"] * 2
 
@@ -130,15 +132,19 @@ def test_autograde_and_the_report_catch_a_prediction_changed_after_its_measureme
     assert count == 1, correct
 
     # "honest" commits the right value and keeps it; "changer" commits a wrong one, sees the
-    # measurement, then writes the right one; "rethinker" changes it before measuring.
+    # measurement, then writes the right one; "rethinker" changes it before measuring;
+    # "overwriter" keeps the wrong commit but sets the variable right in the measurement cell.
     sessions = {"honest": (correct, None), "changer": (wrong, correct),
-                "rethinker": (correct, None)}
+                "rethinker": (correct, None), "overwriter": (wrong, None)}
     notebooks = {}
     for student, (first, then) in sessions.items():
         notebook = nbformat.from_dict(json.loads(json.dumps(solved)))
         folder = tmp_path / student
         folder.mkdir()
         notebook.cells[prediction].source = first
+        if student == "overwriter":
+            _, measurement, _ = first_prediction_cells(notebook)
+            notebook.cells[measurement].source += f"\nprediction_{PREDICTION} = (4, 4, 8)"
         if student == "rethinker":
             commit(PREDICTION, "a first guess", ledger=folder / LEDGER_NAME)
         student_session(notebook, folder, then)
@@ -152,13 +158,14 @@ def test_autograde_and_the_report_catch_a_prediction_changed_after_its_measureme
     assert got["honest"][0] == got["honest"][1] > 0, f"honest: {got['honest']}"
     assert got["rethinker"][0] == got["rethinker"][1], f"changed before measuring: {got}"
     assert got["changer"][0] == 0, f"changed after the measurement: {got['changer']}"
+    assert got["overwriter"][0] == 0, f"set again after its commit: {got['overwriter']}"
     feedback = nbformat.read(root / "autograded" / "changer" / LAB / f"{LAB}.ipynb", 4)
     test_cell = next(c for c in feedback.cells if nbgrader_meta(c).get("grade_id") == cell)
     assert "changed after its measurement was shown" in json.dumps(test_cell.outputs)
 
     report = run_in_course(root, ".venv/bin/python tools/grading/predictions.py", LAB).output
     assert f"changer  {LAB}  {PREDICTION} = " in report and "CHANGED" in report, report
-    assert "honest" not in report and "rethinker" not in report, report
+    assert not {"honest", "rethinker", "overwriter"} & set(report.split()), report
     assert "1 prediction(s) changed after their measurement was shown" in report, report
 
     # A self-learner's `make grade` reads the same history, from the notebook and the ledger.

@@ -8,9 +8,9 @@ history in the cell's output, so the history travels inside the submitted notebo
 
 At grading, the course's nbgrader configuration rebuilds the ledger from the submitted outputs
 (tools/grading/predictions.py) before the notebook runs again, and the prediction's hidden test
-calls `assert_unchanged_after_measurement(name)`: a prediction changed after its measurement
-was shown scores 0. Changing it before the measurement is free, as is putting back the value
-that was committed when the measurement was shown.
+calls `assert_committed_unchanged(name, value)`: a prediction changed after its measurement
+was shown scores 0, and so does a variable set again after its commit. Changing it before the
+measurement is free, as is putting back the value that was committed when it was shown.
 
 What this cannot stop: a student who deletes the ledger and clears every output, then runs the
 notebook again, leaves no trace (solutions/README.md, "Predictions").
@@ -32,7 +32,7 @@ __all__ = [
     "LedgerEvent",
     "History",
     "PredictionNotCommitted",
-    "assert_unchanged_after_measurement",
+    "assert_committed_unchanged",
     "canonical",
     "chain",
     "commit",
@@ -228,14 +228,18 @@ def reveal(*names: str, ledger: Path | None = None) -> None:
               for name in names], [_record(name, events) for name in names])
 
 
-def assert_unchanged_after_measurement(*names: str, ledger: Path | None = None) -> None:
-    """The grader's check: each prediction in `names` was committed, and is what it was when
-    its measurement was first shown."""
+def assert_committed_unchanged(name: str, value: Any, *, ledger: Path | None = None) -> None:
+    """The grader's check of the prediction `name`, whose variable holds `value` now: it was
+    committed, it is what was committed (not set again after its `commit`), and it is what it
+    was when its measurement was first shown."""
     events, _ = read_ledger(ledger)
-    for name in names:
-        found = history(name, events)
-        assert found.commits, f"prediction {name} was never committed: run its cell's commit(...)"
-        assert not found.changed_after_measurement, (
-            f"prediction {name} was changed after its measurement was shown: it was "
-            f"{_show(found.first_reveal.value)} then and is {_show(found.current)} now. A "
-            f"prediction is graded as committed before the measurement; a changed one scores 0.")
+    found = history(name, events)
+    assert found.commits, f"prediction {name} was never committed: run its cell's commit(...)"
+    assert canonical(value) == found.current, (
+        f"prediction {name} is {_show(canonical(value))} but {_show(found.current)} was "
+        f"committed: a prediction is graded as committed, so set it in its own cell, before "
+        f"its commit(...)")
+    assert not found.changed_after_measurement, (
+        f"prediction {name} was changed after its measurement was shown: it was "
+        f"{_show(found.first_reveal.value)} then and is {_show(found.current)} now. A "
+        f"prediction is graded as committed before the measurement; a changed one scores 0.")
