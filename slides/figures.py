@@ -1144,7 +1144,7 @@ def lost_work_timeline() -> Figure:
         _box(ax, t + interval - write, 0.6, write, 0.6, "", color="#f2c14e")
         t += interval
     _box(ax, t, 0.6, failure - t, 0.6, "lost", color="#f4b6b6")
-    ax.text(failure, 1.45, "✕ failure", ha="center", color="#b22222", fontsize=12)
+    ax.text(failure, 1.45, "× failure", ha="center", color="#b22222", fontsize=12)
     _box(ax, failure, 0.6, restart, 0.6, "restart", color="0.85", size=10)
     _box(ax, failure + restart, 0.6, failure - t, 0.6, "redo", color="#f4b6b6")
     _box(ax, failure + restart + failure - t, 0.6, 10.2 - (2 * failure + restart - t), 0.6,

@@ -76,6 +76,15 @@ def test_an_edited_ledger_no_longer_verifies(tmp_path):
     assert read_ledger(ledger)[1] is False
 
 
+def test_a_file_that_is_not_a_ledger_reads_as_empty_and_unverified(tmp_path):
+    ledger = tmp_path / LEDGER_NAME
+    for text in ("{}", "not json", '{"events": [{"name": "x"}]}'):
+        ledger.write_text(text)
+        assert read_ledger(ledger) == ([], False), text
+    commit("x", 1, ledger=ledger)  # a fresh ledger replaces it
+    assert read_ledger(ledger)[1] and len(read_ledger(ledger)[0]) == 1
+
+
 def test_values_compare_as_numbers_not_as_spellings():
     assert canonical({2: 3, 3: 4.0}) == canonical({"2": 3.0, "3": 4})
     assert canonical((1, 2)) == canonical([1.0, 2.0])

@@ -111,13 +111,17 @@ def _ledger_path(ledger: Path | None) -> Path:
 
 def read_ledger(ledger: Path | None = None) -> tuple[list[LedgerEvent], bool]:
     """(the events in `ledger`, default `.predictions.json` in the current folder, and whether
-    their digests verify). A missing file is an empty ledger that verifies."""
+    their digests verify). A missing file is an empty ledger that verifies; a file that is not
+    a ledger reads as empty and does not verify."""
     path = _ledger_path(ledger)
     if not path.exists():
         return [], True
-    stored = json.loads(path.read_text())["events"]
-    events = chain(stored)
-    return events, [e.digest for e in events] == [e["digest"] for e in stored]
+    try:
+        stored = json.loads(path.read_text())["events"]
+        events = chain(stored)
+    except (ValueError, KeyError, TypeError):  # not a ledger: the outputs still hold the history
+        return [], False
+    return events, [e.digest for e in events] == [e.get("digest") for e in stored]
 
 
 def write_ledger(events: list[dict[str, Any]], ledger: Path | None = None) -> list[LedgerEvent]:
