@@ -25,13 +25,19 @@ from test_self_grade import course_copy, make_grade  # noqa: E402
 BUDGET_S = 90
 
 
+def regions(source: str | tuple[str, ...]) -> list[str] | tuple[list[str], ...]:
+    """A fake's source as `answered` takes it: lines, or lines per region of a cell with
+    several."""
+    return (tuple(part.splitlines() for part in source) if isinstance(source, tuple)
+            else source.splitlines())
+
+
 def grade_lab(course: Path, lab: str) -> list[str]:
     """Grade `lab` three ways; returns what went wrong (nothing when all three hold)."""
     solution = read_notebook(REPO / "solutions" / lab / f"{lab}.ipynb")
     released = read_notebook(REPO / "labs" / lab / f"{lab}.ipynb")
     fakes = rounds(fakes_of(lab))[0]
-    faked = answered(released, solution,
-                     {cell: fake.source.splitlines() for cell, fake in fakes.items()})
+    faked = answered(released, solution, {cell: regions(fake.source) for cell, fake in fakes.items()})
     wrong = []
     for name, notebook in (("untouched", None), ("solution", answered(released, solution)),
                            ("fakes", faked)):
