@@ -37,7 +37,8 @@ def grade_lab(course: Path, lab: str) -> list[str]:
     solution = read_notebook(REPO / "solutions" / lab / f"{lab}.ipynb")
     released = read_notebook(REPO / "labs" / lab / f"{lab}.ipynb")
     fakes = rounds(fakes_of(lab))[0]
-    faked = answered(released, solution, {cell: regions(fake.source) for cell, fake in fakes.items()})
+    faked = answered(released, solution,
+                     {cell: regions(fake.source) for cell, fake in fakes.items()})
     wrong = []
     for name, notebook in (("untouched", None), ("solution", answered(released, solution)),
                            ("fakes", faked)):
