@@ -32,7 +32,7 @@ from grading.feedback import (  # noqa: E402
 )
 from grading.predictions import KeepPredictionRecords, RestorePredictionLedger  # noqa: E402
 
-from minidist.predictions import LEDGER_NAME  # noqa: E402
+from minidist.core.predictions import LEDGER_NAME  # noqa: E402
 
 # Instructor notebooks live in solutions/<lab>/<lab>.ipynb; `nbgrader generate_assignment`
 # writes the student versions to labs/<lab>/<lab>.ipynb, which students get from git. The
@@ -59,7 +59,7 @@ c.Execute.timeout = CELL_TIMEOUT_S
 c.Execute.interrupt_on_timeout = True
 os.environ.setdefault("MINIDIST_TIMEOUT", str(CELL_TIMEOUT_S // 2))
 
-# Predictions are graded as first committed (minidist.predictions): the history each prediction
+# Predictions are graded as first committed (minidist.core.predictions): the history each prediction
 # cell and measurement cell showed is kept before autograde clears the outputs, and written as
 # the ledger that the notebook's run reads. A ledger is never copied as a course file: an
 # instructor's own run of a solution must not become every student's history.

@@ -24,8 +24,8 @@ verdict. The fit is a measurement in one launch too: where algorithms are close 
 Time it on an otherwise idle machine: other processes on the cores make the numbers
 meaningless.
 
-Why minidist.streaming is as it is: what each choice was measured to do on the course's
-2-core VM, 2 ranks unless stated (gloo = 1.0):
+Why minidist.communication.streaming is as it is: what each choice was measured to do on the
+course's 2-core VM, 2 ranks unless stated (gloo = 1.0):
 - Segments. Whole messages left the link idle during every addition and the CPU idle during
   every transfer: the ring reached only ~0.7x gloo from 8 MiB. About four segments of
   256 KiB to 1 MiB traded that overlap best against the tens of microseconds a message costs.
@@ -50,8 +50,8 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from minidist.bandwidth import Row, measure, measure_links
-from minidist.cost import ALL_REDUCE_ALGORITHMS
+from minidist.communication.bandwidth import Row, measure, measure_links
+from minidist.costs.cost import ALL_REDUCE_ALGORITHMS
 
 TARGET_RATIO = 0.8
 TARGET_WORLD_SIZES = (2, 4)

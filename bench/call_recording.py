@@ -1,4 +1,4 @@
-"""What recording each rank's calls (minidist._calls, behind launch.run's mismatch and deadlock
+"""What recording each rank's calls (minidist.core._calls, behind launch.run's mismatch and deadlock
 reports) costs an all-reduce: torch's and minidist's ring, with and without the recording.
 
     .venv/bin/python bench/call_recording.py
@@ -18,8 +18,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from minidist import comm
-from minidist.launch import run
+from minidist.communication import comm
+from minidist.core.launch import run
 
 SIZES = [1 << 10, 4 << 10, 64 << 10]  # bytes
 ROUNDS, CALLS = 15, 200

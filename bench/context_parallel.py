@@ -50,9 +50,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from minidist import collectives, context_parallel, timing
-from minidist.launch import run
-from minidist.mesh import Mesh
+from minidist.communication import collectives, timing
+from minidist.communication.mesh import Mesh
+from minidist.core.launch import run
+from minidist.parallel import context_parallel
 
 BATCH, HEADS, HEAD_DIM = 1, 4, 32
 

@@ -3,9 +3,9 @@
     python bench/ddp_step_time.py [--world-size 2] [--rounds 15] [--batch 2]
 
 A TinyGPT of about 10.5 M parameters on gloo CPU ranks (one thread each): forward, backward
-(with the gradient all-reduces) and an SGD step, timed by `minidist.timing.time_in_turns`:
-the implementations take turns; the ratio to torch is the median of the rounds' ratios, the
-step time each one's median. The course's target:
+(with the gradient all-reduces) and an SGD step, timed by
+`minidist.communication.timing.time_in_turns`: the implementations take turns; the ratio to torch
+is the median of the rounds' ratios, the step time each one's median. The course's target:
 ours / torch <= 1.00 with the default (backend) all-reduce.
 """
 
@@ -19,10 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minidist.ddp import DistributedDataParallel
-from minidist.launch import run
-from minidist.models import TinyGPT
-from minidist.timing import median_ratio, time_in_turns
+from minidist.communication.timing import median_ratio, time_in_turns
+from minidist.core.launch import run
+from minidist.parallel.ddp import DistributedDataParallel
+from minidist.parallel.models import TinyGPT
 
 TARGET_RATIO = 1.00
 VOCAB, HIDDEN, HEADS, LAYERS, SEQ = 8192, 256, 4, 8, 64

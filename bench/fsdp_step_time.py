@@ -5,9 +5,9 @@
 A TinyGPT of 10.5 M parameters on gloo CPU ranks (one thread each), each wrapped as its
 library's user would: ours with its default units (each embedding, each transformer block,
 the norm, the head), PyTorch's with `fully_shard` on each block and on the whole model.
-Forward, backward, SGD step, timed by `minidist.timing.time_in_turns`: the two take turns, and
-the ratio is the median over rounds of (ours / torch). The last line says PASS or FAIL against
-the target (<= 1.10).
+Forward, backward, SGD step, timed by `minidist.communication.timing.time_in_turns`: the two take
+turns, and the ratio is the median over rounds of (ours / torch). The last line says PASS or FAIL
+against the target (<= 1.10).
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import statistics
 import torch
 from torch.distributed.fsdp import fully_shard
 
-from minidist.fsdp import FullyShardedDataParallel
-from minidist.launch import run
-from minidist.models import TinyGPT
-from minidist.timing import median_ratio, time_in_turns
+from minidist.communication.timing import median_ratio, time_in_turns
+from minidist.core.launch import run
+from minidist.parallel.fsdp import FullyShardedDataParallel
+from minidist.parallel.models import TinyGPT
 
 TARGET_RATIO = 1.10
 VOCAB, HIDDEN, HEADS, LAYERS, SEQ = 8192, 256, 4, 8, 64

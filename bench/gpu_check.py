@@ -3,21 +3,21 @@ stage, and what offloading the optimizer state to the host frees.
 
     python bench/gpu_check.py [--peak-tflops 989]
 
-1. Achieved bf16 matmul FLOP/s (`minidist.profiling.measure_peak_flops`, 8192 x 8192) against
+1. Achieved bf16 matmul FLOP/s (`minidist.jobs.profiling.measure_peak_flops`, 8192 x 8192) against
    the GPU's datasheet peak (dense bf16, without sparsity; pass --peak-tflops for a GPU the table
    does not know).
-2. TinyGPT's MFU in bf16 autocast: tokens/s x (6Ψ + 12·L·h·s) / peak (`minidist.flops.mfu`),
+2. TinyGPT's MFU in bf16 autocast: tokens/s x (6Ψ + 12·L·h·s) / peak (`minidist.costs.flops.mfu`),
    against the datasheet and against the measured matmul peak.
 3. Model-state memory of one rank of N = 8 under ZeRO stages 0-3, measured with
    `torch.cuda.memory_allocated` (held) and `max_memory_allocated` (peak) against
-   `minidist.memory.model_state_bytes`: bf16
+   `minidist.costs.memory.model_state_bytes`: bf16
    parameters and gradients, and fp32 master weights with AdamW's m and v, each kept whole or
    as the 1/N shard the stage gives a rank, then one AdamW step on the fp32 master shard. One
    GPU holds one rank's share; no collective runs.
 4. Lab 12, ZeRO-Offload on one GPU (a one-rank NCCL group): TinyGPT in bf16 trained one step
-   by `minidist.zero.ZeroOptimizer(stage=2)` with the optimizer state on the GPU and with
+   by `minidist.parallel.zero.ZeroOptimizer(stage=2)` with the optimizer state on the GPU and with
    `offload="host"`; `torch.cuda.memory_allocated` after the step (gradients freed) drops by
-   the fp32 master weights and AdamW's m and v, 12Ψ bytes (`minidist.tiers`), and the bytes
+   the fp32 master weights and AdamW's m and v, 12Ψ bytes (`minidist.costs.tiers`), and the bytes
    moved per step equal `tiers.offload_transfer_bytes`.
 5. Lab 12, minidist's `FullyShardedDataParallel(offload="host")` against PyTorch's FSDP2
    `fully_shard(..., offload_policy=CPUOffloadPolicy())` (which needs a GPU): 3 AdamW steps
@@ -36,11 +36,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from minidist import flops, memory, offload, tiers
-from minidist.fsdp import FullyShardedDataParallel
-from minidist.models import TinyGPT
-from minidist.profiling import measure_peak_flops
-from minidist.zero import ZeroOptimizer
+from minidist.costs import flops, memory, tiers
+from minidist.jobs.profiling import measure_peak_flops
+from minidist.parallel import offload
+from minidist.parallel.fsdp import FullyShardedDataParallel
+from minidist.parallel.models import TinyGPT
+from minidist.parallel.zero import ZeroOptimizer
 
 # Dense bf16 tensor-core peak FLOP/s from NVIDIA's datasheets (the sparsity figures are twice
 # these). Matched against torch.cuda.get_device_name(), most specific first.

@@ -3,8 +3,8 @@
     python bench/hierarchical_allreduce.py [--sizes-mib 1 4 16 64] [--rounds 5]
                                            [--intra-bandwidth 250e6] [--inter-bandwidth 25e6]
 
-Four ranks on one machine, grouped as 2 nodes of 2 by `minidist.network.TwoTier` (defaults:
-intra-node links 250 MB/s and 100 us, inter-node 25 MB/s and 1 ms: 10x slower), every
+Four ranks on one machine, grouped as 2 nodes of 2 by `minidist.communication.network.TwoTier`
+(defaults: intra-node links 250 MB/s and 100 us, inter-node 25 MB/s and 1 ms: 10x slower), every
 point-to-point message delayed by its link. At each size it times
 `collectives.all_reduce(impl="ring")` and `impl="hierarchical"` in the same ranks, taking turns
 (`timing.time_in_turns`, median of --rounds), and prints
@@ -32,11 +32,11 @@ import statistics
 
 import torch
 
-from minidist import collectives, network
-from minidist.launch import run
-from minidist.mesh import Mesh
-from minidist.network import TwoTier
-from minidist.timing import time_in_turns
+from minidist.communication import collectives, network
+from minidist.communication.mesh import Mesh
+from minidist.communication.network import TwoTier
+from minidist.communication.timing import time_in_turns
+from minidist.core.launch import run
 
 TARGET_SIZE = 16 * 2**20
 TARGET_RATIO = 0.5

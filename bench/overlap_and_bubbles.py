@@ -19,9 +19,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minidist import launch, pipeline_exec, profiling
-from minidist import tensor_parallel as tp
-from minidist.pipeline import Timeline, schedule, simulate
+from minidist.core import launch
+from minidist.jobs import profiling
+from minidist.parallel import pipeline_exec
+from minidist.parallel import tensor_parallel as tp
+from minidist.parallel.pipeline import Timeline, schedule, simulate
 
 PIPELINE_TIME_UNIT_S = 0.05
 

@@ -3,7 +3,7 @@
     python bench/parallel3d_step_time.py [--rounds 5]
 
 8 gloo CPU ranks (one thread each), a TinyGPT on a dp2·pp2·tp2 mesh, 1F1B over 2 microbatches,
-AdamW. Ours: `minidist.parallelize` (the course's tensor-parallel blocks, pipeline executor
+AdamW. Ours: `minidist.parallel.parallelize` (the course's tensor-parallel blocks, pipeline executor
 and ZeRO-1). PyTorch's: on `mesh.to_torch()`, DTensor `parallelize_module` on the "tp"
 dimension (q, k, v and fc1 column-wise, out_proj and fc2 row-wise), `fully_shard` on "dp"
 (FSDP2, which also shards the parameters: ZeRO-3 to our ZeRO-1) and
@@ -26,12 +26,12 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from minidist.comm import chunk_bounds
-from minidist.launch import run
-from minidist.mesh import Mesh
-from minidist.models import TinyGPT, lm_loss
-from minidist.parallelize import TinyGPTStage, parallelize
-from minidist.timing import median_ratio, time_in_turns
+from minidist.communication.comm import chunk_bounds
+from minidist.communication.mesh import Mesh
+from minidist.communication.timing import median_ratio, time_in_turns
+from minidist.core.launch import run
+from minidist.parallel.models import TinyGPT, lm_loss
+from minidist.parallel.parallelize import TinyGPTStage, parallelize
 
 TARGET_RATIO = 1.2
 DP, PP, TP, MICROBATCHES = 2, 2, 2, 2

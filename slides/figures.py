@@ -22,20 +22,12 @@ from matplotlib.axes import Axes  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.patches import FancyArrowPatch, Rectangle  # noqa: E402
 
-from minidist import (  # noqa: E402
-    flops,
-    fsdp1,
-    gantt,
-    memory,
-    moe,
-    pipeline,
-    tiers,
-    traffic,
-)
-from minidist.comm import chunk_bounds  # noqa: E402
-from minidist.context_parallel import LAYOUTS, forward_times, positions  # noqa: E402
-from minidist.cost import (  # noqa: E402
-    ALL_REDUCE_ALGORITHMS,
+from minidist.parallel import fsdp1, moe, pipeline
+from minidist.pictures import gantt
+from minidist.costs import memory, tiers, traffic
+from minidist.communication.comm import chunk_bounds  # noqa: E402
+from minidist.parallel.context_parallel import LAYOUTS, forward_times, positions  # noqa: E402
+from minidist.costs.cost import (
     all_reduce_time,
     busbw_factor,
     collective_time,
@@ -43,24 +35,23 @@ from minidist.cost import (  # noqa: E402
     parameter_server_time,
     ring_bytes_sent,
 )
-from minidist.ddp import assign_buckets, plot_timeline  # noqa: E402
-from minidist.diagrams import (  # noqa: E402
-    draw_collectives,
+from minidist.parallel.ddp import assign_buckets, plot_timeline  # noqa: E402
+from minidist.pictures.diagrams import (
     draw_linear_splits,
     draw_mesh_groups,
     draw_roofline,
     draw_tensor_parallel_mlp,
     draw_two_tiers,
 )
-from minidist.fsdp import modelled_step  # noqa: E402
-from minidist.mesh import group_ranks  # noqa: E402
-from minidist.network import ALGORITHMS as TWO_TIER_ALGORITHMS  # noqa: E402
-from minidist.network import TwoTier, hierarchical_bytes  # noqa: E402
-from minidist.param_server import stale_gradient_descent  # noqa: E402
-from minidist.planner import MODELS, Cluster  # noqa: E402
-from minidist.profiling import ProfileTimeline  # noqa: E402
-from minidist.timeline import Event, plot_events  # noqa: E402
-from minidist.widgets import draw_memory, memory_by_zero_stage, memory_on_one_device  # noqa: E402
+from minidist.parallel.fsdp import modelled_step  # noqa: E402
+from minidist.communication.mesh import group_ranks  # noqa: E402
+from minidist.communication.network import ALGORITHMS as TWO_TIER_ALGORITHMS  # noqa: E402
+from minidist.communication.network import TwoTier, hierarchical_bytes  # noqa: E402
+from minidist.parallel.param_server import stale_gradient_descent  # noqa: E402
+from minidist.costs.planner import MODELS, Cluster  # noqa: E402
+from minidist.jobs.profiling import ProfileTimeline  # noqa: E402
+from minidist.core.timeline import Event, plot_events  # noqa: E402
+from minidist.pictures.widgets import draw_memory, memory_by_zero_stage, memory_on_one_device  # noqa: E402
 
 GB = memory.GB
 H100 = Cluster.dgx_h100(64)
@@ -506,7 +497,7 @@ def _end_of_backward() -> float:
 
 
 def ddp_bucket_timeline() -> Figure:
-    """minidist.ddp.plot_timeline on a modelled backward: 8 layers, 50 MB buckets."""
+    """minidist.parallel.ddp.plot_timeline on a modelled backward: 8 layers, 50 MB buckets."""
     events = [Event(0, "gradient", "", ready, ready) for ready, _ in reversed(_tensors())]
     events += [Event(0, "all_reduce", f"bucket {index}", start, end)
                for index, (start, end) in enumerate(_bucketed_spans(50e6))]
@@ -1284,7 +1275,7 @@ OFFLOAD_DISK = (3e9, 2e9)
 
 def tiers_bytes() -> Figure:
     """Where each byte of a 7B model's training state lives, per rank of 8 under ZeRO-2, for
-    each offload tier (minidist.tiers)."""
+    each offload tier (minidist.costs.tiers)."""
     fig, ax = plt.subplots(figsize=(10, 4))
     labels = {None: "no offload", "host": "offload to host", "nvme": "offload to NVMe"}
     for i, tier in enumerate(tiers.OFFLOAD):
@@ -1305,7 +1296,7 @@ def tiers_bytes() -> Figure:
 def offload_transfer_timeline() -> Figure:
     """One offloaded step, schematic (not to scale): each layer's gradient slice leaves for the
     host as backward produces it, the CPU steps, the parameters come back; the durations for
-    7B on 8 H100s are written beside each lane (minidist.tiers)."""
+    7B on 8 H100s are written beside each lane (minidist.costs.tiers)."""
     psi, n, compute = 6.7e9, 8, 3.33
     moved = tiers.offload_transfer_bytes(psi, n)
     pcie = tiers.PCIE_BANDWIDTH["gen5"]
@@ -1535,7 +1526,7 @@ def zigzag_layout(cp: int = 4) -> Figure:
 def ring_against_all_to_all() -> Figure:
     """Bytes per rank (forward + backward) against cp at s/cp fixed, and α-β forward time
     against s on an H100 node's NVLink (cp = 8), ring against Ulysses."""
-    from minidist.cost import AlphaBeta
+    from minidist.costs.cost import AlphaBeta
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
     cps = [2, 4, 8, 16, 32, 64]

@@ -1,4 +1,5 @@
-"""minidist.bandwidth: a tiny sweep returns sane rows, and the table and plot show them."""
+"""minidist.communication.bandwidth: a tiny sweep returns sane rows, and the table and plot show
+them."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import functools
 import matplotlib
 import pytest
 
-from minidist.bandwidth import (
+from minidist.communication.bandwidth import (
     BENCH_COLLECTIVES,
     OURS,
     Row,
@@ -16,8 +17,8 @@ from minidist.bandwidth import (
     measure_links,
     plot,
 )
-from minidist.cost import ALL_REDUCE_ALGORITHMS, AlgorithmLinks, AlphaBeta, busbw_factor
-from minidist.launch import RankError
+from minidist.core.launch import RankError
+from minidist.costs.cost import ALL_REDUCE_ALGORITHMS, AlgorithmLinks, AlphaBeta, busbw_factor
 
 matplotlib.use("Agg")
 

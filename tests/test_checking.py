@@ -1,13 +1,13 @@
-"""minidist.checking: what the labs' checks record of a function's torch.distributed calls, and
+"""minidist.core.checking: what the labs' checks record of a function's torch.distributed calls, and
 the library's versions they make unavailable."""
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from minidist import tensor_parallel
-from minidist.checking import LibraryVersionUsed, recording, unavailable
-from minidist.launch import run
+from minidist.core.checking import LibraryVersionUsed, recording, unavailable
+from minidist.core.launch import run
+from minidist.parallel import tensor_parallel
 
 
 def _reductions_and_all_to_alls(rank, world_size):
@@ -36,8 +36,8 @@ def test_recording_names_each_reduction_and_the_bytes_an_all_to_all_sends_to_eac
 
 def test_unavailable_refuses_a_class_method_and_puts_it_back():
     apply = vars(tensor_parallel.CopyToParallel).get("apply")
-    with unavailable("minidist.tensor_parallel.CopyToParallel.apply",
-                     "minidist.tensor_parallel.vocab_parallel_cross_entropy"):
+    with unavailable("minidist.parallel.tensor_parallel.CopyToParallel.apply",
+                     "minidist.parallel.tensor_parallel.vocab_parallel_cross_entropy"):
         with pytest.raises(LibraryVersionUsed, match="CopyToParallel.apply: write your own"):
             tensor_parallel.CopyToParallel.apply(torch.ones(1), None)
         with pytest.raises(LibraryVersionUsed, match="vocab_parallel_cross_entropy"):
@@ -50,5 +50,5 @@ def test_unavailable_refuses_a_class_method_and_puts_it_back():
 
 def test_unavailable_names_a_path_that_does_not_exist():
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):
-        with unavailable("minidist.tensor_parallel.CopyToParallel.nothing"):
+        with unavailable("minidist.parallel.tensor_parallel.CopyToParallel.nothing"):
             pass

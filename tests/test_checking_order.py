@@ -1,4 +1,4 @@
-"""minidist.checking's order-keeping helpers, on the patterns the labs' checks tell apart:
+"""minidist.core.checking's order-keeping helpers, on the patterns the labs' checks tell apart:
 `watching` interleaves any function's calls with `recording`'s, `in_flight` sees a matmul run
 between a request's post and its wait (or not), however both were spelled."""
 
@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from minidist.checking import (
+from minidist.core.checking import (
     RECORDED,
     in_flight,
     ran_while_in_flight,
@@ -18,7 +18,7 @@ from minidist.checking import (
     unavailable,
     watching,
 )
-from minidist.launch import run
+from minidist.core.launch import run
 
 
 def test_watching_keeps_the_order_and_restores(tmp_path) -> None:

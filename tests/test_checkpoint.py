@@ -6,11 +6,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from minidist import checkpoint
-from minidist.fsdp import FullyShardedDataParallel
-from minidist.launch import run
-from minidist.models import TinyGPT
-from minidist.zero import ZeroOptimizer
+from minidist.core.launch import run
+from minidist.jobs import checkpoint
+from minidist.parallel.fsdp import FullyShardedDataParallel
+from minidist.parallel.models import TinyGPT
+from minidist.parallel.zero import ZeroOptimizer
 
 
 def _model(seed: int) -> TinyGPT:

@@ -256,7 +256,7 @@ def test_progress_bars_leave_text_not_widget_placeholders(tmp_path: Path) -> Non
     """A widget progress bar saved without its widget state reopens as "Error displaying
     widget: model not found"; minidist's progress bars are text."""
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
-        "from minidist.bandwidth import measure\n"
+        "from minidist.communication.bandwidth import measure\n"
         "rows = measure(2, [1024], collective='all_reduce', iters=1, repeats=1)"
     )])
     NotebookClient(notebook, timeout=120, kernel_name="python3",

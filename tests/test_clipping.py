@@ -1,4 +1,4 @@
-"""Distributed gradient clipping (minidist.clipping) equals single-process
+"""Distributed gradient clipping (minidist.parallel.clipping) equals single-process
 torch.nn.utils.clip_grad_norm_ on the whole model: FSDP and ZeRO on 2 and 4 ranks, a
 tp2·pp2 model, and torch's own clip on FSDP2's DTensor parameters."""
 
@@ -9,13 +9,14 @@ import math
 import pytest
 import torch
 
-from minidist import clipping, collectives, pipeline_exec, traffic
-from minidist.fsdp import FullyShardedDataParallel
-from minidist.launch import RankError, RankTimeout, run
-from minidist.mesh import Mesh
-from minidist.models import TinyGPT, lm_loss
-from minidist.parallelize import parallelize
-from minidist.zero import ZeroOptimizer
+from minidist.communication import collectives, counting
+from minidist.communication.mesh import Mesh
+from minidist.core.launch import RankError, RankTimeout, run
+from minidist.parallel import clipping, pipeline_exec
+from minidist.parallel.fsdp import FullyShardedDataParallel
+from minidist.parallel.models import TinyGPT, lm_loss
+from minidist.parallel.parallelize import parallelize
+from minidist.parallel.zero import ZeroOptimizer
 
 MAX_NORM = 0.05  # below the model's gradient norm (about 0.6): clipping scales
 
@@ -50,7 +51,7 @@ def sharded_clips(rank, world_size, norm_type):
     found = {}
     model = FullyShardedDataParallel(gpt())
     model.loss(ids, targets).backward()
-    with traffic.count_traffic() as log:
+    with counting.count_traffic() as log:
         norm = clipping.clip_grad_norm_(model.parameters(), MAX_NORM, norm_type=norm_type)
     full = model.full_state_dict()  # parameters; the clipped gradients are gathered below
     grads = {}
@@ -71,7 +72,7 @@ def sharded_clips(rank, world_size, norm_type):
                                       offload=target, lr=1e-3)
             model.loss(ids, targets).backward()
             optimizer.reduce_gradients()
-            with traffic.count_traffic() as log:
+            with counting.count_traffic() as log:
                 norm = clipping.clip_grad_norm_(optimizer.shards, MAX_NORM, norm_type=norm_type)
             grads = {name: collectives.all_gather(shard.grad, p.numel()).view_as(p)
                      for (name, p), shard in zip(model.named_parameters(), optimizer.shards,

@@ -1,9 +1,9 @@
-"""minidist.comm (the algorithms as Lab 01 writes them), minidist.streaming (the same, fast) and
-minidist.collectives (the one layer the library calls) against torch.distributed's own
-collectives, on 1 to 5 gloo ranks.
+"""minidist.communication.comm (the algorithms as Lab 01 writes them),
+minidist.communication.streaming (the same, fast) and minidist.communication.collectives (the one
+layer the library calls) against torch.distributed's own collectives, on 1 to 5 gloo ranks.
 
 Starting ranks costs about a second, so each world size runs every check in one
-`minidist.launch.run`; each rank returns {check name: [failure descriptions]}, and the tests
+`minidist.core.launch.run`; each rank returns {check name: [failure descriptions]}, and the tests
 below look up their check and assert that its list is empty.
 """
 
@@ -15,16 +15,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minidist import collectives, comm, streaming
-from minidist.cost import (
+from minidist.communication import collectives, comm, streaming
+from minidist.communication.counting import count_traffic
+from minidist.core.launch import RankError, run
+from minidist.costs.cost import (
     ALL_REDUCE_ALGORITHMS,
     AlgorithmLinks,
     AlphaBeta,
     all_reduce_bytes_sent,
     ring_bytes_sent,
 )
-from minidist.launch import RankError, run
-from minidist.traffic import Collective, count_traffic
+from minidist.costs.traffic import Collective
 
 WORLD_SIZES = (1, 2, 3, 4, 5)
 SIZES = (1, 7, 1000, 2**20 + 3)
@@ -517,7 +518,7 @@ def test_chunk_bounds() -> None:
 
 def test_needs_a_process_group() -> None:
     assert not dist.is_initialized()
-    with pytest.raises(RuntimeError, match="minidist.launch.run"):
+    with pytest.raises(RuntimeError, match="minidist.core.launch.run"):
         comm.ring_all_reduce(torch.zeros(4))
 
 

@@ -1,5 +1,6 @@
-"""minidist.compression inside minidist.ddp on 2 gloo ranks, in one launch: the bytes PowerSGD
-and top-k send (counted by traffic.count_traffic), and the loss after 50 steps of Lab 10's problem
+"""minidist.parallel.compression inside minidist.parallel.ddp on 2 gloo ranks, in one launch: the
+bytes PowerSGD and top-k send (counted by counting.count_traffic), and the loss after 50 steps of
+Lab 10's problem
 against no compression and against PyTorch's powerSGD_hook on PyTorch's DDP."""
 
 from __future__ import annotations
@@ -10,11 +11,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
-from minidist.compression import Int8, PowerSGD, TopK
-from minidist.ddp import DistributedDataParallel
-from minidist.launch import run
-from minidist.models import MLP
-from minidist.traffic import count_traffic
+from minidist.communication.counting import count_traffic
+from minidist.core.launch import run
+from minidist.parallel.compression import Int8, PowerSGD, TopK
+from minidist.parallel.ddp import DistributedDataParallel
+from minidist.parallel.models import MLP
 
 WORLD, STEPS, BATCH = 2, 50, 32  # BATCH per rank
 

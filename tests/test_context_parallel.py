@@ -1,6 +1,6 @@
-"""minidist.context_parallel: ring attention and DeepSpeed-Ulysses equal one process's attention
-(outputs and q, k, v gradients, causal and not, odd head dims, cp 2 and 4), send what
-minidist.traffic's formulas say, keep s/cp-sized activations, overlap transfers with compute;
+"""minidist.parallel.context_parallel: ring attention and DeepSpeed-Ulysses equal one process's
+attention (outputs and q, k, v gradients, causal and not, odd head dims, cp 2 and 4), send what
+minidist.costs.traffic's formulas say, keep s/cp-sized activations, overlap transfers with compute;
 the zigzag layout balances causal work; dp2·cp2·tp2 TinyGPT trains like one process; bad input
 is a ValueError on every rank, never a hang. One launch per world size checks every case."""
 
@@ -10,13 +10,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
-from minidist import context_parallel as cp
-from minidist import timeline, traffic
-from minidist.footprint import saved_activations
-from minidist.launch import run
-from minidist.mesh import Mesh
-from minidist.models import TinyGPT
-from minidist.parallelize import parallelize
+from minidist.communication import counting
+from minidist.communication.mesh import Mesh
+from minidist.core import timeline
+from minidist.core.launch import run
+from minidist.costs import traffic
+from minidist.costs.footprint import saved_activations
+from minidist.parallel import context_parallel as cp
+from minidist.parallel.models import TinyGPT
+from minidist.parallel.parallelize import parallelize
 
 pytestmark = pytest.mark.xdist_group("context_parallel")
 
@@ -73,7 +75,7 @@ def _every_case(rank: int, world_size: int) -> dict:
         mine = {name: cp.split_sequence(ref[name], world_size, layout)[rank]
                 for name in ref}
         q, k, v = (mine[name].clone().requires_grad_() for name in "qkv")
-        with traffic.count_traffic() as log, timeline.collect() as events:
+        with counting.count_traffic() as log, timeline.collect() as events:
             out = METHODS[method](q, k, v, causal=causal, layout=layout)
             out.backward(mine["grad"])
         errors = {"out": (out - mine["out"]).abs().max().item()}
@@ -317,7 +319,8 @@ def test_dp2_cp2_tp2_tinygpt_trains_like_one_process():
             assert error <= 1e-5, f"rank {rank}: {name} off by {error:.1e} after {STEPS} steps"
         for dim, (counted, formula) in result["traffic"].items():
             assert counted == formula, (
-                f"rank {rank}: {dim} sent {counted} B, minidist.traffic.mesh_traffic {formula}")
+                f"rank {rank}: {dim} sent {counted} B, "
+                f"minidist.costs.traffic.mesh_traffic {formula}")
         assert result["traffic"]["cp"][0] > 0 and result["traffic"]["pp"][0] == 0
 
 
@@ -327,7 +330,7 @@ def test_dp2_cp2_tp2_tinygpt_trains_like_one_process():
 def test_planner_cp_divides_activations_and_sends_the_ring():
     from dataclasses import replace
 
-    from minidist import planner
+    from minidist.costs import planner
 
     model = replace(planner.MODELS["7B"], seq_len=131072)
     cluster = planner.Cluster.dgx_h100(64)
@@ -351,7 +354,7 @@ def test_planner_cp_divides_activations_and_sends_the_ring():
 
 
 def test_memory_calculator_has_a_cp_control():
-    from minidist.widgets import MemoryCalculator
+    from minidist.pictures.widgets import MemoryCalculator
 
     calculator = MemoryCalculator(seq_len=131072, tp=8, recompute="selective")
     before = calculator.data[1].activations

@@ -1,4 +1,4 @@
-"""minidist.cost: the alpha-beta model against the formulas of REFERENCES.md#collectives."""
+"""minidist.costs.cost: the alpha-beta model against the formulas of REFERENCES.md#collectives."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from minidist.cost import (
+from minidist.costs.cost import (
     ALL_REDUCE_ALGORITHMS,
     COLLECTIVES,
     AlgorithmLinks,
@@ -280,7 +280,7 @@ def test_fits_weigh_every_size_alike_and_bad_links_are_clear() -> None:
 
 
 def test_exposed_time_is_what_outlasts_the_compute() -> None:
-    from minidist.cost import critical_intensity, exposed_time
+    from minidist.costs.cost import critical_intensity, exposed_time
 
     link = AlphaBeta(alpha=1e-5, beta=1 / 50e9)  # InfiniBand NDR, one direction
     transfer = 1e-5 + 1e9 / 50e9

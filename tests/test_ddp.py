@@ -1,9 +1,9 @@
-"""minidist.ddp against single-process training and torch's DistributedDataParallel, on 1, 2
-and 4 gloo ranks, checking the mechanism as well as the numbers: bytes sent, buckets, the
+"""minidist.parallel.ddp against single-process training and torch's DistributedDataParallel, on 1,
+2 and 4 gloo ranks, checking the mechanism as well as the numbers: bytes sent, buckets, the
 order of events in backward, and nothing sent under no_sync().
 
 Starting ranks costs about a second, so each world size runs every check in one
-`minidist.launch.run`; each rank returns {check name: [failure descriptions]}, and the tests
+`minidist.core.launch.run`; each rank returns {check name: [failure descriptions]}, and the tests
 below look up their check and assert that its list is empty.
 """
 
@@ -17,15 +17,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from minidist.ddp import (
+from minidist.communication.counting import count_traffic
+from minidist.core.launch import run
+from minidist.parallel.ddp import (
     DistributedDataParallel,
     all_reduce_gradients,
     all_reduce_gradients_flat,
     assign_buckets,
 )
-from minidist.launch import run
-from minidist.models import MLP, TinyGPT
-from minidist.traffic import count_traffic
+from minidist.parallel.models import MLP, TinyGPT
 
 STEPS = 3
 TOLERANCE = 1e-6  # fp32, max |difference| of any parameter after STEPS steps

@@ -1,10 +1,10 @@
-"""Measured bytes (minidist.footprint) against the formulas of minidist.memory."""
+"""Measured bytes (minidist.costs.footprint) against the formulas of minidist.costs.memory."""
 
 import torch
 
-from minidist import memory
-from minidist.footprint import model_state_footprint, saved_activations, storage_bytes
-from minidist.models import TinyGPT, TransformerBlock
+from minidist.costs import memory
+from minidist.costs.footprint import model_state_footprint, saved_activations, storage_bytes
+from minidist.parallel.models import TinyGPT, TransformerBlock
 
 
 def one_step(model, optimizer):

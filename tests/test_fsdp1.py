@@ -1,6 +1,6 @@
 """FSDP1 and FSDP2 side by side on CPU (gloo), as torch 2.13 runs them: each ShardingStrategy
 and its FSDP2 equivalent train to the same parameters, and the parameters held between
-forward and backward match minidist.fsdp1's formula, for torch's FSDP1 and for minidist's
+forward and backward match minidist.parallel.fsdp1's formula, for torch's FSDP1 and for minidist's
 FSDP with reshard_after_forward."""
 
 from __future__ import annotations
@@ -10,10 +10,11 @@ import warnings
 import pytest
 import torch
 
-from minidist import fsdp1, traffic
-from minidist.fsdp import FullyShardedDataParallel
-from minidist.launch import run
-from minidist.models import TinyGPT, TransformerBlock, lm_loss
+from minidist.communication import counting
+from minidist.core.launch import run
+from minidist.parallel import fsdp1
+from minidist.parallel.fsdp import FullyShardedDataParallel
+from minidist.parallel.models import TinyGPT, TransformerBlock, lm_loss
 
 STEPS = 2
 
@@ -84,7 +85,7 @@ def side_by_side(rank, world_size):
         two = {k: v.full_tensor() for k, v in two_model.state_dict().items()}
         ours = FullyShardedDataParallel(gpt(), units=lambda m: list(m.blocks),
                                         reshard_after_forward=reshard)
-        with traffic.count_traffic() as log:
+        with counting.count_traffic() as log:
             ours_held = train(ours, rank, ours.sharded_bytes)
         mine = ours.full_state_dict()
         blocks = [sum(p.numel() for p in block.parameters()) for block in gpt().blocks]

@@ -75,7 +75,7 @@ INFINITE_LOOP = ["import time", "", "while True:", "    time.sleep(1)"]
 DEADLOCK = [
     "import torch",
     "import torch.distributed as dist",
-    "from minidist.launch import run",
+    "from minidist.core.launch import run",
     "",
     "",
     "def wait_for_rank1(rank, world_size):",

@@ -1,4 +1,5 @@
-"""minidist.launch: results, output, failures, hangs, interrupts, and no process left behind."""
+"""minidist.core.launch: results, output, failures, hangs, interrupts, and no process left
+behind."""
 
 import contextlib
 import os
@@ -15,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minidist.launch import RankError, RankTimeout, default_backend, run
+from minidist.core.launch import RankError, RankTimeout, default_backend, run
 
 REPO = Path(__file__).resolve().parents[1]
 # A failure is reported by its own mechanism (a death, a mismatch, a cycle), never by waiting for
@@ -102,7 +103,7 @@ def test_one_rank_and_keyword_arguments():
 def test_function_defined_in_python_dash_c_runs_on_four_ranks():
     done = python("""
         import torch, torch.distributed as dist
-        from minidist.launch import run
+        from minidist.core.launch import run
 
         class Point:  # a class that exists only in this script
             def __init__(self, x):
@@ -124,7 +125,8 @@ def test_function_defined_in_python_dash_c_runs_on_four_ranks():
 
 def test_script_without_main_guard_is_not_re_run_by_ranks(tmp_path):
     script = tmp_path / "lab.py"
-    script.write_text("from minidist.launch import run\nprint('top', run(lambda r, n: r, 2))\n")
+    script.write_text("from minidist.core.launch import run\n"
+                      "print('top', run(lambda r, n: r, 2))\n")
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr
@@ -162,7 +164,8 @@ def test_ranks_that_fail_on_their_own_are_each_reported_as_such():
         assert (f"rank {other} of 3 failed too, on its own, with the same error and traceback."
                 in message)
     assert "afterwards" not in message
-    assert "minidist/launch.py" not in message and "minidist/_supervisor.py" not in message
+    assert "minidist/core/launch.py" not in message
+    assert "minidist/core/_supervisor.py" not in message
 
 
 def test_rank_that_dies_without_an_exception_is_named():
@@ -282,7 +285,7 @@ def test_different_collectives_that_hang_are_named_within_seconds():
 
 RECV_CYCLE = """
     import time, torch, torch.distributed as dist
-    from minidist.launch import RankTimeout, run
+    from minidist.core.launch import RankTimeout, run
 
     def everyone_receives_first(rank, world_size):
         token = torch.zeros(1)
@@ -367,7 +370,7 @@ def test_variables_set_after_the_first_run_reach_the_ranks_and_detail_names_a_mi
 
 def test_many_runs_in_a_row_and_two_programs_at_once():
     program = """
-        from minidist.launch import run
+        from minidist.core.launch import run
         import torch, torch.distributed as dist
         def total(rank, world_size):
             t = torch.ones(1)
@@ -392,7 +395,7 @@ def test_many_runs_in_a_row_and_two_programs_at_once():
 def test_interrupt_or_killed_caller_leaves_no_rank_behind(how):
     program = """
         import time
-        from minidist.launch import run
+        from minidist.core.launch import run
         def sleep_forever(rank, world_size):
             print("started", flush=True)
             time.sleep(600)
@@ -422,7 +425,7 @@ def test_in_a_notebook_errors_show_cells_and_an_interrupt_says_the_ranks_stopped
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
     cells = [
-        "from minidist.launch import run",
+        "from minidist.core.launch import run",
         "def exercise(rank, world_size):\n    raise NotImplementedError('write this exercise')",
         "run(exercise, 2)",
         "import time\n\ndef slow(rank, world_size):\n    time.sleep(120)\n\n"
@@ -445,7 +448,8 @@ def test_in_a_notebook_errors_show_cells_and_an_interrupt_says_the_ranks_stopped
     assert error.traceback[0] == f"RankError: rank {first} of 2 failed: NotImplementedError: " \
                                  "write this exercise"
     shown = "\n".join(error.traceback)
-    for hidden in ("minidist/launch.py", "minidist/_supervisor.py", "ipykernel_", "selectors.py"):
+    for hidden in ("minidist/core/launch.py", "minidist/core/_supervisor.py", "ipykernel_",
+                   "selectors.py"):
         assert hidden not in shown
 
     assert interrupt.output_type == "error" and interrupt.ename == "RunInterrupted"
@@ -461,7 +465,7 @@ def test_in_a_notebook_a_crash_and_a_deadlock_name_cells_and_a_live_line_comes_a
     nbclient = pytest.importorskip("nbclient")
     cells = [
         "import os, sys, time\nimport torch, torch.distributed as dist\n"
-        "from minidist.launch import run\n"
+        "from minidist.core.launch import run\n"
         "run(lambda rank, world_size: None, 1)  # the kernel's fork server starts here",
         "def crash(rank, world_size):\n"
         "    if rank == 1:\n"
@@ -521,7 +525,7 @@ def test_torchrun_runs_the_same_code_in_place(tmp_path):
     script = tmp_path / "lab.py"
     script.write_text(textwrap.dedent("""
         import torch, torch.distributed as dist
-        from minidist.launch import run
+        from minidist.core.launch import run
         def total(rank, world_size):
             t = torch.tensor([rank + 1.0])
             dist.all_reduce(t)
@@ -555,11 +559,11 @@ def test_an_in_place_job_frees_its_groups_before_python_shuts_down(tmp_path):
             open(f"/proc/self/task/{task}/comm").read().strip()
             for task in os.listdir("/proc/self/task")), flush=True))
         import torch
-        from minidist import collectives
-        from minidist.launch import run
-        from minidist.mesh import Mesh
-        from minidist.network import TwoTier
-        from minidist.traffic import count_traffic
+        from minidist.communication import collectives
+        from minidist.core.launch import run
+        from minidist.communication.mesh import Mesh
+        from minidist.communication.network import TwoTier
+        from minidist.communication.counting import count_traffic
         def step(rank, world_size):
             torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
             Mesh(dp=2, network=TwoTier(ranks_per_node=1))
@@ -580,7 +584,7 @@ def test_slurm_srun_environment_runs_in_place(tmp_path):
     script = tmp_path / "lab.py"
     script.write_text(textwrap.dedent("""
         import torch, torch.distributed as dist
-        from minidist.launch import run
+        from minidist.core.launch import run
         def total(rank, world_size):
             t = torch.tensor([10.0 ** rank])
             dist.all_reduce(t)

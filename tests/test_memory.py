@@ -6,10 +6,11 @@ import re
 
 import pytest
 
-from minidist import flops, memory, pipeline, traffic
-from minidist.memory import GB, activation_bytes, model_state_bytes
-from minidist.pipeline import bubble_fraction, bubble_relative_to_ideal, inflight_microbatches
-from minidist.traffic import data_parallel_traffic
+from minidist.costs import bubbles, flops, memory, traffic
+from minidist.costs.bubbles import bubble_fraction, bubble_relative_to_ideal, inflight_microbatches
+from minidist.costs.memory import GB, activation_bytes, model_state_bytes
+from minidist.costs.traffic import data_parallel_traffic
+from minidist.parallel import pipeline
 
 PSI, N = 7.5e9, 64  # ZeRO's worked example
 
@@ -137,10 +138,10 @@ def test_interleaved_bubble_and_inflight():
 
 def test_zb_h1_bubble_is_a_third_of_1f1b():
     p, m = 4, 8
-    bubble, ideal = pipeline.bubble_time("zb-h1", p, m)
+    bubble, ideal = bubbles.bubble_time("zb-h1", p, m)
     assert bubble == (p - 1) * (1 + 1 - 1) and ideal == 3 * m  # T_F = T_B = T_W = 1
-    assert bubble == pipeline.bubble_time("1f1b", p, m)[0] / 3
-    assert pipeline.bubble_time("zb-h1", p, m, costs=(1.0, 2.0, 1.5))[0] == (p - 1) * 1.5
+    assert bubble == bubbles.bubble_time("1f1b", p, m)[0] / 3
+    assert bubbles.bubble_time("zb-h1", p, m, costs=(1.0, 2.0, 1.5))[0] == (p - 1) * 1.5
     assert all(inflight_microbatches("zb-h1", p, m, i) == p for i in range(p))
 
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from minidist.models import MLP, TinyGPT, TransformerBlock
+from minidist.parallel.models import MLP, TinyGPT, TransformerBlock
 
 
 def test_transformer_block_is_causal_and_keeps_shape():

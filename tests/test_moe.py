@@ -1,14 +1,14 @@
-"""minidist.moe: expert parallelism over all-to-all equals a single-process loop over the
+"""minidist.parallel.moe: expert parallelism over all-to-all equals a single-process loop over the
 experts (outputs, gradients, dropped tokens)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from minidist.launch import run
-from minidist.mesh import Mesh
-from minidist.moe import MoELayer
-from minidist.traffic import count_traffic
+from minidist.communication.counting import count_traffic
+from minidist.communication.mesh import Mesh
+from minidist.core.launch import run
+from minidist.parallel.moe import MoELayer
 
 HIDDEN, FFN, EXPERTS, TOP_K, BATCH, SEQ = 8, 16, 4, 2, 2, 5
 WORLD = 4

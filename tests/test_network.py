@@ -1,5 +1,6 @@
-"""minidist.network: the emulated two-tier network, its alpha-beta model, hierarchical all-reduce
-against torch.distributed's all-reduce on 2 x 2, 2 x 3 and 3 x 2 ranks, and bad input.
+"""minidist.communication.network: the emulated two-tier network, its alpha-beta model,
+hierarchical all-reduce against torch.distributed's all-reduce on 2 x 2, 2 x 3 and 3 x 2 ranks, and
+bad input.
 
 No test here reads a clock to judge speed: the emulation is checked on its mechanism (which port
 a message takes, when it is scheduled to leave and arrive, that a delayed isend returns at once
@@ -15,11 +16,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minidist import collectives, comm, cost, network
-from minidist.launch import RankError, run
-from minidist.mesh import Mesh
-from minidist.network import TwoTier, hierarchical_bytes
-from minidist.traffic import count_traffic
+from minidist.communication import collectives, comm, network
+from minidist.communication.counting import count_traffic
+from minidist.communication.mesh import Mesh
+from minidist.communication.network import TwoTier, hierarchical_bytes
+from minidist.core import interposer
+from minidist.core.launch import RankError, run
+from minidist.costs import cost
 
 LAYOUTS = ((2, 2), (2, 3), (3, 2))  # (nodes, ranks per node)
 SIZES = (1, 7, 1000, 2**16 + 3)
@@ -196,8 +199,7 @@ def _emulation_mechanism(rank: int, world_size: int) -> dict:
         dist.all_reduce(torch.ones(4))
     found["torch collective sends"] = log.messages
     network.detach()
-    found["send restored"] = (vars(dist.ProcessGroup)["send"]
-                              is not __import__("minidist.traffic").traffic._counting_send)
+    found["send restored"] = "route" not in interposer.subscribers("ProcessGroup.send")
     work = dist.isend(torch.ones(1), (rank + 1) % 4)
     found["after detach"] = type(work).__name__
     dist.recv(torch.ones(1), (rank - 1) % 4)
@@ -285,7 +287,7 @@ def _mesh_with(rank: int, world_size: int, tiers: object) -> None:
 @pytest.mark.parametrize(("tiers", "message"), [
     (TwoTier(ranks_per_node=3), "ranks_per_node=3 does not divide the 4 ranks"),
     (TwoTier(ranks_per_node=2, degraded={5: 0.5}), "names node 5"),
-    ("2x2", "network='2x2': give a minidist.network.TwoTier"),
+    ("2x2", "network='2x2': give a minidist.communication.network.TwoTier"),
 ])
 def test_mesh_refuses_bad_networks_before_any_rank_blocks(tiers: object, message: str) -> None:
     with pytest.raises(RankError, match=message) as raised:

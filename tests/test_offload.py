@@ -1,6 +1,6 @@
-"""Offload (minidist.offload, minidist.tiers): ZeRO and FSDP with their optimizer state on the
-host or on NVMe train exactly as on the device, move the bytes the formulas give, and the
-emulated device budget raises CUDA's out-of-memory error where offload would have been
+"""Offload (minidist.parallel.offload, minidist.costs.tiers): ZeRO and FSDP with their optimizer
+state on the host or on NVMe train exactly as on the device, move the bytes the formulas give, and
+the emulated device budget raises CUDA's out-of-memory error where offload would have been
 needed. Mechanisms and bytes only: no timing is asserted."""
 
 from __future__ import annotations
@@ -12,13 +12,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minidist import offload, planner, tiers
-from minidist.fsdp import FullyShardedDataParallel
-from minidist.launch import RankError, RankTimeout, run
-from minidist.memory import GB
-from minidist.models import MLP, TinyGPT
-from minidist.offload import DeviceMemory, NvmeStore, Offload
-from minidist.zero import ZeroOptimizer
+from minidist.core.launch import RankError, RankTimeout, run
+from minidist.costs import planner, tiers
+from minidist.costs.memory import GB
+from minidist.parallel import offload
+from minidist.parallel.fsdp import FullyShardedDataParallel
+from minidist.parallel.models import MLP, TinyGPT
+from minidist.parallel.offload import DeviceMemory, NvmeStore, Offload
+from minidist.parallel.zero import ZeroOptimizer
 
 STEPS = 3
 
@@ -301,7 +302,7 @@ def test_planner_fits_a_model_only_with_offload():
 
 
 def test_lab_02_memory_calculator_shows_the_offload_tiers():
-    from minidist.widgets import MemoryCalculator, memory_by_zero_stage
+    from minidist.pictures.widgets import MemoryCalculator, memory_by_zero_stage
 
     on_device = memory_by_zero_stage(planner.MODELS["7B"], dp=8)
     offloaded = memory_by_zero_stage(planner.MODELS["7B"], dp=8, offload="host")

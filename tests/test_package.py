@@ -12,43 +12,69 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "lib" / "minidist"
 
-# Bottom to top: a module may import only modules before it in this list.
-STACK = [
-    "_checks", "_groups", "_fork_server_exit", "predictions", "cost", "memory", "tiers", "fsdp1",
-    "traffic", "flops", "timeline", "pipeline",
-    "gantt", "planner", "widgets", "_calls", "_diagnose", "_supervisor", "launch", "flat",
-    "checking", "comm", "timing", "streaming", "network", "collectives", "mesh", "bandwidth",
-    "diagrams", "models", "footprint", "offload", "param_server", "compression", "ddp", "zero",
-    "fsdp", "tensor_parallel", "clipping", "pipeline_exec", "pipeline_harness", "moe",
-    "context_parallel", "parallelize", "checkpoint", "train", "profiling",
-]
+# Bottom to top: a folder may import only from folders before it, and a module only from
+# modules before it in its folder's list (lib/minidist/README.md draws this; each folder's
+# README lists its modules in this order).
+FOLDERS = {
+    "core": ["_checks", "_groups", "_fork_server_exit", "interposer", "_calls", "_diagnose",
+             "_supervisor", "launch", "flat", "timeline", "checking", "predictions"],
+    "costs": ["cost", "memory", "footprint", "flops", "tiers", "bubbles", "traffic", "planner"],
+    "communication": ["comm", "counting", "timing", "streaming", "network", "collectives", "mesh",
+                      "bandwidth"],
+    "parallel": ["models", "compression", "ddp", "offload", "zero", "fsdp", "fsdp1",
+                 "tensor_parallel", "clipping", "pipeline", "pipeline_exec", "pipeline_harness",
+                 "moe", "context_parallel", "param_server", "parallelize"],
+    "jobs": ["checkpoint", "train", "profiling"],
+    "pictures": ["gantt", "diagrams", "widgets"],
+}
+STACK = [f"{folder}.{module}" for folder, names in FOLDERS.items() for module in names]
 
 
 def modules() -> dict[str, ast.Module]:
-    return {path.stem: ast.parse(path.read_text(), str(path))
-            for path in sorted(PACKAGE.glob("*.py")) if path.stem != "__init__"}
+    """{"folder.module": its syntax tree} for every module of minidist but the __init__s."""
+    return {".".join(path.relative_to(PACKAGE).with_suffix("").parts):
+            ast.parse(path.read_text(), str(path))
+            for path in sorted(PACKAGE.rglob("*.py")) if path.stem != "__init__"}
 
 
 def minidist_imports(tree: ast.Module) -> set[str]:
+    """The "folder.module"s a module imports, however it names them."""
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("minidist"):
-            if node.module == "minidist":
-                names |= {alias.name for alias in node.names}
+            parts = node.module.split(".")[1:]
+            if len(parts) == 1:  # from minidist.folder import module, ...
+                names |= {f"{parts[0]}.{alias.name}" for alias in node.names}
+            elif parts:
+                names.add(".".join(parts[:2]))
             else:
-                names.add(node.module.split(".")[1])
+                names |= {alias.name for alias in node.names}  # from minidist import folder
         elif isinstance(node, ast.Import):
-            names |= {a.name.split(".")[1] for a in node.names if a.name.startswith("minidist.")}
+            names |= {".".join(a.name.split(".")[1:3]) for a in node.names
+                      if a.name.startswith("minidist.")}
     return names
 
 
 def test_every_module_is_placed_in_the_import_stack_and_imports_only_below_itself():
     found = modules()
-    assert sorted(found) == sorted(STACK), "add the new module to STACK, at its level"
+    assert sorted(found) == sorted(STACK), "add the new module to FOLDERS, at its level"
     for name, tree in found.items():
         above = set(STACK[STACK.index(name):])
         wrong = minidist_imports(tree) & above
         assert not wrong, f"minidist.{name} imports {sorted(wrong)}, which are not below it"
+        unknown = minidist_imports(tree) - set(STACK)
+        assert not unknown, (f"minidist.{name} imports {sorted(unknown)}: import modules, not "
+                             "folders")
+
+
+def test_each_folder_has_a_readme_naming_its_modules_in_import_order():
+    top = (PACKAGE / "README.md").read_text()
+    for folder, names in FOLDERS.items():
+        assert f"{folder}/" in top, f"lib/minidist/README.md does not draw {folder}/"
+        readme = (PACKAGE / folder / "README.md").read_text()
+        listed = [line.split("`")[1] for line in readme.splitlines() if line.startswith("| `")]
+        assert listed == names, (f"{folder}/README.md lists {listed}; the import order is "
+                                 f"{names}")
 
 
 def test_no_two_classes_share_a_name():
@@ -68,10 +94,11 @@ def test_one_schedule_generator_one_simulator_one_traffic_counter():
         for node in tree.body:
             if isinstance(node, ast.FunctionDef):
                 defined.setdefault(node.name, []).append(name)
-    assert defined["schedule"] == ["pipeline"] and defined["simulate"] == ["pipeline"]
+    assert defined["schedule"] == ["parallel.pipeline"]
+    assert defined["simulate"] == ["parallel.pipeline"]
     counters = {f"{module}.{function}" for function, where in defined.items()
                 if function.startswith("count") for module in where}
-    assert counters == {"traffic.count_traffic"}
+    assert counters == {"communication.counting.count_traffic"}
 
 
 @pytest.mark.timeout(900)
@@ -90,7 +117,7 @@ def test_plain_pip_install_imports_every_public_module(tmp_path):
                               "--no-compile",  # no .pyc for all of torch: imported once
                               str(source)], capture_output=True, text=True, timeout=840)
     assert install.returncode == 0, install.stderr[-3000:]
-    public = [name for name in STACK if not name.startswith("_")]
+    public = [name for name in STACK if not name.split(".")[1].startswith("_")]
     code = "".join(f"import minidist.{name}\n" for name in public)
     imported = subprocess.run([str(venv / "bin" / "python"), "-c", code], cwd=tmp_path,
                               capture_output=True, text=True, timeout=300)

@@ -1,6 +1,6 @@
-"""minidist.mesh and minidist.parallelize on 8 ranks: the mesh's groups are init_device_mesh's,
-TP x PP x DP/ZeRO trains exactly like one process and sends what
-minidist.traffic.mesh_traffic predicts per mesh dimension, and bad layouts are clear errors
+"""minidist.communication.mesh and minidist.parallel.parallelize on 8 ranks: the mesh's groups are
+init_device_mesh's, TP x PP x DP/ZeRO trains exactly like one process and sends what
+minidist.costs.traffic.mesh_traffic predicts per mesh dimension, and bad layouts are clear errors
 before any rank communicates. One launch of 8 ranks checks every layout."""
 
 import pytest
@@ -8,11 +8,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from minidist.launch import run
-from minidist.mesh import Mesh, group_ranks
-from minidist.models import TinyGPT
-from minidist.parallelize import parallelize
-from minidist.traffic import mesh_traffic
+from minidist.communication.mesh import Mesh, group_ranks
+from minidist.core.launch import run
+from minidist.costs.traffic import mesh_traffic
+from minidist.parallel.models import TinyGPT
+from minidist.parallel.parallelize import parallelize
 
 DIMS = ("pp", "dp", "tp")  # Megatron's order, slowest first: Mesh(pp=, dp=, tp=)
 
@@ -157,7 +157,7 @@ def test_bytes_per_mesh_dimension_equal_the_formulas(per_rank):
             for dim, (counted, formula) in result[dp, pp, tp]["traffic"].items():
                 assert abs(counted - formula) <= 0.01 * formula, (
                     f"dp={dp} pp={pp} tp={tp}, rank {rank}, {dim}: expected {formula:.0f} "
-                    f"bytes sent (minidist.traffic.mesh_traffic), counted {counted:.0f}")
+                    f"bytes sent (minidist.costs.traffic.mesh_traffic), counted {counted:.0f}")
                 size = {"dp": dp, "pp": pp, "tp": tp}[dim]
                 assert (counted > 0) == (size > 1), (
                     f"dp={dp} pp={pp} tp={tp}, rank {rank}: {dim} of size {size} sent "

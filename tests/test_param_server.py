@@ -1,6 +1,6 @@
-"""minidist.param_server on 6 gloo ranks (workers 0-3, servers 4 and 5), in one launch: the
+"""minidist.parallel.param_server on 6 gloo ranks (workers 0-3, servers 4 and 5), in one launch: the
 synchronous server equals all-reduce data parallelism, bytes per worker and per server match
-minidist.traffic's formulas, the asynchronous server converges and records its staleness."""
+minidist.costs.traffic's formulas, the asynchronous server converges and records its staleness."""
 
 from __future__ import annotations
 
@@ -9,12 +9,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from minidist import comm
-from minidist.cost import all_reduce_time, parameter_server_time
-from minidist.launch import run
-from minidist.models import MLP
-from minidist.param_server import ParameterServer, stale_gradient_descent
-from minidist.traffic import count_traffic, parameter_server_traffic
+from minidist.communication import comm
+from minidist.communication.counting import count_traffic
+from minidist.core.launch import run
+from minidist.costs.cost import all_reduce_time, parameter_server_time
+from minidist.costs.traffic import parameter_server_traffic
+from minidist.parallel.models import MLP
+from minidist.parallel.param_server import ParameterServer, stale_gradient_descent
 
 WORKERS, SERVERS = [0, 1, 2, 3], [4, 5]
 STEPS = 5

@@ -1,4 +1,4 @@
-"""minidist.pipeline (schedules, validator, simulator), pipeline_exec (real ranks),
+"""minidist.parallel.pipeline (schedules, validator, simulator), pipeline_exec (real ranks),
 pipeline_harness (from a notebook, against PyTorch) and gantt.
 
 The simulator is checked against the formulas of REFERENCES.md#pipelines, written out here
@@ -12,9 +12,10 @@ import pytest
 import torch
 from torch import nn
 
-from minidist import gantt, launch, pipeline_exec, pipeline_harness
-from minidist.models import TinyGPT, lm_loss
-from minidist.pipeline import (
+from minidist.core import launch
+from minidist.parallel import pipeline_exec, pipeline_harness
+from minidist.parallel.models import TinyGPT, lm_loss
+from minidist.parallel.pipeline import (
     Action,
     Costs,
     Schedule,
@@ -25,6 +26,7 @@ from minidist.pipeline import (
     simulate,
     validate,
 )
+from minidist.pictures import gantt
 
 matplotlib.use("Agg")
 

@@ -1,10 +1,10 @@
-"""minidist.planner: a 70B model on 64 x 80 GB GPUs, and why layouts are rejected."""
+"""minidist.costs.planner: a 70B model on 64 x 80 GB GPUs, and why layouts are rejected."""
 
 import pytest
 
-from minidist import planner
-from minidist.memory import GB, activation_bytes, model_state_bytes
-from minidist.planner import MODELS, Cluster, Layout, Model
+from minidist.costs import planner
+from minidist.costs.memory import GB, activation_bytes, model_state_bytes
+from minidist.costs.planner import MODELS, Cluster, Layout, Model
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Predictions graded as first committed (minidist.predictions, tools/grading/predictions.py).
+"""Predictions graded as first committed (minidist.core.predictions, tools/grading/predictions.py).
 
 The ledger on its own, then a student's notebook edited as a student would: a prediction
 committed, its measurement shown, the prediction changed and its cell run again. Autograde
@@ -17,7 +17,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from minidist.predictions import (
+from minidist.core.predictions import (
     LEDGER_NAME,
     PredictionNotCommitted,
     assert_committed_unchanged,

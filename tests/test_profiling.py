@@ -1,4 +1,4 @@
-"""minidist.profiling: events classified, ranks merged, overlap measured on real DDP and FSDP
+"""minidist.jobs.profiling: events classified, ranks merged, overlap measured on real DDP and FSDP
 steps, a valid Chrome trace, and the machine's peak."""
 
 import json
@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 
-from minidist import flops, profiling
+from minidist.costs import flops
+from minidist.jobs import profiling
 
 
 def test_interval_arithmetic():

@@ -1,7 +1,7 @@
-"""Every public API of minidist that communicates, counted by traffic.count_traffic and checked
+"""Every public API of minidist that communicates, counted by counting.count_traffic and checked
 against its formula: construction (model checks, broadcasts) and steps alike.
 
-Every collective goes through minidist.collectives, so every one leaves a record; the
+Every collective goes through minidist.communication.collectives, so every one leaves a record; the
 point-to-point APIs (pipelines, parameter servers) are checked on their sends. One launch of
 2 ranks runs them all; 3D parallelism (parallelize) is checked per mesh dimension in
 tests/test_parallel3d.py.
@@ -17,24 +17,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minidist import pipeline, pipeline_exec, tensor_parallel
-from minidist.compression import PowerSGD, TopK
-from minidist.ddp import DistributedDataParallel
-from minidist.fsdp import FullyShardedDataParallel
-from minidist.launch import run
-from minidist.mesh import Mesh
-from minidist.models import MLP, TinyGPT
-from minidist.moe import MoELayer
-from minidist.param_server import ParameterServer
-from minidist.traffic import (
+from minidist.communication.counting import count_traffic
+from minidist.communication.mesh import Mesh
+from minidist.core.launch import run
+from minidist.costs.traffic import (
     Collective,
-    count_traffic,
     data_parallel_traffic,
     parameter_server_traffic,
     pipeline_traffic,
     tensor_parallel_traffic,
 )
-from minidist.zero import ZeroOptimizer
+from minidist.parallel import pipeline, pipeline_exec, tensor_parallel
+from minidist.parallel.compression import PowerSGD, TopK
+from minidist.parallel.ddp import DistributedDataParallel
+from minidist.parallel.fsdp import FullyShardedDataParallel
+from minidist.parallel.models import MLP, TinyGPT
+from minidist.parallel.moe import MoELayer
+from minidist.parallel.param_server import ParameterServer
+from minidist.parallel.zero import ZeroOptimizer
 
 LIB = Path(__file__).resolve().parents[1] / "lib" / "minidist"
 N = 2
@@ -246,23 +246,24 @@ def _calls(path: Path) -> list[tuple[str, str, int]]:
 
 def test_only_the_collective_layer_and_the_launcher_call_torch_collectives():
     allowed = {"collectives.py", "launch.py", "_supervisor.py"}
-    offenders = [f"{path.name}:{line} dist.{attr}" for path in LIB.glob("*.py")
+    offenders = [f"{path.name}:{line} dist.{attr}" for path in LIB.rglob("*.py")
                  if path.name not in allowed for name, attr, line in _calls(path)
                  if name == "dist" and attr in COLLECTIVE_CALLS]
-    assert not offenders, f"call minidist.collectives instead: {offenders}"
+    assert not offenders, f"call minidist.communication.collectives instead: {offenders}"
 
 
 def test_only_the_collective_layer_records_and_only_the_mesh_makes_groups():
-    records = [f"{p.name}:{line}" for p in LIB.glob("*.py") if p.name != "collectives.py"
-               for name, attr, line in _calls(p) if (name, attr) == ("traffic", "record")]
-    records += [f"{p.name}:{node.lineno}" for p in LIB.glob("*.py") if p.name != "collectives.py"
+    records = [f"{p.name}:{line}" for p in LIB.rglob("*.py") if p.name != "collectives.py"
+               for name, attr, line in _calls(p) if (name, attr) == ("counting", "record")]
+    records += [f"{p.name}:{node.lineno}" for p in LIB.rglob("*.py") if p.name != "collectives.py"
                 for node in ast.walk(ast.parse(p.read_text()))
-                if isinstance(node, ast.ImportFrom) and node.module == "minidist.traffic"
+                if isinstance(node, ast.ImportFrom)
+                and node.module == "minidist.communication.counting"
                 and "record" in {alias.name for alias in node.names}]
-    assert not records, f"only minidist.collectives records collectives: {records}"
-    groups = [f"{p.name}:{line}" for p in LIB.glob("*.py") if p.name != "mesh.py"
+    assert not records, f"only minidist.communication.collectives records collectives: {records}"
+    groups = [f"{p.name}:{line}" for p in LIB.rglob("*.py") if p.name != "mesh.py"
               for name, attr, line in _calls(p) if name == "dist" and attr == "new_group"]
-    assert not groups, f"only minidist.mesh creates process groups: {groups}"
+    assert not groups, f"only minidist.communication.mesh creates process groups: {groups}"
 
 
 def test_one_record_per_collective_with_its_group():

@@ -8,7 +8,7 @@ from pathlib import Path
 import matplotlib
 import pytest
 
-from minidist.diagrams import COLLECTIVES, draw_collectives
+from minidist.pictures.diagrams import COLLECTIVES, draw_collectives
 
 REPO = Path(__file__).resolve().parents[1]
 matplotlib.use("Agg")

@@ -1,5 +1,5 @@
-"""minidist.tensor_parallel against the unsharded modules, PyTorch's DTensor tensor parallel,
-and the communication and memory the Megatron papers state
+"""minidist.parallel.tensor_parallel against the unsharded modules, PyTorch's DTensor tensor
+parallel, and the communication and memory the Megatron papers state
 (REFERENCES.md#tensor-and-sequence-parallel)."""
 
 import pytest
@@ -8,11 +8,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from minidist import tensor_parallel as tp
-from minidist.footprint import saved_activations
-from minidist.launch import run
-from minidist.models import TransformerBlock
-from minidist.traffic import count_traffic
+from minidist.communication.counting import count_traffic
+from minidist.core.launch import run
+from minidist.costs.footprint import saved_activations
+from minidist.parallel import tensor_parallel as tp
+from minidist.parallel.models import TransformerBlock
 
 B, S, H, HEADS, FFN, VOCAB = 2, 8, 16, 4, 32, 12
 TOL = 1e-5

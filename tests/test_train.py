@@ -16,15 +16,15 @@ import psutil
 import pytest
 import torch.distributed as dist
 
-from minidist import checkpoint
-from minidist.launch import run
-from minidist.train import GradientGuard, TrainConfig, train
+from minidist.core.launch import run
+from minidist.jobs import checkpoint
+from minidist.jobs.train import GradientGuard, TrainConfig, train
 
 LOSS_LINE = re.compile(r"^step (\d+) loss (\S+)$", re.MULTILINE)
 
 
 def _torchrun(*arguments: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`torchrun --nproc-per-node=2 --standalone ... -m minidist.train ...` (loopback
+    """`torchrun --nproc-per-node=2 --standalone ... -m minidist.jobs.train ...` (loopback
     rendezvous); on a timeout its workers are stopped with it."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
                "--standalone", *arguments]
@@ -43,7 +43,7 @@ def test_a_job_killed_at_steps_3_and_7_resumes_bit_for_bit(tmp_path):
     uninterrupted = run(train, 2, TrainConfig(steps=12, checkpoint_dir=str(tmp_path / "once"),
                                               checkpoint_every=5), timeout=120)[0]
     expected = {step: loss.hex() for step, loss in uninterrupted.items()}
-    done = _torchrun("--max-restarts=2", "-m", "minidist.train", "--steps", "12",
+    done = _torchrun("--max-restarts=2", "-m", "minidist.jobs.train", "--steps", "12",
                      "--checkpoint-dir", str(tmp_path / "failing"), "--checkpoint-every", "5",
                      "--fail-at-step", "3", "7", "--fail-rank", "1")
     assert done.returncode == 0, done.stdout + done.stderr
@@ -103,11 +103,11 @@ def test_a_lost_node_leaves_the_job_to_the_survivor_which_resumes_resharded(tmp_
                # the second agent to start).
                "--rdzv-conf=is_host=0,join_timeout=60,last_call_timeout=5,close_timeout=10,"
                "keep_alive_interval=1,keep_alive_max_attempt=3",
-               "-m", "minidist.train", "--steps", "12", "--checkpoint-dir", str(directory),
+               "-m", "minidist.jobs.train", "--steps", "12", "--checkpoint-dir", str(directory),
                "--checkpoint-every", "5", "--token-noise", "0", "--collective-timeout", "20",
                "--fail-at-step", "7", "--fail-rank", "0", "--fail-scope", "node"]
     env = dict(os.environ, OMP_NUM_THREADS="1", LOGLEVEL="INFO",
-               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")  # as minidist.train advises
+               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")  # as minidist.jobs.train advises
     logs = [(tmp_path / f"node{i}.out", tmp_path / f"node{i}.err") for i in range(2)]
     agents = []
     try:
@@ -161,7 +161,7 @@ def test_a_lost_node_leaves_the_job_to_the_survivor_which_resumes_resharded(tmp_
 
 
 def test_a_nan_on_one_rank_skips_the_step_everywhere_and_a_hung_peer_ends_the_job(tmp_path):
-    done = _torchrun("-m", "minidist.train", "--steps", "6", "--checkpoint-dir", str(tmp_path),
+    done = _torchrun("-m", "minidist.jobs.train", "--steps", "6", "--checkpoint-dir", str(tmp_path),
                      "--checkpoint-every", "10", "--nan-at-step", "2", "--nan-rank", "1",
                      "--hang-at-step", "4", "--hang-rank", "1", "--collective-timeout", "5")
     assert done.returncode != 0, done.stdout

@@ -5,9 +5,11 @@ import base64
 import matplotlib
 import pytest
 
-from minidist import memory, pipeline, widgets
-from minidist.planner import MODELS
-from minidist.widgets import (
+from minidist.costs import bubbles, memory
+from minidist.costs.planner import MODELS
+from minidist.parallel import pipeline
+from minidist.pictures import widgets
+from minidist.pictures.widgets import (
     BubbleExplorer,
     DeviceMemoryCalculator,
     MemoryCalculator,
@@ -113,7 +115,7 @@ def test_bubble_explorer_measures_and_prints_the_bubble():
     assert {e.kind for events in explorer.data.events for e in events} == {"F", "B", "W"}
     explorer.controls["schedule"].value = "interleaved"
     explorer.controls["chunks"].value = 2
-    assert f"{pipeline.bubble_fraction('interleaved', 4, 8, 2):.1%}" in explorer.message
+    assert f"{bubbles.bubble_fraction('interleaved', 4, 8, 2):.1%}" in explorer.message
     explorer.controls["microbatches"].value = 6
     assert explorer.figure is None
     assert "microbatches=6 is not a multiple of ranks=4" in explorer.message
@@ -138,7 +140,7 @@ def test_bubble_explorer_and_lab_06_simulator_agree(monkeypatch):
                     assert explorer.data.events == lab_06.events, (name, p, m, v)
                     assert explorer.data.bubble_fraction == lab_06.bubble_fraction
                     assert explorer.data.bubble_fraction == pytest.approx(
-                        pipeline.bubble_fraction(name, p, m, v)), (name, p, m, v)
+                        bubbles.bubble_fraction(name, p, m, v)), (name, p, m, v)
 
 
 def test_output_area_shows_the_message_and_the_figure_in_one_state():

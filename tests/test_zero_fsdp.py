@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from minidist.fsdp import FullyShardedDataParallel
-from minidist.launch import run
-from minidist.models import TinyGPT, TransformerBlock, lm_loss
-from minidist.traffic import count_traffic
-from minidist.zero import ZeroOptimizer
+from minidist.communication.counting import count_traffic
+from minidist.core.launch import run
+from minidist.parallel.fsdp import FullyShardedDataParallel
+from minidist.parallel.models import TinyGPT, TransformerBlock, lm_loss
+from minidist.parallel.zero import ZeroOptimizer
 
 STEPS, LR = 3, 0.1
 
@@ -406,7 +406,7 @@ def _bad(rank: int, world_size: int) -> list[str]:
 
 def test_bad_input_is_explained():
     messages = run(_bad, 2)[0]
-    assert "stage=3" in messages[0] and "minidist.fsdp" in messages[0]
+    assert "stage=3" in messages[0] and "minidist.parallel.fsdp" in messages[0]
     assert "the ranks' models differ" in messages[1] and "same model" in messages[1]
     assert "units() returned a Linear" in messages[2] and "not inside the wrapped TinyGPT" in (
         messages[2]), messages[2]
@@ -422,7 +422,7 @@ def test_modelled_step_hides_the_collectives_from_the_ddp_threshold_with_prefetc
     unit's forward outlasts its gather (but the first gather, the last unit's gather for
     backward and the last reduce-scatter): from (N-1)/N · FLOP/s ÷ link bytes/s tokens (bf16),
     the threshold of DDP's all-reduce under backward."""
-    from minidist.fsdp import modelled_step
+    from minidist.parallel.fsdp import modelled_step
 
     flops, link, n, units = 1e15, 1e11, 8, [1e9] * 4
     threshold = (n - 1) / n * flops / link

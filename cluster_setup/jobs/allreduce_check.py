@@ -3,7 +3,7 @@
     srun python allreduce_check.py        one task per rank (srun_ranks.sbatch)
     torchrun ... allreduce_check.py       torchrun's workers (torchrun.sbatch)
 
-Either way minidist.launch.run joins the job's ranks, as a lab's code does on a cluster. The
+Either way minidist.core.launch.run joins the job's ranks, as a lab's code does on a cluster. The
 backend is $BACKEND (gloo or nccl). Every rank prints one line
     allreduce rank=R/W node=NODE local_rank=L backend=B sum=S expected=E ok
 and the job fails if any rank's sum is wrong.
@@ -18,7 +18,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from minidist.launch import device, run
+from minidist.core.launch import device, run
 
 
 def expected_sum(world_size: int) -> float:

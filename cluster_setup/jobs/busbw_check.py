@@ -4,15 +4,16 @@ with --pairwise, every pair of ranks' link on its own, to find a degraded one.
     srun python busbw_check.py [--max-mib 256] [--min-busbw GBPS]      (one task per rank)
     srun python busbw_check.py --pairwise [--min-pair-gbps GBPS]
 
-It measures with the course's benchmark (minidist.bandwidth, as bench/allreduce_busbw.py does)
-on $BACKEND: sizes from 1 KiB to --max-mib, busbw as nccl-tests defines it. Rank 0 prints the
-table and a verdict on the largest size's busbw; every rank exits 1 below --min-busbw.
+It measures with the course's benchmark (minidist.communication.bandwidth, as
+bench/allreduce_busbw.py does) on $BACKEND: sizes from 1 KiB to --max-mib, busbw as nccl-tests
+defines it. Rank 0 prints the table and a verdict on the largest size's busbw; every rank exits 1
+below --min-busbw.
 
 An all-reduce goes at the speed of its slowest link, so one degraded link shows only as a lower
 busbw. --pairwise times each pair of ranks alone (a 1 MiB ping-pong, pairs in rounds of
-disjoint pairs: minidist.network.pairwise_bandwidth), prints every pair with its nodes and
-GB/s, and fails when a pair is below --min-pair-gbps; it names the slow pairs and the nodes
-that are in every one of them: with three nodes or more, the node whose link is bad.
+disjoint pairs: minidist.communication.network.pairwise_bandwidth), prints every pair with its
+nodes and GB/s, and fails when a pair is below --min-pair-gbps; it names the slow pairs and the
+nodes that are in every one of them: with three nodes or more, the node whose link is bad.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ os.environ.setdefault("TQDM_DISABLE", "1")  # one progress bar per rank is noise
 
 import torch.distributed as dist  # noqa: E402
 
-from minidist import collectives, network  # noqa: E402
-from minidist.bandwidth import format_table, measure  # noqa: E402
-from minidist.launch import run  # noqa: E402
+from minidist.communication import collectives, network  # noqa: E402
+from minidist.communication.bandwidth import format_table, measure  # noqa: E402
+from minidist.core.launch import run  # noqa: E402
 
 
 def _joined(rank: int, world_size: int) -> None:

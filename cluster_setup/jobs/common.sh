@@ -3,7 +3,7 @@
 # exports what the ranks need:
 #
 #   BACKEND            gloo | nccl (default: nccl when the job has GPUs, else gloo); when set,
-#                      also exported as MINIDIST_BACKEND, the default of minidist.launch.run
+#                      also exported as MINIDIST_BACKEND, the default of minidist.core.launch.run
 #   COURSE_ENV         the course's Python environment (default /opt/scalinglab/venv)
 #   COURSE_DIR         the course checkout (default /opt/scalinglab/course)
 #   NETWORK_INTERFACE  optional: the interface the ranks talk over (e.g. ib0, eth1), checked on
@@ -18,7 +18,7 @@ die() {
 
 [[ -n ${SLURM_JOB_ID:-} ]] || die "run this script with sbatch, not directly"
 
-# An explicit BACKEND also decides every minidist.launch.run in the job, a lab's cells included;
+# An explicit BACKEND also decides every minidist.core.launch.run in the job, a lab's cells included;
 # left unset, each run picks nccl when it has a GPU per rank.
 if [[ -n ${BACKEND:-} ]]; then
     export MINIDIST_BACKEND=$BACKEND

@@ -5,9 +5,9 @@
 Lab 11 runs this comparison on an emulated network; here the links are the cluster's own (on
 the local cluster, the links between nodes shaped with `cluster.sh shape`). Every rank finds
 which ranks share its node (SLURMD_NODENAME), the ranks time every pair's link on its own
-(`minidist.network.pairwise_bandwidth`), and the median pair inside a node and between nodes
-give the two-tier model (`TwoTier(..., emulated=False)`: it delays nothing, it only says where
-the nodes are). Then all-reduce of --mib MiB runs in turns (`timing.time_in_turns`) with
+(`minidist.communication.network.pairwise_bandwidth`), and the median pair inside a node and
+between nodes give the two-tier model (`TwoTier(..., emulated=False)`: it delays nothing, it only
+says where the nodes are). Then all-reduce of --mib MiB runs in turns (`timing.time_in_turns`) with
 minidist's ring, minidist's hierarchical all-reduce and the backend's `dist.all_reduce`
 (gloo's or NCCL's). Rank 0 prints
 
@@ -28,11 +28,11 @@ import sys
 
 import torch
 
-from minidist import collectives, network
-from minidist.launch import device, run
-from minidist.mesh import Mesh
-from minidist.network import TwoTier
-from minidist.timing import time_in_turns
+from minidist.communication import collectives, network
+from minidist.communication.mesh import Mesh
+from minidist.communication.network import TwoTier
+from minidist.communication.timing import time_in_turns
+from minidist.core.launch import device, run
 
 
 def _placement() -> int:

@@ -7,7 +7,8 @@ RING = ("test-ring-all-reduce",)  # my_ring_all_reduce is made of the two phases
 
 FAKES = {
     "impl-chunk-bounds": [
-        Fake("the library's chunk_bounds", "splits nothing itself: minidist.comm.chunk_bounds",
+        Fake("the library's chunk_bounds",
+             "splits nothing itself: minidist.communication.comm.chunk_bounds",
              ("test-chunk-bounds",), """\
     return comm.chunk_bounds(numel, world_size)"""),
         Fake("torch.tensor_split's pieces", "splits nothing itself: torch's own split",
@@ -36,7 +37,7 @@ FAKES = {
         for request in requests:
             request.wait()
         flat[mine_start:mine_end] += incoming"""),
-        Fake("the library's reduce-scatter steps", "delegates to minidist.comm",
+        Fake("the library's reduce-scatter steps", "delegates to minidist.communication.comm",
              ("test-reduce-scatter", *RING), """\
     comm.reduce_scatter_steps(flat, comm.ring_of())"""),
     ],
@@ -58,7 +59,7 @@ FAKES = {
                     dist.irecv(flat[slice(*bounds[source])], source)]
         for request in requests:
             request.wait()"""),
-        Fake("the library's all-gather steps", "delegates to minidist.comm",
+        Fake("the library's all-gather steps", "delegates to minidist.communication.comm",
              ("test-all-gather", *RING), """\
     comm.all_gather_steps(flat, comm.ring_of())"""),
     ],
@@ -70,7 +71,8 @@ FAKES = {
     ring_all_gather(junk, rank, world_size)
     dist.all_reduce(tensor)
     return tensor"""),
-        Fake("the library's ring all-reduce", "delegates to minidist.comm.ring_all_reduce", RING,
+        Fake("the library's ring all-reduce",
+             "delegates to minidist.communication.comm.ring_all_reduce", RING,
              """\
     return comm.ring_all_reduce(tensor)"""),
         Fake("the naive ring", "forwards whole tensors N-1 times: no reduce-scatter, no "
@@ -90,7 +92,7 @@ FAKES = {
         Fake("the naive ring's bandwidth term", "(N-1)·S·beta: right for N <= 2",
              ("test-predict",), """\
     return 2 * (world_size - 1) * alpha + (world_size - 1) * nbytes * beta"""),
-        Fake("the library's model", "delegates to minidist.cost.collective_time",
+        Fake("the library's model", "delegates to minidist.costs.cost.collective_time",
              ("test-predict",), """\
     return cost.collective_time("all_reduce", nbytes, world_size, alpha, beta)"""),
         Fake("the visible test's link", "ignores beta: 1 ns per byte built in",
@@ -114,9 +116,9 @@ FAKES = {
         distance *= 2
     return tensor"""),
         Fake("the library's recursive doubling", "delegates to "
-             "minidist.collectives.all_reduce(impl='recursive_doubling')",
+             "minidist.communication.collectives.all_reduce(impl='recursive_doubling')",
              ("test-recursive-doubling",), """\
-    from minidist import collectives
+    from minidist.communication import collectives
     return collectives.all_reduce(tensor, impl="recursive_doubling")"""),
         Fake("every rank to every rank", "N-1 direct exchanges of the whole tensor, no doubling",
              ("test-recursive-doubling",), """\
@@ -131,7 +133,7 @@ FAKES = {
     return tensor"""),
     ],
     "impl-crossover": [
-        Fake("the library's crossover", "delegates to minidist.cost.crossover_size",
+        Fake("the library's crossover", "delegates to minidist.costs.cost.crossover_size",
              ("test-crossover",), """\
     return cost.crossover_size("recursive_doubling", "ring", world_size, alpha, beta)"""),
         Fake("N/2 for log2 N", "counts recursive doubling's steps and bytes as N/2, right only "

@@ -29,7 +29,8 @@ FAKES = {
     states = [v for state in optimizer.state.values() for v in state.values()
               if isinstance(v, torch.Tensor)]
     return total(params), total(grads), total(states)"""),
-        Fake("the library's footprint", "delegates to minidist.footprint.model_state_footprint",
+        Fake("the library's footprint",
+             "delegates to minidist.costs.footprint.model_state_footprint",
              ("test-held-bytes",), """\
     held = footprint.model_state_footprint(model, optimizer)
     return held.params, held.grads, held.optimizer"""),
@@ -55,7 +56,7 @@ FAKES = {
     heads = next(part.heads for part in module.modules() if hasattr(part, "heads"))
     element = x.element_size()
     return 16 * s * b * h * element + 2 * 2 * s * b * element + heads * s * b * 4"""),
-        Fake("the library's measurement", "delegates to minidist.footprint.saved_activations",
+        Fake("the library's measurement", "delegates to minidist.costs.footprint.saved_activations",
              ("test-saved-bytes",), """\
     return sum(t.nbytes for t in footprint.saved_activations(module, x))"""),
     ],
@@ -93,7 +94,7 @@ FAKES = {
         return grad_x, None""")),
     ],
     "impl-hiding": [
-        Fake("the library's overlap", "delegates to minidist.cost.exposed_time and "
+        Fake("the library's overlap", "delegates to minidist.costs.cost.exposed_time and "
              "critical_intensity", ("test-hiding",), (
                  """\
     return cost.exposed_time(flops, nbytes, peak_flops, link)""", """\

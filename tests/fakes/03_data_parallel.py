@@ -38,7 +38,7 @@ self.handles = [self._launch(bucket) for bucket in self.buckets]
 
 FAKES = {
     "impl-broadcast": [
-        Fake("the library's broadcast", "broadcasts nothing itself: calls minidist.ddp",
+        Fake("the library's broadcast", "broadcasts nothing itself: calls minidist.parallel.ddp",
              ("test-broadcast",), """\
     ddp.broadcast_parameters(model)"""),
         Fake("an all-reduce of rank 0's values", "all-reduces (zeros on the other ranks) "
@@ -50,7 +50,7 @@ FAKES = {
             dist.all_reduce(tensor)"""),
     ],
     "impl-naive": [
-        Fake("the library's per-tensor average", "calls minidist.ddp.all_reduce_gradients "
+        Fake("the library's per-tensor average", "calls minidist.parallel.ddp.all_reduce_gradients "
              "instead of the all_reduce it is given", ("test-naive",), """\
     ddp.all_reduce_gradients(model, impl="ring")"""),
         Fake("one flat all-reduce", "one all-reduce of every gradient at once, not one per "
@@ -63,7 +63,7 @@ FAKES = {
         grad.copy_(piece.view_as(grad))"""),
     ],
     "impl-flat": [
-        Fake("the library's flat average", "calls minidist.ddp.all_reduce_gradients_flat",
+        Fake("the library's flat average", "calls minidist.parallel.ddp.all_reduce_gradients_flat",
              ("test-flat",), """\
     ddp.all_reduce_gradients_flat(model, impl="ring")"""),
         Fake("one all-reduce per tensor", "all-reduces each gradient on its own: no flat "
@@ -73,7 +73,7 @@ FAKES = {
         grad /= world_size"""),
     ],
     "impl-buckets": [
-        Fake("the library's buckets", "calls minidist.ddp.assign_buckets",
+        Fake("the library's buckets", "calls minidist.parallel.ddp.assign_buckets",
              ("test-buckets",), """\
     return ddp.assign_buckets(nbytes, cap_bytes)"""),
         Fake("the visible answers, else one bucket per tensor", "no greedy filling: only "

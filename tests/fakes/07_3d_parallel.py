@@ -50,7 +50,7 @@ _COST = """\
     whole_layer = memory.activation_bytes(s, b, h, model.heads, tp, tp > 1, None)
     held = []
     for rank in {0, pp - 1}:
-        inflight = pipeline.inflight_microbatches(layout.schedule, pp, m, rank, v)
+        inflight = bubbles.inflight_microbatches(layout.schedule, pp, m, rank, v)
         activations = inflight * L / (pp * v) * per_layer + whole_layer - per_layer
         if rank == pp - 1:
             activations += 4 * s * b * model.vocab / tp
@@ -79,9 +79,9 @@ _COST = """\
 
 FAKES = {
     "impl-mesh-groups": [
-        Fake("the library's groups", "returns minidist.mesh.group_ranks",
+        Fake("the library's groups", "returns minidist.communication.mesh.group_ranks",
              ("test-mesh-groups",), """\
-    from minidist import mesh
+    from minidist.communication import mesh
     return mesh.group_ranks(shape, dim)"""),
         Fake("three nested loops", "works for three dimensions only: any order, but not two or "
              "four", ("test-mesh-groups",), """\
@@ -103,7 +103,7 @@ FAKES = {
         for ranks in mesh_groups(shape, dim):
             if rank in ranks:
                 mine[dim] = (dist.new_group(ranks), ranks)"""),
-        Fake("the library's Mesh", "lets minidist.mesh.Mesh create the groups",
+        Fake("the library's Mesh", "lets minidist.communication.mesh.Mesh create the groups",
              ("test-build-groups",), """\
     mesh = Mesh(**shape)
     mine = {dim: (mesh.group(dim), mesh.ranks(dim)) for dim in shape}"""),

@@ -108,7 +108,8 @@ FAKES = {
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     sampler.load_state_dict({"epoch": state["epoch"], "position": 0})"""),
-        Fake("the library's RNGState", "delegates the generators to minidist.checkpoint.RNGState",
+        Fake("the library's RNGState",
+             "delegates the generators to minidist.jobs.checkpoint.RNGState",
              ("test-rng_state",), """\
     if "state" not in locals():
         return {"rng": checkpoint.RNGState().state_dict(), "sampler": dict(sampler.state_dict())}

@@ -48,7 +48,8 @@ FAKES = {
     new_residual = grad.clone()
     new_residual[indices] = 0
     return values, indices.to(torch.int32), new_residual"""),
-        Fake("the library's top_k", "delegates the selection to minidist.compression.top_k",
+        Fake("the library's top_k",
+             "delegates the selection to minidist.parallel.compression.top_k",
              ("test-topk",), """\
     corrected = grad + residual
     values, indices = compression.top_k(corrected, k)

@@ -1,4 +1,4 @@
-"""Predictions graded as first committed (minidist.predictions), on the instructor's side.
+"""Predictions graded as first committed (minidist.core.predictions), on the instructor's side.
 
 A submitted notebook carries each prediction's history in its outputs (the records that
 `commit` and `reveal` display), and the ledger file beside it when the submission kept it.
@@ -25,7 +25,7 @@ import nbformat
 from nbformat import NotebookNode
 from nbgrader.preprocessors import NbGraderPreprocessor
 
-from minidist.predictions import (
+from minidist.core.predictions import (
     LEDGER_NAME,
     MIME_TYPE,
     History,

@@ -1,0 +1,497 @@
+"""Every collective minidist runs, through one layer: recorded, and run by torch or by minidist.
+
+    collectives.all_reduce(t)                          # the backend's all-reduce (gloo, NCCL)
+    collectives.all_reduce(t, impl="ring")             # minidist's ring, from send/recv
+    collectives.all_reduce(t, impl="auto")             # the fastest of minidist's algorithms
+    collectives.all_reduce(t, impl="hierarchical")     # inside nodes, then across (network)
+    shard = collectives.reduce_scatter(flat)           # this rank's shard of the sum
+    full = collectives.all_gather(shard, flat.numel()) # the whole flat tensor again
+
+Every module of minidist that communicates calls these functions and nothing else, so that:
+
+- **count_traffic sees every collective.** Each call adds one `traffic.Collective` record to
+  the open `counting.count_traffic()` logs: the op, the bytes of the full tensor reduced or
+  produced, the group's size and global ranks, and `when` (e.g. "forward").
+- **the implementation is chosen with one word, `impl`.** "torch" runs torch.distributed's
+  collective (gloo or NCCL, in C++: a log sees the call but not its bytes on the wire); an
+  algorithm name runs minidist's own, built from point-to-point sends
+  (`minidist.communication.streaming`), whose every byte a log counts: all_reduce "ring",
+  "recursive_doubling", "tree", "rabenseifner", "hierarchical" (reduce-scatter inside each node,
+  all-reduce across nodes, all-gather inside: `minidist.communication.network`, on the nodes a
+  `Mesh(..., network=...)` declared) or "auto" (the one `streaming.fit_links` predicts fastest on
+  this group, or, where the job's network is known, the one its two-tier alpha-beta model does);
+  reduce_scatter and all_gather "ring"; broadcast "tree"; all_to_all "pairwise".
+- **`group` means one thing.** A process group (such as `mesh.group("dp")` of a
+  `minidist.communication.mesh.Mesh`, the one place groups are made), or None: the default process
+  group, every rank of the job.
+
+Ranks must make the same calls in the same order, with the same `impl`: a collective is a
+meeting of every rank of its group.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import math
+import pickle
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from minidist.communication import network, streaming
+from minidist.communication.comm import Ring, binomial_broadcast, chunk_bounds, ring_of
+from minidist.communication.counting import record
+from minidist.core._checks import require_process_group
+from minidist.core._groups import per_group_cache
+from minidist.core.flat import copy_back, flatten
+from minidist.core.timeline import Event, clock, note
+from minidist.costs.cost import ALL_REDUCE_ALGORITHMS, AlgorithmLinks, AlphaBeta
+
+__all__ = [
+    "IMPLS", "Handle", "shard_bounds", "all_reduce", "reduce_scatter", "all_gather",
+    "all_gather_along", "reduce_scatter_along", "all_gather_overlapped",
+    "reduce_scatter_overlapped", "broadcast", "broadcast_tensors", "all_to_all", "shift",
+    "all_gather_object", "barrier", "in_background",
+]
+
+IMPLS = {
+    "all_reduce": ("torch", "auto", *ALL_REDUCE_ALGORITHMS, "hierarchical"),
+    "reduce_scatter": ("torch", "ring"),
+    "all_gather": ("torch", "ring"),
+    "broadcast": ("torch", "tree"),
+    "all_to_all": ("torch", "pairwise"),
+}
+"""The implementations each collective offers: "torch", or minidist's algorithms by name."""
+
+_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+_OP_NAMES = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.MAX: "max"}
+
+
+def _check_impl(collective: str, impl: str) -> None:
+    if impl not in IMPLS[collective]:
+        choices = ", ".join(map(repr, IMPLS[collective]))
+        raise ValueError(f"impl={impl!r}: {collective} runs with one of {choices} ('torch' is "
+                         f"torch.distributed's own; the others are minidist's, from send/recv)")
+
+
+def _op_name(op: str | dist.ReduceOp.RedOpType, tensor: torch.Tensor, allowed: tuple) -> str:
+    name = _OP_NAMES.get(op) if isinstance(op, dist.ReduceOp.RedOpType) else op
+    if name not in allowed:
+        raise ValueError(f"op={op!r}: this reduces with one of {', '.join(map(repr, allowed))}")
+    if name == "avg" and not tensor.is_floating_point():
+        raise ValueError(f"op='avg' needs a floating-point tensor, got {tensor.dtype}; use "
+                         f"op='sum' and divide by the world size yourself")
+    return name
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _flat(tensor: torch.Tensor, caller: str) -> torch.Tensor:
+    if not tensor.is_contiguous():
+        raise ValueError(f"{caller} works in place on a contiguous tensor, got one with shape "
+                         f"{tuple(tensor.shape)} and strides {tensor.stride()}; pass "
+                         f"t.contiguous() and copy the result back")
+    return tensor.view(-1)
+
+
+# --- Running later --------------------------------------------------------------------------------
+
+
+class Handle:
+    """A collective in flight (`async_op=True`): `wait()` returns its result."""
+
+    def __init__(self, work: dist.Work | concurrent.futures.Future | None,
+                 finish: Callable[[], Any]):
+        self._work, self._finish = work, finish
+
+    def wait(self) -> Any:
+        if isinstance(self._work, concurrent.futures.Future):
+            self._work.result()
+        elif self._work is not None:
+            self._work.wait()
+        return self._finish()
+
+    def on_done(self, callback: Callable[[], None]) -> None:
+        """Call `callback()` (on any thread) once the transfer has completed."""
+        if isinstance(self._work, concurrent.futures.Future):
+            self._work.add_done_callback(lambda _: callback())
+        elif self._work is not None:
+            self._work.get_future().then(lambda _: callback())
+        else:
+            callback()
+
+
+_WORKER = "minidist-collectives"
+_worker: concurrent.futures.ThreadPoolExecutor | None = None
+_queued: list[concurrent.futures.Future] = []
+
+
+def in_background(function: Callable[[], Any]) -> concurrent.futures.Future:
+    """Run `function` on minidist's one communication thread, after whatever is queued there.
+
+    minidist's own collectives are point-to-point messages that ranks match in the order they
+    post them; one thread, in submission order, keeps that order the same on every rank."""
+    global _worker
+    if _worker is None:
+        _worker = concurrent.futures.ThreadPoolExecutor(1, _WORKER)
+    _queued[:] = [future for future in _queued if not future.done()]
+    future = _worker.submit(function)
+    _queued.append(future)
+    return future
+
+
+def _run(function: Callable[[], Any], async_op: bool, finish: Callable[[], Any]) -> Any:
+    """Run one of minidist's collectives now, or after what is queued on the communication
+    thread (where a compression hook running there is already)."""
+    on_worker = threading.current_thread().name.startswith(_WORKER)
+    if not on_worker and (async_op or any(not future.done() for future in _queued)):
+        handle = Handle(in_background(function), finish)
+        return handle if async_op else handle.wait()
+    function()
+    return Handle(None, finish) if async_op else finish()
+
+
+# --- The collectives ------------------------------------------------------------------------------
+
+
+def shard_bounds(numel: int, group: dist.ProcessGroup | None = None) -> tuple[int, int]:
+    """(start, end) of this rank's shard of a flat tensor of `numel` elements: the slice
+    `reduce_scatter` returns and `all_gather` takes (sizes differ by at most one)."""
+    ring = ring_of(group, "shard_bounds")
+    return chunk_bounds(numel, ring.size)[ring.rank]
+
+
+def all_reduce(tensor: torch.Tensor, op: str | dist.ReduceOp.RedOpType = "sum",
+               group: dist.ProcessGroup | None = None, impl: str = "torch", when: str = "",
+               async_op: bool = False, link: AlphaBeta | AlgorithmLinks | None = None) -> Any:
+    """Sum, average or (impl="torch" only) take the max of `tensor` over `group`, in place;
+    returns it (a `Handle` with async_op=True). "auto" decides with `link`, by default the
+    links `streaming.fit_links(group)` measures on the first call and keeps, or, over a job
+    whose network a Mesh declared, with that network's two-tier model. "hierarchical" takes
+    its nodes from that Mesh (without one, every rank counts as one node's: the ring)."""
+    _check_impl("all_reduce", impl)
+    flat = _flat(tensor, "all_reduce")
+    name = _op_name(op, tensor, ("sum", "avg", "max") if impl == "torch" else ("sum", "avg"))
+    ring = ring_of(group, "all_reduce")
+    record("all_reduce", _nbytes(flat), group, when)
+
+    def finish() -> torch.Tensor:
+        if impl == "torch" and name == "avg":  # gloo has no AVG: sum, then divide
+            tensor.div_(ring.size)
+        return tensor
+
+    if impl == "torch":
+        work = dist.all_reduce(tensor, op=_OPS[name], group=group, async_op=async_op)
+        return Handle(work, finish) if async_op else finish()
+    if ring.size == 1:
+        return Handle(None, finish) if async_op else finish()
+    known = network.job(group) if impl == "auto" and link is None else None
+    if known is not None:
+        impl = known.tiers.best_all_reduce(_nbytes(flat), ring.size)
+    elif impl == "auto":
+        impl = streaming.best_algorithm(link or streaming.fit_links(group), _nbytes(flat),
+                                        ring.size)
+    if impl == "hierarchical":
+        node, across = network.node_rings(group)
+        return _run(lambda: network.hierarchical(flat, node, across, name == "avg"), async_op,
+                    finish)
+    algorithm = streaming.ALGORITHMS[impl]
+    return _run(lambda: algorithm(flat, ring, name == "avg"), async_op, finish)
+
+
+def reduce_scatter(flat: torch.Tensor, group: dist.ProcessGroup | None = None,
+                   impl: str = "torch", op: str = "sum", when: str = "") -> torch.Tensor:
+    """This rank's shard (`shard_bounds`) of the sum (or average) of the 1-D `flat` over
+    `group`, as a new tensor; `flat` is left as it was."""
+    _check_impl("reduce_scatter", impl)
+    name = _op_name(op, flat, ("sum", "avg"))
+    ring = ring_of(group, "reduce_scatter")
+    bounds = chunk_bounds(flat.numel(), ring.size)
+    start, end = bounds[ring.rank]
+    record("reduce_scatter", _nbytes(flat), group, when)
+    if impl == "ring":
+        summed = flat.reshape(-1).clone()
+        _run(lambda: streaming.reduce_scatter(summed, ring), False, lambda: None)
+        shard = summed[start:end].clone()
+    else:
+        longest = bounds[0][1] - bounds[0][0]
+        shard = torch.empty(longest, dtype=flat.dtype, device=flat.device)
+        dist.reduce_scatter_single(shard, _padded(flat.reshape(-1), bounds), group=group)
+        shard = shard[: end - start]
+    return shard.div_(ring.size) if name == "avg" else shard
+
+
+def _padded(flat: torch.Tensor, bounds: list[tuple[int, int]]) -> torch.Tensor:
+    """`flat` as equal chunks, each padded to the longest (torch's collectives need equal
+    chunks); `flat` itself when they are equal already."""
+    longest = bounds[0][1] - bounds[0][0]
+    if longest * len(bounds) == flat.numel():
+        return flat
+    return torch.cat([F.pad(flat[start:end], (0, longest - (end - start)))
+                      for start, end in bounds])
+
+
+def all_gather(shard: torch.Tensor, numel: int, group: dist.ProcessGroup | None = None,
+               impl: str = "torch", when: str = "", async_op: bool = False) -> Any:
+    """The whole flat tensor of `numel` elements from every rank's shard (`shard_bounds`), as
+    a new tensor; a `Handle` whose wait() returns it with async_op=True."""
+    _check_impl("all_gather", impl)
+    ring = ring_of(group, "all_gather")
+    bounds = chunk_bounds(numel, ring.size)
+    start, end = bounds[ring.rank]
+    if shard.numel() != end - start:
+        raise ValueError(f"rank {ring.rank}'s shard of a {numel}-element tensor has "
+                         f"{end - start} elements (shard_bounds), got {shard.numel()}")
+    record("all_gather", numel * shard.element_size(), group, when)
+    if impl == "ring":
+        full = torch.empty(numel, dtype=shard.dtype, device=shard.device)
+        full[start:end] = shard.reshape(-1)
+        return _run(lambda: streaming.all_gather(full, ring), async_op, lambda: full)
+    longest = bounds[0][1] - bounds[0][0]
+    gathered = torch.empty(longest * ring.size, dtype=shard.dtype, device=shard.device)
+    mine = shard.reshape(-1)
+    work = dist.all_gather_single(gathered, F.pad(mine, (0, longest - mine.numel())),
+                                  group=group, async_op=async_op)
+
+    def unpad() -> torch.Tensor:
+        if longest * ring.size == numel:
+            return gathered
+        rows = gathered.view(ring.size, longest)
+        return torch.cat([rows[r, : e - s] for r, (s, e) in enumerate(bounds)])
+
+    return Handle(work, unpad) if async_op else unpad()
+
+
+def all_gather_along(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None = None,
+                     when: str = "") -> torch.Tensor:
+    """Every rank's `x` concatenated along `dim`, in rank order (tensor and sequence
+    parallelism's all-gather); every rank's `x` has the same shape."""
+    ring = ring_of(group, "all_gather_along")
+    rows = x.movedim(dim, 0).contiguous()  # [x.shape[dim], ...]: each rank's piece is whole
+    full = all_gather(rows.view(-1), rows.numel() * ring.size, group, when=when)
+    return full.view(ring.size * rows.shape[0], *rows.shape[1:]).movedim(0, dim)
+
+
+def reduce_scatter_along(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None = None,
+                         when: str = "") -> torch.Tensor:
+    """Rank r's r-th of t equal pieces of `x` along `dim`, summed over the group (tensor and
+    sequence parallelism's reduce-scatter)."""
+    ring = ring_of(group, "reduce_scatter_along")
+    if x.shape[dim] % ring.size:
+        raise ValueError(f"dim {dim} of size {x.shape[dim]} is not divisible by the group's "
+                         f"{ring.size} ranks")
+    rows = x.movedim(dim, 0).contiguous()
+    shard = reduce_scatter(rows.view(-1), group, when=when)
+    return shard.view(rows.shape[0] // ring.size, *rows.shape[1:]).movedim(0, dim)
+
+
+def all_gather_overlapped(x: torch.Tensor, on_piece: Callable[[int, torch.Tensor], Any],
+                          group: dist.ProcessGroup | None = None, when: str = "") -> None:
+    """All-gather every rank's `x` (all the same shape) around the ring, calling
+    `on_piece(source group rank, piece)` on each piece as it arrives, this rank's own first,
+    while the next one travels: the transfer hides behind the work done on each piece
+    (asynchronous tensor parallelism, Wang et al. 2023). Recorded as one all_gather."""
+    ring = ring_of(group, "all_gather_overlapped")
+    record("all_gather", _nbytes(x) * ring.size, group, when)
+
+    def steps() -> None:
+        piece = x.contiguous()
+        for step in range(ring.size):
+            requests = []
+            if step < ring.size - 1:
+                incoming = torch.empty_like(piece)
+                requests = [dist.isend(piece, ring.right, group=group),
+                            dist.irecv(incoming, ring.left, group=group)]
+            on_piece((ring.rank - step) % ring.size, piece)  # while the next one travels
+            for request in requests:
+                request.wait()
+            if requests:
+                piece = incoming
+
+    _run(steps, False, lambda: None)
+
+
+def reduce_scatter_overlapped(partial: Callable[[int], torch.Tensor],
+                              group: dist.ProcessGroup | None = None,
+                              when: str = "") -> torch.Tensor:
+    """Reduce-scatter around the ring where `partial(c)` computes this rank's addend for
+    piece c just before it is needed, while the running sum for it travels; returns piece
+    `rank` of the sum. Recorded as one reduce_scatter of t pieces."""
+    ring = ring_of(group, "reduce_scatter_overlapped")
+    result: list[torch.Tensor] = []
+
+    def steps() -> None:
+        running = partial((ring.rank - 1) % ring.size)
+        record("reduce_scatter", _nbytes(running) * ring.size, group, when)
+        for step in range(ring.size - 1):
+            incoming = torch.empty_like(running)
+            requests = [dist.isend(running, ring.right, group=group),
+                        dist.irecv(incoming, ring.left, group=group)]
+            mine = partial((ring.rank - step - 2) % ring.size)  # while the sums travel
+            for request in requests:
+                request.wait()
+            running = incoming.add_(mine)
+        result.append(running)  # with one rank, piece (rank - 1) % 1 is piece 0 = rank
+
+    return _run(steps, False, lambda: result[0])
+
+
+def broadcast(tensor: torch.Tensor, src: int | None = None,
+              group: dist.ProcessGroup | None = None, impl: str = "torch",
+              when: str = "") -> torch.Tensor:
+    """Copy `tensor` from global rank `src` (default: the group's first rank) to every rank of
+    `group`, in place; returns it."""
+    _check_impl("broadcast", impl)
+    ring = ring_of(group, "broadcast")
+    src = ring.members[0] if src is None else src
+    if src not in ring.members:
+        raise ValueError(f"src={src} is not a rank of the group; its global ranks are "
+                         f"{list(ring.members)}")
+    record("broadcast", _nbytes(tensor), group, when)
+    if impl == "torch":
+        dist.broadcast(tensor, src, group=group)
+    else:
+        flat = _flat(tensor, "broadcast")
+        root = ring.members.index(src)
+        _run(lambda: binomial_broadcast(flat, ring, root, streaming.SEGMENTS), False, lambda: None)
+    return tensor
+
+
+def broadcast_tensors(tensors: Sequence[torch.Tensor], src: int | None = None,
+                      group: dist.ProcessGroup | None = None, when: str = "") -> None:
+    """Broadcast `tensors` in place from `src` (default: the group's first rank), one
+    broadcast per dtype and device: they are copied into one flat buffer, sent, copied back."""
+    kinds: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for tensor in tensors:
+        kinds.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+    for same_kind in kinds.values():
+        flat = flatten(same_kind)
+        broadcast(flat, src, group, when=when)
+        copy_back(flat, same_kind)
+
+
+def all_to_all(x: torch.Tensor, send_sizes: Sequence[int], receive_sizes: Sequence[int],
+               group: dist.ProcessGroup | None = None, impl: str = "torch",
+               when: str = "") -> torch.Tensor:
+    """Send rows [sum(send_sizes[:p]), sum(send_sizes[:p+1])) of `x` to group rank p; return
+    what the ranks sent here, in rank order. Recorded with the bytes that leave this rank.
+    impl="pairwise" is minidist's: every rank posts a send to and a receive from every other
+    rank at once, then waits for them all."""
+    _check_impl("all_to_all", impl)
+    ring = ring_of(group, "all_to_all")
+    _check_splits(x, send_sizes, receive_sizes, ring, group)
+    row_bytes = math.prod(x.shape[1:]) * x.element_size()
+    leaving = sum(send_sizes) - send_sizes[ring.rank]
+    record("all_to_all", leaving * row_bytes, group, when)
+    x = x.contiguous()
+    out = x.new_empty(sum(receive_sizes), *x.shape[1:])
+    if impl == "torch":
+        dist.all_to_all_single(out, x, list(receive_sizes), list(send_sizes), group=group)
+        return out
+    sends = x.split(list(send_sizes))
+    receives = out.split(list(receive_sizes))
+
+    def exchange() -> None:
+        receives[ring.rank].copy_(sends[ring.rank])
+        requests = [request for peer in range(ring.size) if peer != ring.rank for request in (
+            dist.irecv(receives[peer], ring.peer(peer), group=group),
+            dist.isend(sends[peer], ring.peer(peer), group=group))]
+        for request in requests:
+            request.wait()
+
+    return _run(exchange, False, lambda: out)
+
+
+_split_calls = per_group_cache()  # all_to_all calls made on each group: the store's key
+
+
+def _check_splits(x: torch.Tensor, send_sizes: Sequence[int], receive_sizes: Sequence[int],
+                  ring: Ring, group: dist.ProcessGroup | None) -> None:
+    """Every rank's splits against every other's, before any row moves: a rank that expects
+    more rows than a peer sends it would get uninitialised memory back, one that expects fewer
+    a shape error inside torch. The splits meet in the group's store, not on its links, so
+    no count of messages or bytes sees them; every rank raises the same error."""
+    me = ring.members[ring.rank]
+    if len(send_sizes) != ring.size or len(receive_sizes) != ring.size:
+        raise ValueError(f"all_to_all on rank {me}: send_sizes {list(send_sizes)} and "
+                         f"receive_sizes {list(receive_sizes)} need one entry per rank of the "
+                         f"group ({ring.size})")
+    if sum(send_sizes) != x.shape[0] or min(send_sizes, default=0) < 0:
+        raise ValueError(f"all_to_all on rank {me}: send_sizes {list(send_sizes)} should be "
+                         f"row counts that add up to the tensor's {x.shape[0]} rows")
+    if ring.size == 1:
+        return
+    key = group or dist.group.WORLD
+    call = _split_calls[key] = _split_calls.get(key, 0) + 1
+    store = dist.distributed_c10d._get_process_group_store(key)
+    mine = json.dumps({"send": list(map(int, send_sizes)),
+                       "receive": list(map(int, receive_sizes))})
+    store.set(f"minidist/all_to_all/{call}/{ring.rank}", mine)
+    keys = [f"minidist/all_to_all/{call}/{peer}" for peer in range(ring.size)]
+    store.wait(keys)
+    splits = [json.loads(value) for value in store.multi_get(keys)]
+    if call > 1:  # every rank has read the last call's splits: it has written this call's
+        store.delete_key(f"minidist/all_to_all/{call - 1}/{ring.rank}")
+    for receiver, theirs in enumerate(splits):
+        for sender, expected in enumerate(theirs["receive"]):
+            sent = splits[sender]["send"][receiver]
+            if sent != expected:
+                raise ValueError(
+                    f"all_to_all with mismatched splits: rank {ring.members[receiver]} expects "
+                    f"{expected} rows from rank {ring.members[sender]}, which sends it {sent} "
+                    f"(rank {ring.members[sender]} called it with send_sizes="
+                    f"{splits[sender]['send']}, rank {ring.members[receiver]} with "
+                    f"receive_sizes={theirs['receive']}); each rank's receive_sizes[p] must be "
+                    f"what rank p's send_sizes sends it")
+
+
+def shift(tensor: torch.Tensor, group: dist.ProcessGroup | None = None, when: str = "",
+          async_op: bool = False) -> Any:
+    """One step around the ring: every rank sends `tensor` to its right neighbour and receives
+    its left neighbour's (same shape and dtype), which it returns; a `Handle` whose wait()
+    returns it with async_op=True, so that work done before wait() overlaps the transfer (ring
+    attention's key/value blocks, Liu et al. 2023). Recorded as one "shift" of the tensor's
+    bytes; the wait notes a `timeline.Event` of kind "transfer" from the send to the wait's
+    return. With one rank the tensor itself comes back: there is nobody to send to."""
+    ring = ring_of(group, "shift")
+    record("shift", _nbytes(tensor), group, when)
+    if ring.size == 1:
+        return Handle(None, lambda: tensor) if async_op else tensor
+    outgoing = tensor.contiguous()
+    incoming = torch.empty_like(outgoing)
+    start = clock()
+    receiving = dist.irecv(incoming, ring.left, group=group)
+    sending = dist.isend(outgoing, ring.right, group=group)
+
+    def finish() -> torch.Tensor:
+        sending.wait()
+        note(Event(ring.members[ring.rank], "transfer", when or "shift", start, clock(),
+                   _nbytes(outgoing)))
+        return incoming
+
+    handle = Handle(receiving, finish)
+    return handle if async_op else handle.wait()
+
+
+def all_gather_object(obj: Any, group: dist.ProcessGroup | None = None,
+                      when: str = "") -> list[Any]:
+    """Every rank's picklable `obj`, in rank order. Recorded with this rank's pickled size."""
+    ring = ring_of(group, "all_gather_object")
+    record("all_gather_object", len(pickle.dumps(obj)), group, when)
+    everyone: list[Any] = [None] * ring.size
+    dist.all_gather_object(everyone, obj, group=group)
+    return everyone
+
+
+def barrier(group: dist.ProcessGroup | None = None, when: str = "") -> None:
+    """Wait until every rank of `group` has arrived."""
+    require_process_group("barrier")
+    record("barrier", 0, group, when)
+    dist.barrier(group=group)

@@ -1,0 +1,402 @@
+"""What the labs' checks use to see the mechanism, not only the numbers.
+
+    with recording() as calls:                       # every torch.distributed call, in order
+        my_ring_all_reduce(t)
+    [c.name for c in calls]                          # ["isend", "irecv", "isend", ...]
+    {c.peer for c in calls if c.name == "isend"}     # {right neighbour}
+
+    with unavailable("minidist.communication.comm.ring_all_reduce", "torch.distributed.all_reduce"):
+        my_ring_all_reduce(t)                        # calling either raises, saying why
+
+    with messages_sent() as sent:                    # what each point-to-point message carried
+        my_ring_all_reduce(t)
+    [(m.peer, m.payload) for m in sent]              # [(right neighbour, a chunk's copy), ...]
+
+`recording` sees the calls a function makes into torch.distributed (point-to-point and
+collectives alike, with the peer, the bytes and the shape of each), so a check can ask who was
+sent what and in which order, where `counting.count_traffic` counts only what left the rank.
+`unavailable` swaps functions for ones that raise while an exercise is checked: a student's
+version must not lean on the library's (or torch's) own version of the very thing it builds.
+`messages_sent` keeps a copy of every message's payload, so a check can ask what travelled in
+each step (a partial sum, a finished chunk), not only how many bytes.
+
+    with recording() as calls, watching("os.replace", into=calls):
+        save_shards(shards, path)                    # collectives and renames, in one order
+    with in_flight() as steps:
+        gather_then_matmul_chunked(x, weight)        # posts, waits and matmuls, in order
+    ran_while_in_flight(steps)                       # {request: matmuls while it travelled}
+
+`watching` sees calls of any function (a file renamed, a file loaded); `in_flight` sees when
+each point-to-point request was posted and waited on, and the operators (matmuls) that ran
+in between: what overlapped what, from the order alone, so no timing can make it flaky.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from minidist.core import interposer
+
+__all__ = [
+    "Call", "RECORDED", "recording", "unavailable", "LibraryVersionUsed", "Message",
+    "messages_sent", "Seen", "watching", "MATMULS", "FlightRecord", "in_flight",
+    "ran_while_in_flight", "Held", "holding",
+]
+
+RECORDED = (
+    "send", "recv", "isend", "irecv", "batch_isend_irecv", "all_reduce", "all_gather",
+    "all_gather_into_tensor", "all_gather_single", "reduce_scatter", "reduce_scatter_tensor",
+    "reduce_scatter_single", "broadcast", "all_to_all", "all_to_all_single", "barrier", "reduce",
+    "gather", "scatter",
+)
+"""The torch.distributed functions `recording` watches (those this torch has)."""
+
+
+@dataclass(frozen=True)
+class Call:
+    """One call into torch.distributed: its name, the peer (global rank) of a point-to-point
+    call, and the bytes, shape and dtype of its first tensor; the reduction `op` ("SUM",
+    "MAX", ...) of a reducing collective; for an all-to-all, the bytes it `sent` to each rank
+    of its group, in group order (its own piece included: it never leaves the rank)."""
+
+    name: str
+    peer: int | None
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype | None
+    op: str | None = None
+    sent: tuple[int, ...] | None = None
+
+
+_REDUCING = {"all_reduce": 1, "reduce": 2, "reduce_scatter": 2, "reduce_scatter_tensor": 2,
+             "reduce_scatter_single": 2}
+"""The reducing collectives, with the position of their `op` argument."""
+
+
+def _reduction(name: str, args: tuple, kwargs: dict) -> str | None:
+    if name not in _REDUCING:
+        return None
+    position = _REDUCING[name]
+    op = kwargs.get("op", args[position] if len(args) > position else dist.ReduceOp.SUM)
+    return getattr(op, "name", str(op))
+
+
+def _sent(name: str, args: tuple, kwargs: dict) -> tuple[int, ...] | None:
+    if name == "all_to_all":  # (output_tensor_list, input_tensor_list, ...)
+        inputs = kwargs.get("input_tensor_list", args[1] if len(args) > 1 else [])
+        return tuple(t.numel() * t.element_size() for t in inputs)
+    if name != "all_to_all_single":  # (output, input, output_split_sizes, input_split_sizes, group)
+        return None
+    x = kwargs.get("input", args[1] if len(args) > 1 else None)
+    splits = kwargs.get("input_split_sizes", args[3] if len(args) > 3 else None)
+    group = kwargs.get("group", args[4] if len(args) > 4 else None)
+    if not isinstance(x, torch.Tensor):
+        return None
+    row_bytes = x[0].numel() * x.element_size() if x.dim() and len(x) else x.element_size()
+    if not splits:  # equal pieces of dim 0
+        size = dist.get_world_size(group)
+        splits = [x.shape[0] // size if x.dim() else 0] * size
+    return tuple(int(rows) * row_bytes for rows in splits)
+
+
+def _describe(name: str, args: tuple, kwargs: dict) -> Call:
+    tensor = args[0] if args else kwargs.get("tensor")
+    if isinstance(tensor, list):  # all_gather's output list, and the like
+        tensor = next((t for t in tensor if isinstance(t, torch.Tensor)), None)
+    peer = None
+    if name in ("send", "isend", "recv", "irecv"):
+        peer = kwargs.get("dst", kwargs.get("src", args[1] if len(args) > 1 else None))
+    op, sent = _reduction(name, args, kwargs), _sent(name, args, kwargs)
+    if not isinstance(tensor, torch.Tensor):
+        return Call(name, peer, 0, (), None, op, sent)
+    return Call(name, peer, tensor.numel() * tensor.element_size(), tuple(tensor.shape),
+                tensor.dtype, op, sent)
+
+
+@contextlib.contextmanager
+def recording(names: tuple[str, ...] = RECORDED) -> Iterator[list[Call]]:
+    """Inside the block every call of torch.distributed's `names` is appended, in order, to
+    the list it yields (calls minidist makes on the caller's behalf included)."""
+    calls: list[Call] = []
+
+    def watched(name: str) -> Any:
+        def call(proceed: Any, *args: Any, **kwargs: Any) -> Any:
+            calls.append(_describe(name, args, kwargs))
+            return proceed(*args, **kwargs)
+        return call
+
+    with interposer.subscribed("recording", {f"dist.{name}": watched(name) for name in names
+                                             if callable(getattr(dist, name, None))}):
+        yield calls
+
+
+class LibraryVersionUsed(RuntimeError):
+    """A checked function called the library's (or torch's) own version of the exercise."""
+
+
+@contextlib.contextmanager
+def unavailable(*paths: str, reason: str = "") -> Iterator[None]:
+    """Inside the block each function named by its dotted path (e.g.
+    "minidist.communication.comm.ring_all_reduce", "torch.distributed.all_reduce", or a class's
+    method: "minidist.parallel.tensor_parallel.CopyToParallel.apply") raises LibraryVersionUsed
+    when called; wherever it was imported from, a module that took the name by `from ... import`
+    keeps the
+    original (import the module instead)."""
+    swapped = []
+    for path in paths:
+        module, attribute = _owner(path)
+        # A class's own entry (a staticmethod, a classmethod), or nothing if it inherits one.
+        original = vars(module).get(attribute, _INHERITED)
+
+        def refuse(*args: Any, _path: str = path, **kwargs: Any) -> Any:
+            raise LibraryVersionUsed(
+                f"your function called {_path}: write your own; the library's version is "
+                f"what your function is compared with{': ' + reason if reason else ''}")
+
+        setattr(module, attribute, refuse)
+        swapped.append((module, attribute, original))
+    try:
+        yield
+    finally:
+        for module, attribute, original in reversed(swapped):
+            if original is _INHERITED:
+                delattr(module, attribute)
+            else:
+                setattr(module, attribute, original)
+
+
+_INHERITED = object()
+
+
+def _owner(path: str) -> tuple[Any, str]:
+    """The object holding the last name of a dotted path, and that name: the longest prefix
+    that imports as a module, then attributes (a class) down to the last."""
+    parts = path.split(".")
+    for split in range(len(parts) - 1, 0, -1):
+        try:
+            owner = importlib.import_module(".".join(parts[:split]))
+        except ModuleNotFoundError:
+            continue
+        for name in parts[split:-1]:
+            owner = getattr(owner, name)
+        if not hasattr(owner, parts[-1]):
+            raise AttributeError(f"{path}: {owner!r} has no attribute {parts[-1]!r}")
+        return owner, parts[-1]
+    raise ModuleNotFoundError(f"{path}: no module to import in it")
+
+
+@dataclass(frozen=True)
+class Message:
+    """One point-to-point message this rank sent: the global rank it went to and a copy of its
+    payload, taken when it was sent."""
+
+    peer: int
+    payload: torch.Tensor
+
+
+@contextlib.contextmanager
+def messages_sent() -> Iterator[list[Message]]:
+    """Inside the block every point-to-point message this process sends is appended, in order,
+    to the list it yields, with a copy of what it carried.
+
+    It watches the one method every send ends in, ProcessGroup.send, as `counting.count_traffic`
+    does, so dist.send, dist.isend, batch_isend_irecv and minidist's algorithms are all seen,
+    however they were imported. Blocks nest with each other and with count_traffic's."""
+    from minidist.core._groups import members
+
+    sent: list[Message] = []
+
+    def send(proceed: Any, group: Any, tensors: list, dst: int, *args: Any, **kwargs: Any) -> Any:
+        peer = members(group)[dst]
+        for tensor in tensors:
+            sent.append(Message(peer, tensor.detach().clone()))
+        return proceed(group, tensors, dst, *args, **kwargs)
+
+    with interposer.subscribed("messages", {"ProcessGroup.send": send}):
+        yield sent
+
+
+# --- What happened, in order: other functions' calls, requests in flight, matmuls --------------
+
+
+@dataclass(frozen=True)
+class Seen:
+    """One call `watching` saw: the function's dotted path and the arguments it was given."""
+
+    name: str
+    args: tuple
+    kwargs: dict
+
+
+@contextlib.contextmanager
+def watching(*paths: str, into: list | None = None,
+             observe: Callable[..., Any] | None = None) -> Iterator[list]:
+    """Inside the block every call of the functions named by dotted path (e.g. "os.replace",
+    "torch.load") is appended, as a `Seen`, to `into` (a new list if None), which it yields,
+    and, with `observe`, first calls `observe(*args, **kwargs)` (to see when, and on what, a
+    checked function calls it). Pass the list `recording` yields as `into` to see both kinds
+    of call in one order. Like `unavailable`, it swaps the module's attribute: `from ...
+    import` copies are not seen."""
+    seen: list = [] if into is None else into
+    swapped = []
+    for path in paths:
+        module_name, _, attribute = path.rpartition(".")
+        module = importlib.import_module(module_name)
+        original = getattr(module, attribute)
+
+        def watched(*args: Any, _path: str = path, _original: Any = original,
+                    **kwargs: Any) -> Any:
+            seen.append(Seen(_path, args, kwargs))
+            if observe is not None:
+                observe(*args, **kwargs)
+            return _original(*args, **kwargs)
+
+        setattr(module, attribute, functools.wraps(original)(watched))
+        swapped.append((module, attribute, original))
+    try:
+        yield seen
+    finally:
+        for module, attribute, original in swapped:
+            setattr(module, attribute, original)
+
+
+MATMULS = ("mm", "bmm", "addmm", "baddbmm")
+"""The aten operators every matrix multiply ends in (@, F.linear, torch.matmul, einsum)."""
+
+
+@dataclass(frozen=True)
+class FlightRecord:
+    """One thing `in_flight` saw. `kind` is "post" (a request, `name` "isend" or "irecv", to or
+    from global rank `peer` (None: any), `nbytes` long, numbered `request` in posting order),
+    "wait" (on request number `request`) or "op" (an aten operator `name` whose output has
+    `shape`)."""
+
+    kind: str
+    name: str
+    peer: int | None = None
+    nbytes: int = 0
+    shape: tuple[int, ...] = ()
+    request: int | None = None
+
+
+@contextlib.contextmanager
+def in_flight(ops: tuple[str, ...] = MATMULS) -> Iterator[list[FlightRecord]]:
+    """Inside the block, in the order they happen: every point-to-point request posted (by
+    dist.isend, dist.irecv, dist.batch_isend_irecv, or dist.send and dist.recv, which post and
+    then wait), every wait on one of them (`Work.wait`), and every call of the aten operators
+    `ops`, however the caller spelled them (@, F.linear, torch.matmul, einsum for matmuls). An
+    op between a request's post and its wait ran while that request was in flight
+    (`ran_while_in_flight`)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    records: list[FlightRecord] = []
+    numbers: dict[int, int] = {}  # id(work) -> its request number
+    works: list[Any] = []  # keeps each work alive, so that no id is reused inside the block
+    group_class = dist.ProcessGroup
+    originals = {name: getattr(group_class, name) for name in ("send", "recv", "recv_anysource")}
+    original_wait = dist.Work.wait
+
+    def posting(name: str) -> Any:
+        def call(group: Any, tensors: list[torch.Tensor], *args: Any) -> Any:
+            peer = None
+            if name != "recv_anysource":
+                try:
+                    peer = dist.get_global_rank(group, args[0])
+                except (RuntimeError, ValueError):
+                    peer = args[0]
+            number = sum(r.kind == "post" for r in records)
+            tensor = tensors[0]
+            records.append(FlightRecord("post", "isend" if name == "send" else "irecv", peer,
+                                        tensor.numel() * tensor.element_size(),
+                                        tuple(tensor.shape), number))
+            work = originals[name](group, tensors, *args)
+            numbers[id(work)] = number
+            works.append(work)
+            return work
+        return call
+
+    def wait(work: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original_wait(work, *args, **kwargs)
+        if id(work) in numbers:
+            records.append(FlightRecord("wait", "wait", request=numbers[id(work)]))
+        return result
+
+    class _Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                               kwargs: dict | None = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket.__name__ in ops:
+                records.append(FlightRecord("op", func.overloadpacket.__name__,
+                                            shape=tuple(getattr(out, "shape", ()))))
+            return out
+
+    for name in originals:
+        setattr(group_class, name, posting(name))
+    dist.Work.wait = wait
+    try:
+        with _Ops():
+            yield records
+    finally:
+        for name, function in originals.items():
+            setattr(group_class, name, function)
+        dist.Work.wait = original_wait
+
+
+def ran_while_in_flight(records: list[FlightRecord]) -> dict[int, int]:
+    """{request number: how many ops ran between its post and its first wait} for every request
+    `in_flight` saw posted (a request never waited on counts the ops until the end)."""
+    counts: dict[int, int] = {}
+    open_requests: set[int] = set()
+    for record in records:
+        if record.kind == "post":
+            counts[record.request] = 0
+            open_requests.add(record.request)
+        elif record.kind == "wait":
+            open_requests.discard(record.request)
+        elif record.kind == "op":
+            for number in open_requests:
+                counts[number] += 1
+    return counts
+
+
+class Held:
+    """What a block left allocated: see `holding`."""
+
+    def __init__(self) -> None:
+        self.nbytes = 0  # set when the block ends
+
+    def new_bytes(self, exclude: Iterable[torch.Tensor | None] = ()) -> int:
+        """Bytes the block allocated that are still allocated after it, less the storages of
+        `exclude`: tensors it was meant to make and keep (the shards' gradients, say)."""
+        skip = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in exclude if t is not None}
+        return self.nbytes - sum(skip.values())
+
+
+@contextlib.contextmanager
+def holding() -> Iterator[Held]:
+    """The memory a block leaves held, whoever holds it: the bytes of CPU tensor storages
+    allocated inside the block and not freed by its end, whether a module, an optimizer, a
+    closure, a global or autograd keeps them, not only what a check knows to look at.
+
+        with holding() as held:
+            zero1_step(params, shards, optimizer, world_size)
+        held.new_bytes(exclude=[shard.grad for shard in shards])  # 0 beyond the shards' grads?
+
+    PyTorch's profiler reports each allocation and free of the block's thread (and of
+    autograd's, which runs CPU backward on it); the bytes are known when the block ends."""
+    from torch.profiler import ProfilerActivity, profile
+
+    held = Held()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+        yield held
+    held.nbytes = sum(event.nbytes() for event in profiler.profiler.kineto_results.events()
+                      if event.name() == "[memory]")

@@ -1,0 +1,711 @@
+"""Pipeline-parallel schedules as plain data, a validator that explains what is wrong, and a
+simulator that turns a schedule into a timeline with its bubble and memory.
+
+    from minidist.parallel import pipeline
+
+    s = pipeline.schedule("1f1b", ranks=4, microbatches=8)
+    print(s)                            # each rank's actions, in order
+    print(s.table())                    # the same, placed in time (one column per time unit)
+    pipeline.validate(s)                # raises ScheduleError naming the rank and action at fault
+    t = pipeline.simulate(s)            # uniform costs: F = 1, B = 1, W = 1 (backward = 2F)
+    t.makespan, t.bubble_fraction, t.peak_inflight   # 33.0, 0.2727..., [4, 3, 2, 1]
+
+A stage is always a piece of the model: it is cut into `num_stages` = p·v consecutive stages
+over p pipeline ranks, v chunks per rank, and stage k lives on rank k mod p (Narayanan et al.
+2021's placement: rank r holds stages r, r+p, ...). Without interleaving v = 1, so rank r holds
+stage r alone.
+A schedule is, for each rank, the ordered list of what it does:
+
+    F3     forward of microbatch 3 through this rank's stage
+    B3     backward of microbatch 3: the gradient for the stage's input (and, unless the
+           schedule splits the backward, also for its weights)
+    W3     weight gradient of microbatch 3, when the backward is split (zero-bubble schedules)
+    F3>1   send microbatch 3's activation (this stage's output) to rank 1
+    F3<0   receive microbatch 3's activation (this stage's input) from rank 0
+    B3>0   send the gradient of this stage's input to rank 0
+    B3<2   receive the gradient of this stage's output from rank 2
+    F3@5   the same with the stage named, when a rank holds several (interleaved schedules)
+
+Sends are asynchronous (isend): a send never waits. A receive waits until the matching send
+has been posted. Error messages number a rank's compute actions from 0, as `print(schedule)`
+lists them ("compute action 5 (B1)"), and place a send or receive next to one ("F3<0, before
+compute action 4"): the numbering the reader sees, whether or not sends are shown.
+The validator and the executor (`minidist.parallel.pipeline_exec`) both follow these rules, so a
+schedule the validator accepts cannot deadlock on real ranks.
+
+Formulas the simulator reproduces (uniform costs, no communication latency; tests/test_pipeline.py
+checks them for every p <= 8, m <= 32): GPipe and 1F1B idle (p-1)/(m+p-1) of total time, i.e.
+(p-1)/m relative to the ideal time (Huang et al. 2019; Narayanan et al. 2021 §2.2); 1F1B keeps
+min(p-i, m) microbatches in flight on rank i (§2.2.1); interleaved with v chunks idles
+(p-1)/(v*m + p - 1) of total time, (p-1)/(v*m) relative to ideal, with v*p + p - 1
+chunk-microbatches in flight on the first rank (at most v*m) (§2.2.2); ZB-H1 idles
+(p-1)(T_F + T_B - T_W) per rank, with p microbatches in flight on every rank (Qi et al. 2023
+§2), given m >= p and T_W <= T_F (with fewer microbatches the pipeline cannot fill).
+`minidist.costs.bubbles` gives those formulas directly, also for ZB-H2 (Qi et al. §2.2), which has
+a formula there but no generator here.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from minidist.core._checks import one_of, positive_int
+from minidist.core.timeline import Event
+from minidist.costs.bubbles import SCHEDULES
+
+__all__ = [
+    "SCHEDULES", "COMPUTE", "COMMUNICATION", "ScheduleError", "Action", "peer", "position",
+    "Schedule",
+    "schedule", "validate", "Costs", "action_event", "Timeline", "simulate",
+]
+
+COMPUTE = ("F", "B", "W")
+COMMUNICATION = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+
+
+class ScheduleError(ValueError):
+    """An illegal schedule. `.rank` and `.index` locate the action at fault in
+    `schedule.actions[rank]` and `.action` is that action (for a missing action: the rank that
+    should run it, index None, and the missing action); for a deadlock `.blocked` maps every
+    stuck rank to the (index, action) it waits at."""
+
+    def __init__(self, message: str, rank: int | None = None, index: int | None = None,
+                 action: Action | None = None,
+                 blocked: dict[int, tuple[int, Action]] | None = None):
+        super().__init__(message)
+        self.rank = rank
+        self.index = index
+        self.action = action
+        self.blocked = blocked or {}
+
+
+# --- Actions and schedules ---------------------------------------------------------------------
+
+
+class Action(NamedTuple):
+    """One step of one rank: `kind` is F, B or W (compute) or SEND_F, RECV_F, SEND_B, RECV_B;
+    `stage` is the stage on this rank that the action belongs to; `microbatch` counts from 0.
+    (A named tuple: schedules hash and compare many of them.)"""
+
+    kind: str
+    stage: int
+    microbatch: int
+
+    @property
+    def is_compute(self) -> bool:
+        return self.kind in COMPUTE
+
+    def label(self, schedule: Schedule | None = None, show_stage: bool = True) -> str:
+        """Compact form, e.g. "F3", "F3@5", "F3>1"; peers are shown when `schedule` is given."""
+        text = f"{self.kind[-1]}{self.microbatch}" + (f"@{self.stage}" if show_stage else "")
+        if self.is_compute:
+            return text
+        arrow = ">" if self.kind.startswith("SEND") else "<"
+        return text + arrow + (str(peer(schedule, self)) if schedule else "?")
+
+    def describe(self, schedule: Schedule) -> str:
+        """In words, for error messages: "receive the activation of microbatch 3 from rank 1"."""
+        of = f"of microbatch {self.microbatch}"
+        on = f" on stage {self.stage}" if schedule.chunks > 1 else ""
+        if self.kind == "F":
+            return f"forward {of}{on}"
+        if self.kind == "B":
+            what = "input gradient" if schedule.split_backward else "backward"
+            return f"{what} {of}{on}"
+        if self.kind == "W":
+            return f"weight gradient {of}{on}"
+        what = "activation" if self.kind.endswith("F") else "gradient"
+        if self.kind.startswith("SEND"):
+            return f"send the {what} {of} to rank {peer(schedule, self)}"
+        return f"receive the {what} {of} from rank {peer(schedule, self)}"
+
+    def __str__(self) -> str:
+        if self.is_compute:
+            return self.label()
+        return f"{self.kind}{self.microbatch}@{self.stage}"
+
+
+def peer(schedule: Schedule, action: Action) -> int:
+    """The rank a communication action talks to: activations go to the next stage's rank,
+    gradients to the previous stage's."""
+    step = 1 if action.kind in ("SEND_F", "RECV_B") else -1
+    return schedule.rank_of(action.stage + step)
+
+
+def position(schedule: Schedule, rank: int, index: int) -> str:
+    """Where `schedule.actions[rank][index]` is, in the numbering `print(schedule)` shows:
+    "compute action 5 (B1)", counting F, B and W from 0; a send or receive by its label and the
+    compute action next to it, "F3<0, before compute action 4" (a receive precedes the compute
+    that needs it, a send follows the one that produced it)."""
+    ops = schedule.actions[rank]
+    action = ops[index]
+    label = action.label(schedule, schedule.chunks > 1 or action.stage != rank)
+    before = sum(a.is_compute for a in ops[:index])
+    if action.is_compute:
+        return f"compute action {before} ({label})"
+    follows = any(a.is_compute for a in ops[index + 1:])
+    if before and (action.kind.startswith("SEND") or not follows):
+        return f"{label}, after compute action {before - 1}"
+    return f"{label}, before compute action {before}" if follows else label
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Per rank, the ordered actions it runs. `ranks` = p pipeline ranks, `chunks` = v stages
+    per rank, so the model is cut into `num_stages` = p*v stages; stage k lives on rank k % p.
+    `split_backward` is True when backward is split into B (input gradient) and W (weights).
+    (About 120 lines, most of them `from_text`, which reads the `text()` it prints back.)"""
+
+    name: str
+    ranks: int
+    microbatches: int
+    actions: tuple[tuple[Action, ...], ...]
+    chunks: int = 1
+    split_backward: bool = False
+
+    @property
+    def num_stages(self) -> int:
+        return self.ranks * self.chunks
+
+    def rank_of(self, stage: int) -> int:
+        return stage % self.ranks
+
+    def stages_of(self, rank: int) -> list[int]:
+        return list(range(rank, self.num_stages, self.ranks))
+
+    @classmethod
+    def from_compute(cls, name: str, compute: Sequence[Sequence[Action]], microbatches: int,
+                     chunks: int = 1) -> Schedule:
+        """A schedule from each rank's compute actions (F, B, W) in order, with the sends and
+        receives added: a receive just before the action that needs it, a send just after
+        the action that produces it."""
+        ranks = len(compute)
+        if ranks < 1:
+            raise ValueError("a schedule needs at least one rank: got an empty list")
+        num_stages = ranks * chunks
+        actions = []
+        for rank, ops in enumerate(compute):
+            ordered: list[Action] = []
+            for op in ops:
+                if not isinstance(op, Action):
+                    raise ScheduleError(f"rank {rank}: {op!r} is not an Action", rank)
+                k, j = op.stage, op.microbatch
+                remote_prev = k > 0 and (k - 1) % ranks != rank
+                remote_next = k < num_stages - 1 and (k + 1) % ranks != rank
+                if op.kind == "F" and remote_prev:
+                    ordered.append(Action("RECV_F", k, j))
+                if op.kind == "B" and remote_next:
+                    ordered.append(Action("RECV_B", k, j))
+                ordered.append(op)
+                if op.kind == "F" and remote_next:
+                    ordered.append(Action("SEND_F", k, j))
+                if op.kind == "B" and remote_prev:
+                    ordered.append(Action("SEND_B", k, j))
+            actions.append(tuple(ordered))
+        split = any(op.kind == "W" for ops in compute for op in ops)
+        return cls(name, ranks, microbatches, tuple(actions), chunks, split)
+
+    @classmethod
+    def from_text(cls, text: str, microbatches: int | None = None, chunks: int = 1,
+                  name: str = "custom") -> Schedule:
+        """Parse the compact form: one line "rank r: F0 F0>1 ..." per rank, in rank order
+        (other lines, such as the header `text()` prints, are skipped). Without "@stage" an
+        action is on the rank's only stage. `microbatches` defaults to one more than the
+        largest microbatch named. `Schedule.from_text(s.text(comm=True), chunks=s.chunks)`
+        rebuilds `s`."""
+        rows = re.findall(r"^\s*rank\s*(\d+)\s*:(.*)$", text, re.MULTILINE)
+        if not rows:
+            raise ScheduleError("no line of the form 'rank 0: F0 F0>1 ...' in the text")
+        token = re.compile(r"^([FBW])(\d+)(?:@(\d+))?(?:([<>])(\d+))?$")
+        actions, named_peers = [], []
+        for rank, (number, line) in enumerate(rows):
+            if int(number) != rank:
+                raise ScheduleError(f"line {rank + 1} is for rank {number}: give the ranks in "
+                                    f"order 0, 1, 2, ...", rank)
+            ops = []
+            for word in line.split():
+                match = token.match(word)
+                if not match:
+                    raise ScheduleError(f"rank {rank}: cannot read {word!r}; write e.g. F3, B3, "
+                                        "W3, F3@5, F3>1 (send) or F3<0 (receive)", rank)
+                kind, microbatch, stage, arrow, other = match.groups()
+                if stage is None and chunks > 1:
+                    raise ScheduleError(f"rank {rank}: {word!r} must name its stage (e.g. "
+                                        f"{word[0]}{microbatch}@{rank}) when ranks hold "
+                                        f"{chunks} chunks", rank)
+                if arrow and kind == "W":
+                    raise ScheduleError(f"rank {rank}: {word!r}: weight gradients are never "
+                                        "sent", rank)
+                if arrow:
+                    kind = ("SEND_" if arrow == ">" else "RECV_") + kind
+                    named_peers.append((rank, len(ops), int(other)))
+                ops.append(Action(kind, rank if stage is None else int(stage), int(microbatch)))
+            actions.append(tuple(ops))
+        if microbatches is None:
+            microbatches = 1 + max((a.microbatch for ops in actions for a in ops), default=-1)
+        split = any(a.kind == "W" for ops in actions for a in ops)
+        schedule = cls(name, len(actions), microbatches, tuple(actions), chunks, split)
+        for rank, index, named in named_peers:
+            action = actions[rank][index]
+            if 0 <= action.stage < schedule.num_stages and named != peer(schedule, action):
+                raise ScheduleError(
+                    f"rank {rank}, {position(schedule, rank, index)} (written with rank "
+                    f"{named}): that message goes to or comes from rank "
+                    f"{peer(schedule, action)}", rank, index, action)
+        return schedule
+
+    def compute(self, rank: int) -> list[Action]:
+        """Rank `rank`'s compute actions (F, B, W) in order."""
+        return [a for a in self.actions[rank] if a.is_compute]
+
+    def text(self, comm: bool = False) -> str:
+        """One line per rank; with `comm=True` the sends and receives too."""
+        lines = [f"{self.name}: {self.ranks} ranks, {self.microbatches} microbatches"
+                 + (f", {self.chunks} chunks per rank" if self.chunks > 1 else "")]
+        for rank, ops in enumerate(self.actions):
+            shown = [a.label(self, self.chunks > 1) for a in ops if comm or a.is_compute]
+            lines.append(f"rank {rank}: " + " ".join(shown))
+        return "\n".join(lines)
+
+    def table(self, costs: Costs | None = None) -> str:
+        """The schedule placed in time by `simulate(self, costs)`: one column per time unit."""
+        return simulate(self, costs).table()
+
+    def __str__(self) -> str:
+        return self.text()
+
+
+# --- Generators ----------------------------------------------------------------------------------
+
+
+def schedule(name: str, ranks: int, microbatches: int, chunks: int = 1) -> Schedule:
+    """A named schedule on `ranks` = p pipeline ranks, for `microbatches` = m.
+
+    name: "gpipe" (all forwards, then all backwards; Huang et al. 2019), "1f1b" (PipeDream-Flush:
+    p-1-r forwards on rank r, then alternate one forward, one backward; Narayanan et al. 2021),
+    "interleaved" (1F1B over `chunks` = v stages per rank, so p*v stages in all; needs m a
+    multiple of p; Narayanan et al. 2021 §2.2.2), "zb-h1" (1F1B with each backward split
+    into input gradient B and weight gradient W, rank r holding back r of its W's to fill the
+    cool-down; Qi et al. 2023). Every rank has one stage except with "interleaved".
+    """
+    positive_int(ranks=ranks, microbatches=microbatches, chunks=chunks)
+    if name == "zb-h2":
+        raise ValueError("schedule 'zb-h2' has bubble and memory formulas here "
+                         "(bubble_fraction, inflight_microbatches) but no generator: choose one "
+                         f"of {', '.join(SCHEDULES[:-1])}")
+    one_of("schedule", name, SCHEDULES)
+    if chunks != 1 and name != "interleaved":
+        raise ValueError(f"chunks={chunks} applies to 'interleaved' only; {name!r} has one stage "
+                         "per rank (leave chunks=1)")
+    p, m = ranks, microbatches
+    if name == "interleaved":
+        if m % p:
+            raise ValueError(
+                f"interleaved needs microbatches to be a multiple of ranks: m={m}, p={p}; use "
+                f"m={max(p, m // p * p)} or m={(m // p + 1) * p}")
+        compute = [_interleaved(rank, p, m, chunks) for rank in range(p)]
+        return Schedule.from_compute(name, compute, m, chunks)
+    generator = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "zb-h1": _zb_h1}[name]
+    return Schedule.from_compute(name, [generator(rank, p, m) for rank in range(p)], m)
+
+
+def _gpipe(rank: int, p: int, m: int) -> list[Action]:
+    return [Action("F", rank, j) for j in range(m)] + [Action("B", rank, j) for j in range(m)]
+
+
+def _one_f_one_b(rank: int, p: int, m: int) -> list[Action]:
+    warmup = min(p - 1 - rank, m)  # forwards in flight before the first backward comes back
+    ops = [Action("F", rank, j) for j in range(warmup)]
+    for j in range(m - warmup):
+        ops += [Action("F", rank, warmup + j), Action("B", rank, j)]
+    return ops + [Action("B", rank, j) for j in range(m - warmup, m)]
+
+
+def _zb_h1(rank: int, p: int, m: int) -> list[Action]:
+    # 1F1B's order with B = input gradient only. Rank r keeps its first r weight gradients for
+    # later: W's fill the cool-down, where 1F1B idles waiting for gradients, while at most
+    # p microbatches are in flight on every rank (Qi et al. 2023, Figure 3).
+    warmup = min(p - 1 - rank, m)
+    ops = [Action("F", rank, j) for j in range(warmup)]
+    for j in range(m):
+        if warmup + j < m:
+            ops.append(Action("F", rank, warmup + j))
+        ops.append(Action("B", rank, j))
+        if j >= rank:
+            ops.append(Action("W", rank, j - rank))
+    return ops + [Action("W", rank, j) for j in range(max(m - rank, 0), m)]
+
+
+def _interleaved(rank: int, p: int, m: int, v: int) -> list[Action]:
+    # Microbatches go through in groups of p: the group's forwards on chunk 0, then on chunk 1,
+    # ...; backwards the other way round. Rank r runs (v-1)*p + 2*(p-1-r) forwards before its
+    # first backward (Megatron-LM's schedule), then alternates.
+    def forward(i: int) -> Action:
+        group, within = divmod(i, p * v)
+        chunk, offset = divmod(within, p)
+        return Action("F", chunk * p + rank, group * p + offset)
+
+    def backward(i: int) -> Action:
+        group, within = divmod(i, p * v)
+        chunk, offset = divmod(within, p)
+        return Action("B", (v - 1 - chunk) * p + rank, group * p + offset)
+
+    total = m * v
+    warmup = min((v - 1) * p + 2 * (p - 1 - rank), total)
+    ops = [forward(i) for i in range(warmup)]
+    for i in range(total - warmup):
+        ops += [forward(warmup + i), backward(i)]
+    return ops + [backward(i) for i in range(total - warmup, total)]
+
+
+# --- Validation ----------------------------------------------------------------------------------
+
+
+def validate(schedule: Schedule) -> None:
+    """Raise `ScheduleError` unless `schedule` is legal: every action well formed and on the
+    rank that holds its stage, every stage running F and B (and W, when split) of every
+    microbatch exactly once, each after what it needs (its forward, its input or gradient),
+    every send matched by one receive, and no deadlock. The error names the rank and the
+    action at fault (by position in `schedule.actions[rank]`)."""
+    _check_actions(schedule)
+    _check_matching(schedule)
+    _check_order(schedule)
+    _check_complete(schedule)
+    _run(schedule, lambda rank, action: 0.0, 0.0)  # raises on a deadlock
+
+
+def _fault(schedule: Schedule, rank: int, index: int, problem: str, fix: str = "") -> ScheduleError:
+    action = schedule.actions[rank][index]
+    message = (f"rank {rank}, {position(schedule, rank, index)}, "
+               f"{action.describe(schedule)}: {problem}" + (f". {fix}" if fix else ""))
+    return ScheduleError(message, rank, index, action)
+
+
+def _check_actions(schedule: Schedule) -> None:
+    if len(schedule.actions) != schedule.ranks:
+        raise ScheduleError(f"the schedule has {len(schedule.actions)} action lists for "
+                            f"{schedule.ranks} ranks: give one list per rank")
+    last = schedule.num_stages - 1
+    for rank, ops in enumerate(schedule.actions):
+        first_seen: dict[Action, int] = {}
+        for index, action in enumerate(ops):
+            if not isinstance(action, Action) or action.kind not in COMPUTE + COMMUNICATION:
+                raise ScheduleError(f"rank {rank}, entry {index} of its actions: {action!r} is "
+                                    f"not an Action of kind {', '.join(COMPUTE + COMMUNICATION)}",
+                                    rank, index)
+            where = f"rank {rank}, {position(schedule, rank, index)}"
+            if not 0 <= action.microbatch < schedule.microbatches:
+                raise ScheduleError(
+                    f"{where}: microbatch {action.microbatch} does not exist; microbatches are "
+                    f"0..{schedule.microbatches - 1}", rank, index, action)
+            if not 0 <= action.stage <= last:
+                raise ScheduleError(f"{where}: stage {action.stage} does not exist; stages are "
+                                    f"0..{last}", rank, index, action)
+            if schedule.rank_of(action.stage) != rank:
+                raise ScheduleError(
+                    f"{where}: stage {action.stage} lives on rank "
+                    f"{schedule.rank_of(action.stage)}, not on rank {rank}", rank, index, action)
+            if action.kind == "W" and not schedule.split_backward:
+                raise ScheduleError(f"{where}: a W in a schedule whose backward is not split",
+                                    rank, index, action)
+            if not action.is_compute:
+                to_next = action.kind in ("SEND_F", "RECV_B")
+                neighbour = action.stage + (1 if to_next else -1)
+                if not 0 <= neighbour <= last:
+                    raise ScheduleError(
+                        f"{where}: stage {action.stage} has no "
+                        f"{'next' if to_next else 'previous'} stage to talk to",
+                        rank, index, action)
+                if schedule.rank_of(neighbour) == rank:
+                    raise ScheduleError(
+                        f"{where}: stages {action.stage} and {neighbour} are both on rank "
+                        f"{rank}, so nothing is sent: remove it", rank, index, action)
+            if action in first_seen:
+                raise _fault(schedule, rank, index, "appears twice (first as "
+                             f"{position(schedule, rank, first_seen[action])})")
+            first_seen[action] = index
+
+
+def _needs(schedule: Schedule, action: Action) -> list[Action]:
+    """What must come before `action` on its own rank."""
+    k, j, last = action.stage, action.microbatch, schedule.num_stages - 1
+    local = schedule.rank_of
+    if action.kind == "F":
+        if k == 0:
+            return []
+        return [Action("F", k - 1, j) if local(k - 1) == local(k) else Action("RECV_F", k, j)]
+    if action.kind == "B":
+        needs = [Action("F", k, j)]
+        if k < last:
+            same = local(k + 1) == local(k)
+            needs.append(Action("B", k + 1, j) if same else Action("RECV_B", k, j))
+        return needs
+    if action.kind == "W":
+        return [Action("B", k, j)]
+    if action.kind == "SEND_F":
+        return [Action("F", k, j)]
+    if action.kind == "SEND_B":
+        return [Action("B", k, j)]
+    return []
+
+
+def _check_order(schedule: Schedule) -> None:
+    for rank, ops in enumerate(schedule.actions):
+        done: set[Action] = set()
+        for index, action in enumerate(ops):
+            for needed in _needs(schedule, action):
+                if needed in done:
+                    continue
+                what = needed.label(schedule, schedule.chunks > 1)
+                when = "comes later" if needed in ops else "is missing"
+                if action.kind == "B" and needed.kind == "F":
+                    problem = f"runs before its forward ({what} {when})"
+                elif needed.kind.startswith("RECV"):
+                    problem = (f"runs before its input arrives ({what}: "
+                               f"{needed.describe(schedule)}, {when})")
+                else:
+                    problem = f"needs {what} ({needed.describe(schedule)}) first, which {when}"
+                raise _fault(schedule, rank, index, problem)
+            done.add(action)
+
+
+def _check_complete(schedule: Schedule) -> None:
+    kinds = ("F", "B", "W") if schedule.split_backward else ("F", "B")
+    for stage in range(schedule.num_stages):
+        rank = schedule.rank_of(stage)
+        present = set(schedule.actions[rank])
+        for j in range(schedule.microbatches):
+            for kind in kinds:
+                action = Action(kind, stage, j)
+                if action not in present:
+                    raise ScheduleError(
+                        f"rank {rank} never runs {action.label(schedule, schedule.chunks > 1)} "
+                        f"({action.describe(schedule)}): every stage must run every microbatch",
+                        rank, None, action)
+
+
+def _matching(action: Action) -> Action:
+    """The action on the peer rank that completes a send or receive."""
+    step = 1 if action.kind in ("SEND_F", "RECV_B") else -1
+    flipped = {"SEND_F": "RECV_F", "RECV_F": "SEND_F", "SEND_B": "RECV_B", "RECV_B": "SEND_B"}
+    return Action(flipped[action.kind], action.stage + step, action.microbatch)
+
+
+def _check_matching(schedule: Schedule) -> None:
+    held = [set(ops) for ops in schedule.actions]
+    for rank, ops in enumerate(schedule.actions):
+        for index, action in enumerate(ops):
+            if action.is_compute:
+                continue
+            other = peer(schedule, action)
+            if _matching(action) not in held[other]:
+                wanted = _matching(action).label(schedule, schedule.chunks > 1)
+                if action.kind.startswith("SEND"):
+                    problem = f"rank {other} never receives it (no {wanted} on rank {other})"
+                else:
+                    problem = f"rank {other} never sends it (no {wanted} on rank {other})"
+                raise _fault(schedule, rank, index, problem)
+
+
+# --- Simulation ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Time of each compute action, in any unit: F forward, B input gradient, W weight
+    gradient, for one microbatch through one stage. A schedule that does not split the
+    backward runs B and W as one action costing B + W, so the default Costs() is the usual
+    assumption backward = 2 x forward. Each may be one number or a list with one entry per
+    stage. `latency` is the time from a send until its receive can complete."""
+
+    F: float | Sequence[float] = 1.0
+    B: float | Sequence[float] = 1.0
+    W: float | Sequence[float] = 1.0
+    latency: float = 0.0
+
+    def of(self, action: Action, split_backward: bool) -> float:
+        """Duration of a compute action."""
+        def at(value: float | Sequence[float]) -> float:
+            return value[action.stage] if isinstance(value, Sequence) else value
+
+        if action.kind == "F":
+            return at(self.F)
+        if action.kind == "B":
+            return at(self.B) if split_backward else at(self.B) + at(self.W)
+        return at(self.W)
+
+    def check(self, num_stages: int) -> None:
+        for name in ("F", "B", "W"):
+            value = getattr(self, name)
+            values = list(value) if isinstance(value, Sequence) else [value]
+            if isinstance(value, Sequence) and len(values) != num_stages:
+                raise ValueError(f"Costs.{name} has {len(values)} entries for {num_stages} "
+                                 "stages: give one per stage, or a single number")
+            if any(not isinstance(x, (int, float)) or x < 0 for x in values):
+                raise ValueError(f"Costs.{name}={value!r}: costs must be numbers >= 0")
+        if self.latency < 0:
+            raise ValueError(f"Costs.latency={self.latency!r}: must be >= 0")
+
+
+def action_event(rank: int, action: Action, start: float, end: float) -> Event:
+    """The `timeline.Event` of a compute action that ran on `rank` from `start` to `end`:
+    kind F, B or W, named by its label ("F3@1"), the action itself as `detail`."""
+    return Event(rank, action.kind, action.label(), start, end, action)
+
+
+@dataclass
+class Timeline:
+    """What each rank computed and when: simulated by `simulate`, or measured by
+    `minidist.parallel.pipeline_exec`. `events[rank]` lists the rank's compute actions in order, as
+    `timeline.Event`s whose `detail` is the `Action`."""
+
+    schedule: Schedule
+    events: list[list[Event]]
+    measured: bool = False
+
+    @property
+    def start(self) -> float:
+        return min((e.start for events in self.events for e in events), default=0.0)
+
+    @property
+    def makespan(self) -> float:
+        """Time from the first action's start to the last action's end, over all ranks."""
+        return max((e.end for events in self.events for e in events), default=0.0) - self.start
+
+    @property
+    def busy(self) -> list[float]:
+        """Per rank, the time spent computing."""
+        return [sum(e.duration for e in events) for events in self.events]
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle share of total rank-time: 1 - (total busy time) / (ranks x makespan)."""
+        total = self.schedule.ranks * self.makespan
+        return 1 - sum(self.busy) / total if total else 0.0
+
+    @property
+    def peak_inflight(self) -> list[int]:
+        """Per rank (pipeline stage), the most microbatches whose activations it holds at
+        once: counted from a forward until the backward that frees them (W when split).
+        With several chunks per rank it counts chunk-microbatches."""
+        frees = "W" if self.schedule.split_backward else "B"
+        peaks = []
+        for events in self.events:
+            held = peak = 0
+            for event in events:
+                held += (event.kind == "F") - (event.kind == frees)
+                peak = max(peak, held)
+            peaks.append(peak)
+        return peaks
+
+    def table(self, unit: float | None = None) -> str:
+        """One row per rank, one column per `unit` of time (default: the shortest action);
+        an action fills the columns it covers, "." marks idle time."""
+        durations = [e.duration for events in self.events for e in events if e.duration > 0]
+        unit = unit or min(durations, default=1.0)
+        columns = max(1, round(self.makespan / unit))
+        show_stage = self.schedule.chunks > 1
+        grid = [["."] * columns for _ in self.events]
+        for rank, events in enumerate(self.events):
+            for event in events:
+                first = round((event.start - self.start) / unit)
+                last = max(first + 1, round((event.end - self.start) / unit))
+                for column in range(first, min(last, columns)):
+                    grid[rank][column] = event.detail.label(show_stage=show_stage)
+        width = max(len(cell) for row in grid for cell in row)
+        header = "time  " + " ".join(str(c % 10).rjust(width) for c in range(columns))
+        rows = [f"rank {r} " + " ".join(cell.rjust(width) for cell in row)
+                for r, row in enumerate(grid)]
+        summary = (f"makespan {self.makespan:.4g}, bubble {self.bubble_fraction:.1%}, "
+                   f"peak in flight {self.peak_inflight}")
+        return "\n".join([header, *rows, summary])
+
+    def __repr__(self) -> str:
+        kind = "measured" if self.measured else "simulated"
+        return (f"Timeline({kind} {self.schedule.name}, p={self.schedule.ranks}, "
+                f"m={self.schedule.microbatches}: makespan={self.makespan:.4g}, "
+                f"bubble_fraction={self.bubble_fraction:.4f}, "
+                f"peak_inflight={self.peak_inflight})")
+
+
+def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
+    """Run `schedule` on paper: every action starts as soon as its rank is free and, for an
+    action after a receive, its message has arrived (send time + `costs.latency`).
+    `costs=None` means Costs(): F = B = W = 1, so a full backward costs 2 forwards, and no
+    latency. Raises ScheduleError if the schedule deadlocks (call `validate` first for the
+    other checks)."""
+    costs = costs or Costs()
+    costs.check(schedule.num_stages)
+    events = _run(schedule, lambda rank, action: costs.of(action, schedule.split_backward),
+                  costs.latency)
+    return Timeline(schedule, events)
+
+
+def _run(schedule: Schedule, duration: Callable[[int, Action], float],
+         latency: float) -> list[list[Event]]:
+    """Each rank executes its actions in order; a receive waits for its send. Returns the
+    compute events, or raises ScheduleError naming every rank that can no longer move."""
+    clock = [0.0] * schedule.ranks
+    position = [0] * schedule.ranks
+    arrival: dict[Action, float] = {}  # receive action -> when its message is available
+    events: list[list[Event]] = [[] for _ in range(schedule.ranks)]
+    moved = True
+    while moved:
+        moved = False
+        for rank, ops in enumerate(schedule.actions):
+            while position[rank] < len(ops):
+                action = ops[position[rank]]
+                if action.kind.startswith("RECV"):
+                    if action not in arrival:
+                        break  # blocked until the sender gets there
+                    clock[rank] = max(clock[rank], arrival.pop(action))
+                elif action.kind.startswith("SEND"):
+                    arrival[_matching(action)] = clock[rank] + latency
+                else:
+                    end = clock[rank] + duration(rank, action)
+                    events[rank].append(action_event(rank, action, clock[rank], end))
+                    clock[rank] = end
+                position[rank] += 1
+                moved = True
+    stuck = {rank: position[rank] for rank, ops in enumerate(schedule.actions)
+             if position[rank] < len(ops)}
+    if stuck:
+        raise _deadlock(schedule, stuck)
+    return events
+
+
+def _deadlock(schedule: Schedule, stuck: dict[int, int]) -> ScheduleError:
+    lines, waits_for = [], {}
+    for rank, index in stuck.items():
+        action = schedule.actions[rank][index]
+        sender = peer(schedule, action)
+        waits_for[rank] = sender
+        send = _matching(action)
+        at = schedule.actions[sender].index(send) if send in schedule.actions[sender] else None
+        later = (f"rank {sender} sends it only at {position(schedule, sender, at)}"
+                 if at is not None else f"rank {sender} never sends it")
+        lines.append(f"rank {rank} is stuck at {position(schedule, rank, index)}: waiting to "
+                     f"{action.describe(schedule)}; {later}")
+    cycle = _cycle(waits_for)
+    summary = "deadlock: no rank can move"
+    if cycle:
+        summary += ": " + " -> ".join(f"rank {r}" for r in cycle) + " wait for each other"
+    first = next(iter(stuck))
+    blocked = {rank: (index, schedule.actions[rank][index]) for rank, index in stuck.items()}
+    return ScheduleError("\n".join([summary, *lines]), first, stuck[first],
+                         schedule.actions[first][stuck[first]], blocked)
+
+
+def _cycle(waits_for: dict[int, int]) -> list[int]:
+    """A cycle in the waits-for graph, as [a, b, ..., a], or [] if there is none."""
+    for start in waits_for:
+        path, rank = [], start
+        while rank in waits_for and rank not in path:
+            path.append(rank)
+            rank = waits_for[rank]
+        if rank in path:
+            return path[path.index(rank):] + [rank]
+    return []
