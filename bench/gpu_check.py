@@ -15,10 +15,10 @@ stage, and what offloading the optimizer state to the host frees.
    as the 1/N shard the stage gives a rank, then one AdamW step on the fp32 master shard. One
    GPU holds one rank's share; no collective runs.
 4. Lab 12, ZeRO-Offload on one GPU (a one-rank NCCL group): TinyGPT in bf16 trained one step
-   by `minidist.parallel.zero.ZeroOptimizer(stage=2)` with the optimizer state on the GPU and with
-   `offload="host"`; `torch.cuda.memory_allocated` after the step (gradients freed) drops by
-   the fp32 master weights and AdamW's m and v, 12Ψ bytes (`minidist.costs.tiers`), and the bytes
-   moved per step equal `tiers.offload_transfer_bytes`.
+   by `minidist.parallel.zero_offload.ZeroOffloadOptimizer(stage=2)` with the optimizer state on
+   the GPU (`offload=None`) and with `offload="host"`; `torch.cuda.memory_allocated` after the
+   step (gradients freed) drops by the fp32 master weights and AdamW's m and v, 12Ψ bytes
+   (`minidist.costs.tiers`), and the bytes moved per step equal `tiers.offload_transfer_bytes`.
 5. Lab 12, minidist's `FullyShardedDataParallel(offload="host")` against PyTorch's FSDP2
    `fully_shard(..., offload_policy=CPUOffloadPolicy())` (which needs a GPU): 3 AdamW steps
    from the same weights, the largest parameter difference; and the GPU memory each holds
@@ -41,7 +41,7 @@ from minidist.jobs.profiling import measure_peak_flops
 from minidist.parallel import offload
 from minidist.parallel.fsdp import FullyShardedDataParallel
 from minidist.parallel.models import TinyGPT
-from minidist.parallel.zero import ZeroOptimizer
+from minidist.parallel.zero_offload import ZeroOffloadOptimizer
 
 # Dense bf16 tensor-core peak FLOP/s from NVIDIA's datasheets (the sparsity figures are twice
 # these). Matched against torch.cuda.get_device_name(), most specific first.
@@ -118,8 +118,8 @@ def one_rank_group() -> None:
 
 
 def offloaded_zero_bytes(device: torch.device) -> dict:
-    """GPU bytes held after one ZeroOptimizer(stage=2) step and zero_grad, with the AdamW state
-    on the GPU and on the host; and the bytes the offloaded step moved."""
+    """GPU bytes held after one ZeroOffloadOptimizer(stage=2) step and zero_grad, with the AdamW
+    state on the GPU and on the host; and the bytes the offloaded step moved."""
     found = {}
     for target in (None, "host"):
         torch.cuda.synchronize(device)
@@ -127,8 +127,8 @@ def offloaded_zero_bytes(device: torch.device) -> dict:
         base = torch.cuda.memory_allocated(device)
         torch.manual_seed(0)
         model = TinyGPT(VOCAB, HIDDEN, HEADS, LAYERS, SEQ).to(device, torch.bfloat16)
-        optimizer = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=2,
-                                  offload=target, lr=1e-4)
+        optimizer = ZeroOffloadOptimizer(model.parameters(), torch.optim.AdamW, stage=2,
+                                         offload=target, lr=1e-4)
         ids = torch.randint(0, VOCAB, (2, SEQ), device=device)
         with offload.transfers() as moved:
             model.loss(ids, ids).backward()

@@ -23,7 +23,8 @@ from minidist.core import launch
 from minidist.jobs import profiling
 from minidist.parallel import pipeline_exec
 from minidist.parallel import tensor_parallel as tp
-from minidist.parallel.pipeline import Timeline, schedule, simulate
+from minidist.parallel.pipeline import schedule
+from minidist.parallel.pipeline_simulator import Timeline, simulate
 
 PIPELINE_TIME_UNIT_S = 0.05
 

@@ -22,7 +22,7 @@ from matplotlib.axes import Axes  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.patches import FancyArrowPatch, Rectangle  # noqa: E402
 
-from minidist.parallel import fsdp1, moe, pipeline
+from minidist.parallel import fsdp1, moe, pipeline, pipeline_simulator
 from minidist.pictures import gantt
 from minidist.costs import memory, tiers, traffic
 from minidist.communication.comm import chunk_bounds  # noqa: E402
@@ -43,7 +43,7 @@ from minidist.pictures.diagrams import (
     draw_tensor_parallel_mlp,
     draw_two_tiers,
 )
-from minidist.parallel.fsdp import modelled_step  # noqa: E402
+from minidist.costs.overlap import modelled_step  # noqa: E402
 from minidist.communication.mesh import group_ranks  # noqa: E402
 from minidist.communication.network import ALGORITHMS as TWO_TIER_ALGORITHMS  # noqa: E402
 from minidist.communication.network import TwoTier, hierarchical_bytes  # noqa: E402
@@ -713,7 +713,7 @@ def zero_memory_against_n() -> Figure:
 
 
 def fsdp_unit_timeline() -> Figure:
-    """One FSDP step of 4 equal units on one GPU, prefetch on, as `fsdp.modelled_step` (Lab
+    """One FSDP step of 4 equal units on one GPU, prefetch on, as `overlap.modelled_step` (Lab
     04's model) schedules it: a gather takes 0.8 of a unit's forward, on two lanes, the GPU's
     compute and the link's collectives."""
     events = modelled_step([1.0] * 4, tokens=1.0, world_size=2, flops_per_s=2.0,
@@ -838,7 +838,7 @@ def tensor_parallel_time_in_and_across_nodes() -> Figure:
 
 
 def _gantt(name: str, p: int, m: int, title: str) -> Figure:
-    return gantt.draw(pipeline.simulate(pipeline.schedule(name, p, m)), title)
+    return gantt.draw(pipeline_simulator.simulate(pipeline.schedule(name, p, m)), title)
 
 
 def naive_pipeline() -> Figure:

@@ -10,7 +10,7 @@ from minidist.costs import bubbles, flops, memory, traffic
 from minidist.costs.bubbles import bubble_fraction, bubble_relative_to_ideal, inflight_microbatches
 from minidist.costs.memory import GB, activation_bytes, model_state_bytes
 from minidist.costs.traffic import data_parallel_traffic
-from minidist.parallel import pipeline
+from minidist.parallel import pipeline, pipeline_simulator
 
 PSI, N = 7.5e9, 64  # ZeRO's worked example
 
@@ -163,7 +163,7 @@ def test_simulated_timelines_measure_the_formulas():
     cases += [("zb-h1", p, m, 1) for p in (1, 2, 4) for m in (p, p + 3, 12)]
     cases += [("interleaved", p, m, v) for p in (2, 4) for m in (p, 3 * p) for v in (2, 3)]
     for schedule, p, m, v in cases:
-        timeline = pipeline.simulate(pipeline.schedule(schedule, p, m, v))
+        timeline = pipeline_simulator.simulate(pipeline.schedule(schedule, p, m, v))
         assert timeline.bubble_fraction == pytest.approx(bubble_fraction(schedule, p, m, v)), (
             schedule, p, m, v)
         expected = [inflight_microbatches(schedule, p, m, rank, v) for rank in range(p)]

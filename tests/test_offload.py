@@ -1,7 +1,8 @@
-"""Offload (minidist.parallel.offload, minidist.costs.tiers): ZeRO and FSDP with their optimizer
-state on the host or on NVMe train exactly as on the device, move the bytes the formulas give, and
-the emulated device budget raises CUDA's out-of-memory error where offload would have been
-needed. Mechanisms and bytes only: no timing is asserted."""
+"""Offload (minidist.parallel.offload, nvme, host_optimizer, device_memory, zero_offload;
+minidist.costs.tiers): ZeRO and FSDP with their optimizer state on the host or on NVMe train
+exactly as on the device, move the bytes the formulas give, and the emulated device budget
+raises CUDA's out-of-memory error where offload would have been needed. Mechanisms and bytes
+only: no timing is asserted."""
 
 from __future__ import annotations
 
@@ -15,11 +16,14 @@ import torch.nn.functional as F
 from minidist.core.launch import RankError, RankTimeout, run
 from minidist.costs import planner, tiers
 from minidist.costs.memory import GB
-from minidist.parallel import offload
+from minidist.parallel import host_optimizer, offload
+from minidist.parallel.device_memory import DeviceMemory
 from minidist.parallel.fsdp import FullyShardedDataParallel
 from minidist.parallel.models import MLP, TinyGPT
-from minidist.parallel.offload import DeviceMemory, NvmeStore, Offload
+from minidist.parallel.nvme import NvmeStore
+from minidist.parallel.offload import Offload
 from minidist.parallel.zero import ZeroOptimizer
+from minidist.parallel.zero_offload import ZeroOffloadOptimizer
 
 STEPS = 3
 
@@ -37,11 +41,15 @@ def mlp_batch(rank: int, world_size: int):
 
 
 def train_zero(rank, world_size, stage, target, budget=None):
-    """3 AdamW steps; per step: (bytes moved in backward, in the step), and the NVMe store."""
+    """3 AdamW steps; per step: (bytes moved in backward, in the step), and the NVMe store.
+    Neither offload nor budget: Lab 04's core, ZeroOptimizer, the reference."""
     model = mlp()
     x, y = mlp_batch(rank, world_size)
-    optimizer = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=stage,
-                              offload=target, device_memory=budget, lr=1e-2)
+    if target is None and budget is None:
+        optimizer = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=stage, lr=1e-2)
+    else:
+        optimizer = ZeroOffloadOptimizer(model.parameters(), torch.optim.AdamW, stage=stage,
+                                         offload=target, device_memory=budget, lr=1e-2)
     moved = []
     for _ in range(STEPS):
         optimizer.zero_grad()
@@ -158,8 +166,8 @@ def test_device_budget_overflows_without_offload_and_fits_with_it():
 
 def test_a_budget_below_the_parameters_raises_before_anything_runs():
     def build(rank, world_size):
-        ZeroOptimizer(mlp().parameters(), torch.optim.AdamW, stage=2, offload="host",
-                      device_memory=DeviceMemory(1000))
+        ZeroOffloadOptimizer(mlp().parameters(), torch.optim.AdamW, stage=2, offload="host",
+                             device_memory=DeviceMemory(1000))
 
     with pytest.raises(RankError, match="Tried to allocate 0.01 MiB for parameters") as error:
         run(build, 2, timeout=20)
@@ -169,14 +177,14 @@ def test_a_budget_below_the_parameters_raises_before_anything_runs():
 
 
 @pytest.mark.parametrize("build, message", [
-    (lambda: ZeroOptimizer(mlp().parameters(), torch.optim.AdamW, stage=2,
-                           offload=Offload("host", capacity=1000)),
+    (lambda: ZeroOffloadOptimizer(mlp().parameters(), torch.optim.AdamW, stage=2,
+                                  offload=Offload("host", capacity=1000)),
      r"offload to the host tier: .* needs 0.01 MiB per rank but the tier holds 0.00 MiB "
      r"\(capacity=1000\); use more ranks"),
-    (lambda: ZeroOptimizer(mlp().parameters(), torch.optim.SGD, stage=2,
-                           offload=Offload("nvme", tempfile.mkdtemp()), lr=0.1),
+    (lambda: ZeroOffloadOptimizer(mlp().parameters(), torch.optim.SGD, stage=2,
+                                  offload=Offload("nvme", tempfile.mkdtemp()), lr=0.1),
      "got optimizer_cls=SGD: use torch.optim.AdamW"),
-    (lambda: ZeroOptimizer(mlp().parameters(), torch.optim.AdamW, offload="gpu"),
+    (lambda: ZeroOffloadOptimizer(mlp().parameters(), torch.optim.AdamW, offload="gpu"),
      "offload='gpu': choose None"),
     (lambda: FullyShardedDataParallel(mlp(), offload="nvme"),
      "offloads to the host .* got tier 'nvme'"),
@@ -230,7 +238,8 @@ def test_adamw_step_is_torch_adamw():
         grad = torch.randn(100)
         twin.grad = grad.clone()
         optimizer.step()
-        offload.adamw_step_(param, grad, exp_avg, exp_avg_sq, step, lr=1e-2, weight_decay=0.1)
+        host_optimizer.adamw_step_(param, grad, exp_avg, exp_avg_sq, step, lr=1e-2,
+                                   weight_decay=0.1)
         assert torch.equal(param, twin.detach())
 
 

@@ -18,12 +18,15 @@ PACKAGE = REPO / "lib" / "minidist"
 FOLDERS = {
     "core": ["_checks", "_groups", "_fork_server_exit", "interposer", "_calls", "_diagnose",
              "_supervisor", "launch", "flat", "timeline", "checking", "predictions"],
-    "costs": ["cost", "memory", "footprint", "flops", "tiers", "bubbles", "traffic", "planner"],
+    "costs": ["cost", "memory", "footprint", "flops", "overlap", "tiers", "bubbles", "traffic",
+              "planner"],
     "communication": ["comm", "counting", "timing", "streaming", "network", "collectives", "mesh",
                       "bandwidth"],
-    "parallel": ["models", "compression", "ddp", "offload", "zero", "fsdp", "fsdp1",
-                 "tensor_parallel", "clipping", "pipeline", "pipeline_exec", "pipeline_harness",
-                 "moe", "context_parallel", "param_server", "parallelize"],
+    "parallel": ["models", "compression", "ddp", "offload", "device_memory", "nvme",
+                 "host_optimizer", "zero", "zero_offload", "fsdp", "fsdp1", "tensor_parallel",
+                 "clipping", "pipeline", "pipeline_simulator", "pipeline_validator",
+                 "pipeline_exec", "pipeline_harness", "moe", "context_parallel", "param_server",
+                 "parallelize"],
     "jobs": ["checkpoint", "train", "profiling"],
     "pictures": ["gantt", "diagrams", "widgets"],
 }
@@ -95,7 +98,7 @@ def test_one_schedule_generator_one_simulator_one_traffic_counter():
             if isinstance(node, ast.FunctionDef):
                 defined.setdefault(node.name, []).append(name)
     assert defined["schedule"] == ["parallel.pipeline"]
-    assert defined["simulate"] == ["parallel.pipeline"]
+    assert defined["simulate"] == ["parallel.pipeline_simulator"]
     counters = {f"{module}.{function}" for function, where in defined.items()
                 if function.startswith("count") for module in where}
     assert counters == {"communication.counting.count_traffic"}

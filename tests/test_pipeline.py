@@ -1,5 +1,5 @@
-"""minidist.parallel.pipeline (schedules, validator, simulator), pipeline_exec (real ranks),
-pipeline_harness (from a notebook, against PyTorch) and gantt.
+"""minidist.parallel.pipeline (schedules), pipeline_validator, pipeline_simulator, pipeline_exec
+(real ranks), pipeline_harness (from a notebook, against PyTorch) and gantt.
 
 The simulator is checked against the formulas of REFERENCES.md#pipelines, written out here
 (not imported from the library), on every p <= 8, m <= 32.
@@ -15,17 +15,9 @@ from torch import nn
 from minidist.core import launch
 from minidist.parallel import pipeline_exec, pipeline_harness
 from minidist.parallel.models import TinyGPT, lm_loss
-from minidist.parallel.pipeline import (
-    Action,
-    Costs,
-    Schedule,
-    ScheduleError,
-    Timeline,
-    action_event,
-    schedule,
-    simulate,
-    validate,
-)
+from minidist.parallel.pipeline import Action, Schedule, ScheduleError, schedule
+from minidist.parallel.pipeline_simulator import Costs, Timeline, action_event, simulate
+from minidist.parallel.pipeline_validator import validate
 from minidist.pictures import gantt
 
 matplotlib.use("Agg")
@@ -109,7 +101,7 @@ def test_text_table_and_round_trip() -> None:
         "rank 2: F0 B0 F1 B1 F2 B2 F3 B3",
     ]
     assert s.text(comm=True).splitlines()[3].startswith("rank 2: F0<1 F0 B0 B0>1 F1<1")
-    table = s.table().splitlines()
+    table = simulate(s).table().splitlines()
     assert table[1].split()[2:7] == ["F0", "F1", "F2", ".", "."]
     assert "bubble 33.3%" in table[-1]
     for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)):

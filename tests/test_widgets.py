@@ -7,7 +7,7 @@ import pytest
 
 from minidist.costs import bubbles, memory
 from minidist.costs.planner import MODELS
-from minidist.parallel import pipeline
+from minidist.parallel import pipeline, pipeline_simulator
 from minidist.pictures import widgets
 from minidist.pictures.widgets import (
     BubbleExplorer,
@@ -124,8 +124,8 @@ def test_bubble_explorer_measures_and_prints_the_bubble():
 
 
 def test_bubble_explorer_and_lab_06_simulator_agree(monkeypatch):
-    """Lab 02's explorer and Lab 06 (pipeline.simulate on pipeline.schedule) give the same
-    timeline and bubble for every schedule the explorer offers, across its p, m and v."""
+    """Lab 02's explorer and Lab 06 (pipeline_simulator.simulate on pipeline.schedule) give the
+    same timeline and bubble for every schedule the explorer offers, across its p, m and v."""
     monkeypatch.setattr(widgets.gantt, "draw", lambda timeline: None)  # bubbles, not pictures
     explorer = BubbleExplorer()
     assert list(explorer.controls["schedule"].options) == ["gpipe", "1f1b", "interleaved", "zb-h1"]
@@ -136,7 +136,7 @@ def test_bubble_explorer_and_lab_06_simulator_agree(monkeypatch):
                     if (name == "interleaved" and m % p) or (name == "zb-h1" and m < p):
                         continue  # the explorer says why these are not possible
                     explorer = BubbleExplorer(name, p, m, v)
-                    lab_06 = pipeline.simulate(pipeline.schedule(name, p, m, v))
+                    lab_06 = pipeline_simulator.simulate(pipeline.schedule(name, p, m, v))
                     assert explorer.data.events == lab_06.events, (name, p, m, v)
                     assert explorer.data.bubble_fraction == lab_06.bubble_fraction
                     assert explorer.data.bubble_fraction == pytest.approx(

@@ -422,7 +422,7 @@ def test_modelled_step_hides_the_collectives_from_the_ddp_threshold_with_prefetc
     unit's forward outlasts its gather (but the first gather, the last unit's gather for
     backward and the last reduce-scatter): from (N-1)/N · FLOP/s ÷ link bytes/s tokens (bf16),
     the threshold of DDP's all-reduce under backward."""
-    from minidist.parallel.fsdp import modelled_step
+    from minidist.costs.overlap import modelled_step
 
     flops, link, n, units = 1e15, 1e11, 8, [1e9] * 4
     threshold = (n - 1) / n * flops / link

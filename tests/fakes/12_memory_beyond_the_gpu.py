@@ -114,7 +114,7 @@ FAKES = {
                    else [store.read(f"{i}.exp_avg"), store.read(f"{i}.exp_avg_sq")])
         state.append((master, *moments))
     for i, ((master, exp_avg, exp_avg_sq), grad) in enumerate(zip(state, grads)):
-        offload.adamw_step_(master, grad, exp_avg, exp_avg_sq, step, lr=lr)
+        adamw_step_(master, grad, exp_avg, exp_avg_sq, step, lr=lr)
         store.write(f"{i}.master", master)
         store.write(f"{i}.exp_avg", exp_avg)
         store.write(f"{i}.exp_avg_sq", exp_avg_sq)"""),
@@ -128,7 +128,7 @@ FAKES = {
         master = store.read(f"{i}.master")
         if step == 1:
             moments[(id(store), i)] = (torch.zeros_like(master), torch.zeros_like(master))
-        offload.adamw_step_(master, grad, *moments[(id(store), i)], step, lr=lr)
+        adamw_step_(master, grad, *moments[(id(store), i)], step, lr=lr)
         store.write(f"{i}.master", master)"""),
         Fake("forgets the moments",
              "reads and writes everything, but restarts Adam's moments from zero every step",
@@ -138,7 +138,7 @@ FAKES = {
         if step > 1:
             store.read(f"{i}.exp_avg"), store.read(f"{i}.exp_avg_sq")
         exp_avg, exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
-        offload.adamw_step_(master, grad, exp_avg, exp_avg_sq, step, lr=lr)
+        adamw_step_(master, grad, exp_avg, exp_avg_sq, step, lr=lr)
         store.write(f"{i}.master", master)
         store.write(f"{i}.exp_avg", exp_avg)
         store.write(f"{i}.exp_avg_sq", exp_avg_sq)"""),

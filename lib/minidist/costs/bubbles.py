@@ -1,6 +1,6 @@
 """The pipeline bubble and the microbatches in flight, as formulas of the schedule's name, the
 pipeline ranks p, the microbatches m and the model chunks per rank v: what the planner prices
-and what `minidist.parallel.pipeline.simulate` reproduces on generated schedules
+and what `minidist.parallel.pipeline_simulator.simulate` reproduces on generated schedules
 (tests/test_pipeline.py checks them against each other for every p <= 8, m <= 32).
 
 Sources: GPipe (Huang et al. 2019); Narayanan et al. 2021 §2.2 (1F1B, interleaved); Qi et al.

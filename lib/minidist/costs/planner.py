@@ -111,8 +111,9 @@ class Cluster:
     inter_node_latency: float = 1e-5
     # Offload (minidist.costs.tiers): each GPU's PCIe link to the host (bytes/s per direction), and
     # what only a measurement gives: the host's optimizer rate (parameters/s per GPU,
-    # minidist.parallel.offload.measure_optimizer_throughput), disk bandwidths (measure_disk) and
-    # the host memory per GPU. None: unknown, so layouts that offload there are rejected.
+    # minidist.parallel.host_optimizer.measure_optimizer_throughput), disk bandwidths
+    # (minidist.parallel.nvme.measure_disk) and the host memory per GPU. None: unknown, so
+    # layouts that offload there are rejected.
     pcie_bandwidth: float = PCIE_BANDWIDTH["gen4"]
     host_optimizer_throughput: float | None = None
     nvme_read_bandwidth: float | None = None
@@ -420,13 +421,13 @@ def check_rules(layout: Layout, model: Model, cluster: Cluster,
         reasons.append(Reason(
             "offload-unmeasured", f"offload={lay.offload} needs the host's optimizer rate: set "
                                   "Cluster(host_optimizer_throughput=...), measured by "
-                                  "minidist.parallel.offload.measure_optimizer_throughput"))
+                                  "minidist.parallel.host_optimizer.measure_optimizer_throughput"))
     if lay.offload == "nvme" and None in (cluster.nvme_read_bandwidth,
                                           cluster.nvme_write_bandwidth):
         reasons.append(Reason(
             "offload-unmeasured", "offload=nvme needs Cluster(nvme_read_bandwidth=..., "
                                   "nvme_write_bandwidth=...), measured by "
-                                  "minidist.parallel.offload.measure_disk"))
+                                  "minidist.parallel.nvme.measure_disk"))
     return reasons
 
 

@@ -185,7 +185,7 @@ def offload_step_time(num_params: float, dp: int, compute: float, offload: str |
         if disk_read_bandwidth is None or disk_write_bandwidth is None:
             raise ValueError("offload='nvme' needs disk_read_bandwidth and "
                              "disk_write_bandwidth (bytes/s): measure them with "
-                             "minidist.parallel.offload.measure_disk(folder)")
+                             "minidist.parallel.nvme.measure_disk(folder)")
         positive(disk_read_bandwidth=disk_read_bandwidth,
                  disk_write_bandwidth=disk_write_bandwidth)
         disk = moved.disk_read / disk_read_bandwidth + moved.disk_written / disk_write_bandwidth

@@ -48,7 +48,7 @@ autograd keeps those views for backward; we release the buffer's storage after f
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -59,11 +59,10 @@ from torch.utils._pytree import tree_leaves
 from minidist.communication import collectives
 from minidist.core._checks import require_process_group
 from minidist.core.flat import flatten, views
-from minidist.core.timeline import Event
 from minidist.parallel.ddp import broadcast_parameters, check_same_model
 from minidist.parallel.offload import Offload, to_device, to_host
 
-__all__ = ["default_units", "FullyShardedDataParallel", "modelled_step"]
+__all__ = ["default_units", "FullyShardedDataParallel"]
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
@@ -450,56 +449,9 @@ def _check_offload(target: Offload | None, module: nn.Module, world_size: int) -
     if target.tier != "host":
         raise ValueError(f"FullyShardedDataParallel offloads to the host (offload='host', as "
                          f"FSDP2's CPUOffloadPolicy), got tier {target.tier!r}; the NVMe tier "
-                         f"is ZeroOptimizer's: ZeroOptimizer(..., offload=Offload('nvme', ...))")
+                         f"is ZeroOffloadOptimizer's: minidist.parallel.zero_offload."
+                         f"ZeroOffloadOptimizer(..., offload=Offload('nvme', ...))")
     numel = sum(p.numel() for p in dict.fromkeys(module.parameters()))
     target.check_room(16 * -(-numel // world_size),
                       "the fp32 shards, their gradients and Adam's m and v")
     return target
-
-
-def modelled_step(unit_params: Sequence[float], tokens: float, world_size: int,
-                  flops_per_s: float, link_bytes_per_s: float, bytes_per_element: int = 2,
-                  prefetch: bool = True) -> list[Event]:
-    """One FSDP step on one GPU, modelled: the Events (kind "forward", "backward",
-    "all_gather" or "reduce_scatter", name the unit's index) of units of `unit_params`
-    parameters, in forward order, processing `tokens` tokens.
-
-    Two lanes each run one thing at a time, in the order it is issued: the GPU computes a
-    unit's forward in 2Ψ_u·tokens FLOPs and its backward in twice that, at `flops_per_s`; the
-    link moves each all-gather and reduce-scatter, (N-1)/N of the unit's `bytes_per_element`
-    bytes, at `link_bytes_per_s`. As this module (and Lab 04's FSDP) issues them: a unit's
-    parameters are all-gathered before its forward and, freed after it, again before its
-    backward; its gradient is reduce-scattered when its backward ends (asynchronously, as on
-    a GPU's own stream). With `prefetch`, the next unit's all-gather (forward order, then
-    backward order) is issued when a unit starts computing; without, when it is needed."""
-    events: list[Event] = []
-    free = {"compute": 0.0, "link": 0.0}
-
-    def run_on(lane: str, kind: str, unit: int, ready: float, seconds: float) -> float:
-        start = max(ready, free[lane])
-        free[lane] = start + seconds
-        events.append(Event(0, kind, str(unit), start, free[lane]))
-        return free[lane]
-
-    n, last = world_size, len(unit_params) - 1
-    moved = [(n - 1) / n * bytes_per_element * p / link_bytes_per_s for p in unit_params]
-    forward = [2 * p * tokens / flops_per_s for p in unit_params]
-    ready = run_on("link", "all_gather", 0, 0.0, moved[0])
-    for unit in range(last + 1):
-        start = max(free["compute"], ready)
-        end = run_on("compute", "forward", unit, ready, forward[unit])
-        if unit < last:
-            ready = run_on("link", "all_gather", unit + 1, start if prefetch else end,
-                           moved[unit + 1])
-    ready = run_on("link", "all_gather", last, free["compute"], moved[last])
-    for unit in reversed(range(last + 1)):
-        start = max(free["compute"], ready)
-        if prefetch and unit > 0:
-            upcoming = run_on("link", "all_gather", unit - 1, start, moved[unit - 1])
-        end = run_on("compute", "backward", unit, ready, 2 * forward[unit])
-        run_on("link", "reduce_scatter", unit, end, moved[unit])
-        if not prefetch and unit > 0:
-            upcoming = run_on("link", "all_gather", unit - 1, end, moved[unit - 1])
-        if unit > 0:
-            ready = upcoming
-    return events

@@ -1,13 +1,14 @@
-"""Pipeline-parallel schedules as plain data, a validator that explains what is wrong, and a
-simulator that turns a schedule into a timeline with its bubble and memory.
+"""Pipeline-parallel schedules as plain data, and the generators of the named ones. Beside this
+module: a validator that explains what is wrong (`pipeline_validator`), and a
+simulator that turns a schedule into a timeline with its bubble and memory (`pipeline_simulator`).
 
-    from minidist.parallel import pipeline
+    from minidist.parallel import pipeline, pipeline_simulator, pipeline_validator
 
     s = pipeline.schedule("1f1b", ranks=4, microbatches=8)
     print(s)                            # each rank's actions, in order
-    print(s.table())                    # the same, placed in time (one column per time unit)
-    pipeline.validate(s)                # raises ScheduleError naming the rank and action at fault
-    t = pipeline.simulate(s)            # uniform costs: F = 1, B = 1, W = 1 (backward = 2F)
+    pipeline_validator.validate(s)      # raises ScheduleError naming the rank and action at fault
+    t = pipeline_simulator.simulate(s)  # uniform costs: F = 1, B = 1, W = 1 (backward = 2F)
+    print(t.table())                    # the same, placed in time (one column per time unit)
     t.makespan, t.bubble_fraction, t.peak_inflight   # 33.0, 0.2727..., [4, 3, 2, 1]
 
 A stage is always a piece of the model: it is cut into `num_stages` = p·v consecutive stages
@@ -48,18 +49,16 @@ a formula there but no generator here.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from minidist.core._checks import one_of, positive_int
-from minidist.core.timeline import Event
 from minidist.costs.bubbles import SCHEDULES
 
 __all__ = [
-    "SCHEDULES", "COMPUTE", "COMMUNICATION", "ScheduleError", "Action", "peer", "position",
-    "Schedule",
-    "schedule", "validate", "Costs", "action_event", "Timeline", "simulate",
+    "SCHEDULES", "COMPUTE", "COMMUNICATION", "ScheduleError", "Action", "peer", "matching",
+    "position", "Schedule", "schedule",
 ]
 
 COMPUTE = ("F", "B", "W")
@@ -133,6 +132,13 @@ def peer(schedule: Schedule, action: Action) -> int:
     gradients to the previous stage's."""
     step = 1 if action.kind in ("SEND_F", "RECV_B") else -1
     return schedule.rank_of(action.stage + step)
+
+
+def matching(action: Action) -> Action:
+    """The action on the peer rank that completes a send or receive."""
+    step = 1 if action.kind in ("SEND_F", "RECV_B") else -1
+    flipped = {"SEND_F": "RECV_F", "RECV_F": "SEND_F", "SEND_B": "RECV_B", "RECV_B": "SEND_B"}
+    return Action(flipped[action.kind], action.stage + step, action.microbatch)
 
 
 def position(schedule: Schedule, rank: int, index: int) -> str:
@@ -270,10 +276,6 @@ class Schedule:
             lines.append(f"rank {rank}: " + " ".join(shown))
         return "\n".join(lines)
 
-    def table(self, costs: Costs | None = None) -> str:
-        """The schedule placed in time by `simulate(self, costs)`: one column per time unit."""
-        return simulate(self, costs).table()
-
     def __str__(self) -> str:
         return self.text()
 
@@ -359,353 +361,3 @@ def _interleaved(rank: int, p: int, m: int, v: int) -> list[Action]:
     for i in range(total - warmup):
         ops += [forward(warmup + i), backward(i)]
     return ops + [backward(i) for i in range(total - warmup, total)]
-
-
-# --- Validation ----------------------------------------------------------------------------------
-
-
-def validate(schedule: Schedule) -> None:
-    """Raise `ScheduleError` unless `schedule` is legal: every action well formed and on the
-    rank that holds its stage, every stage running F and B (and W, when split) of every
-    microbatch exactly once, each after what it needs (its forward, its input or gradient),
-    every send matched by one receive, and no deadlock. The error names the rank and the
-    action at fault (by position in `schedule.actions[rank]`)."""
-    _check_actions(schedule)
-    _check_matching(schedule)
-    _check_order(schedule)
-    _check_complete(schedule)
-    _run(schedule, lambda rank, action: 0.0, 0.0)  # raises on a deadlock
-
-
-def _fault(schedule: Schedule, rank: int, index: int, problem: str, fix: str = "") -> ScheduleError:
-    action = schedule.actions[rank][index]
-    message = (f"rank {rank}, {position(schedule, rank, index)}, "
-               f"{action.describe(schedule)}: {problem}" + (f". {fix}" if fix else ""))
-    return ScheduleError(message, rank, index, action)
-
-
-def _check_actions(schedule: Schedule) -> None:
-    if len(schedule.actions) != schedule.ranks:
-        raise ScheduleError(f"the schedule has {len(schedule.actions)} action lists for "
-                            f"{schedule.ranks} ranks: give one list per rank")
-    last = schedule.num_stages - 1
-    for rank, ops in enumerate(schedule.actions):
-        first_seen: dict[Action, int] = {}
-        for index, action in enumerate(ops):
-            if not isinstance(action, Action) or action.kind not in COMPUTE + COMMUNICATION:
-                raise ScheduleError(f"rank {rank}, entry {index} of its actions: {action!r} is "
-                                    f"not an Action of kind {', '.join(COMPUTE + COMMUNICATION)}",
-                                    rank, index)
-            where = f"rank {rank}, {position(schedule, rank, index)}"
-            if not 0 <= action.microbatch < schedule.microbatches:
-                raise ScheduleError(
-                    f"{where}: microbatch {action.microbatch} does not exist; microbatches are "
-                    f"0..{schedule.microbatches - 1}", rank, index, action)
-            if not 0 <= action.stage <= last:
-                raise ScheduleError(f"{where}: stage {action.stage} does not exist; stages are "
-                                    f"0..{last}", rank, index, action)
-            if schedule.rank_of(action.stage) != rank:
-                raise ScheduleError(
-                    f"{where}: stage {action.stage} lives on rank "
-                    f"{schedule.rank_of(action.stage)}, not on rank {rank}", rank, index, action)
-            if action.kind == "W" and not schedule.split_backward:
-                raise ScheduleError(f"{where}: a W in a schedule whose backward is not split",
-                                    rank, index, action)
-            if not action.is_compute:
-                to_next = action.kind in ("SEND_F", "RECV_B")
-                neighbour = action.stage + (1 if to_next else -1)
-                if not 0 <= neighbour <= last:
-                    raise ScheduleError(
-                        f"{where}: stage {action.stage} has no "
-                        f"{'next' if to_next else 'previous'} stage to talk to",
-                        rank, index, action)
-                if schedule.rank_of(neighbour) == rank:
-                    raise ScheduleError(
-                        f"{where}: stages {action.stage} and {neighbour} are both on rank "
-                        f"{rank}, so nothing is sent: remove it", rank, index, action)
-            if action in first_seen:
-                raise _fault(schedule, rank, index, "appears twice (first as "
-                             f"{position(schedule, rank, first_seen[action])})")
-            first_seen[action] = index
-
-
-def _needs(schedule: Schedule, action: Action) -> list[Action]:
-    """What must come before `action` on its own rank."""
-    k, j, last = action.stage, action.microbatch, schedule.num_stages - 1
-    local = schedule.rank_of
-    if action.kind == "F":
-        if k == 0:
-            return []
-        return [Action("F", k - 1, j) if local(k - 1) == local(k) else Action("RECV_F", k, j)]
-    if action.kind == "B":
-        needs = [Action("F", k, j)]
-        if k < last:
-            same = local(k + 1) == local(k)
-            needs.append(Action("B", k + 1, j) if same else Action("RECV_B", k, j))
-        return needs
-    if action.kind == "W":
-        return [Action("B", k, j)]
-    if action.kind == "SEND_F":
-        return [Action("F", k, j)]
-    if action.kind == "SEND_B":
-        return [Action("B", k, j)]
-    return []
-
-
-def _check_order(schedule: Schedule) -> None:
-    for rank, ops in enumerate(schedule.actions):
-        done: set[Action] = set()
-        for index, action in enumerate(ops):
-            for needed in _needs(schedule, action):
-                if needed in done:
-                    continue
-                what = needed.label(schedule, schedule.chunks > 1)
-                when = "comes later" if needed in ops else "is missing"
-                if action.kind == "B" and needed.kind == "F":
-                    problem = f"runs before its forward ({what} {when})"
-                elif needed.kind.startswith("RECV"):
-                    problem = (f"runs before its input arrives ({what}: "
-                               f"{needed.describe(schedule)}, {when})")
-                else:
-                    problem = f"needs {what} ({needed.describe(schedule)}) first, which {when}"
-                raise _fault(schedule, rank, index, problem)
-            done.add(action)
-
-
-def _check_complete(schedule: Schedule) -> None:
-    kinds = ("F", "B", "W") if schedule.split_backward else ("F", "B")
-    for stage in range(schedule.num_stages):
-        rank = schedule.rank_of(stage)
-        present = set(schedule.actions[rank])
-        for j in range(schedule.microbatches):
-            for kind in kinds:
-                action = Action(kind, stage, j)
-                if action not in present:
-                    raise ScheduleError(
-                        f"rank {rank} never runs {action.label(schedule, schedule.chunks > 1)} "
-                        f"({action.describe(schedule)}): every stage must run every microbatch",
-                        rank, None, action)
-
-
-def _matching(action: Action) -> Action:
-    """The action on the peer rank that completes a send or receive."""
-    step = 1 if action.kind in ("SEND_F", "RECV_B") else -1
-    flipped = {"SEND_F": "RECV_F", "RECV_F": "SEND_F", "SEND_B": "RECV_B", "RECV_B": "SEND_B"}
-    return Action(flipped[action.kind], action.stage + step, action.microbatch)
-
-
-def _check_matching(schedule: Schedule) -> None:
-    held = [set(ops) for ops in schedule.actions]
-    for rank, ops in enumerate(schedule.actions):
-        for index, action in enumerate(ops):
-            if action.is_compute:
-                continue
-            other = peer(schedule, action)
-            if _matching(action) not in held[other]:
-                wanted = _matching(action).label(schedule, schedule.chunks > 1)
-                if action.kind.startswith("SEND"):
-                    problem = f"rank {other} never receives it (no {wanted} on rank {other})"
-                else:
-                    problem = f"rank {other} never sends it (no {wanted} on rank {other})"
-                raise _fault(schedule, rank, index, problem)
-
-
-# --- Simulation ----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Costs:
-    """Time of each compute action, in any unit: F forward, B input gradient, W weight
-    gradient, for one microbatch through one stage. A schedule that does not split the
-    backward runs B and W as one action costing B + W, so the default Costs() is the usual
-    assumption backward = 2 x forward. Each may be one number or a list with one entry per
-    stage. `latency` is the time from a send until its receive can complete."""
-
-    F: float | Sequence[float] = 1.0
-    B: float | Sequence[float] = 1.0
-    W: float | Sequence[float] = 1.0
-    latency: float = 0.0
-
-    def of(self, action: Action, split_backward: bool) -> float:
-        """Duration of a compute action."""
-        def at(value: float | Sequence[float]) -> float:
-            return value[action.stage] if isinstance(value, Sequence) else value
-
-        if action.kind == "F":
-            return at(self.F)
-        if action.kind == "B":
-            return at(self.B) if split_backward else at(self.B) + at(self.W)
-        return at(self.W)
-
-    def check(self, num_stages: int) -> None:
-        for name in ("F", "B", "W"):
-            value = getattr(self, name)
-            values = list(value) if isinstance(value, Sequence) else [value]
-            if isinstance(value, Sequence) and len(values) != num_stages:
-                raise ValueError(f"Costs.{name} has {len(values)} entries for {num_stages} "
-                                 "stages: give one per stage, or a single number")
-            if any(not isinstance(x, (int, float)) or x < 0 for x in values):
-                raise ValueError(f"Costs.{name}={value!r}: costs must be numbers >= 0")
-        if self.latency < 0:
-            raise ValueError(f"Costs.latency={self.latency!r}: must be >= 0")
-
-
-def action_event(rank: int, action: Action, start: float, end: float) -> Event:
-    """The `timeline.Event` of a compute action that ran on `rank` from `start` to `end`:
-    kind F, B or W, named by its label ("F3@1"), the action itself as `detail`."""
-    return Event(rank, action.kind, action.label(), start, end, action)
-
-
-@dataclass
-class Timeline:
-    """What each rank computed and when: simulated by `simulate`, or measured by
-    `minidist.parallel.pipeline_exec`. `events[rank]` lists the rank's compute actions in order, as
-    `timeline.Event`s whose `detail` is the `Action`."""
-
-    schedule: Schedule
-    events: list[list[Event]]
-    measured: bool = False
-
-    @property
-    def start(self) -> float:
-        return min((e.start for events in self.events for e in events), default=0.0)
-
-    @property
-    def makespan(self) -> float:
-        """Time from the first action's start to the last action's end, over all ranks."""
-        return max((e.end for events in self.events for e in events), default=0.0) - self.start
-
-    @property
-    def busy(self) -> list[float]:
-        """Per rank, the time spent computing."""
-        return [sum(e.duration for e in events) for events in self.events]
-
-    @property
-    def bubble_fraction(self) -> float:
-        """Idle share of total rank-time: 1 - (total busy time) / (ranks x makespan)."""
-        total = self.schedule.ranks * self.makespan
-        return 1 - sum(self.busy) / total if total else 0.0
-
-    @property
-    def peak_inflight(self) -> list[int]:
-        """Per rank (pipeline stage), the most microbatches whose activations it holds at
-        once: counted from a forward until the backward that frees them (W when split).
-        With several chunks per rank it counts chunk-microbatches."""
-        frees = "W" if self.schedule.split_backward else "B"
-        peaks = []
-        for events in self.events:
-            held = peak = 0
-            for event in events:
-                held += (event.kind == "F") - (event.kind == frees)
-                peak = max(peak, held)
-            peaks.append(peak)
-        return peaks
-
-    def table(self, unit: float | None = None) -> str:
-        """One row per rank, one column per `unit` of time (default: the shortest action);
-        an action fills the columns it covers, "." marks idle time."""
-        durations = [e.duration for events in self.events for e in events if e.duration > 0]
-        unit = unit or min(durations, default=1.0)
-        columns = max(1, round(self.makespan / unit))
-        show_stage = self.schedule.chunks > 1
-        grid = [["."] * columns for _ in self.events]
-        for rank, events in enumerate(self.events):
-            for event in events:
-                first = round((event.start - self.start) / unit)
-                last = max(first + 1, round((event.end - self.start) / unit))
-                for column in range(first, min(last, columns)):
-                    grid[rank][column] = event.detail.label(show_stage=show_stage)
-        width = max(len(cell) for row in grid for cell in row)
-        header = "time  " + " ".join(str(c % 10).rjust(width) for c in range(columns))
-        rows = [f"rank {r} " + " ".join(cell.rjust(width) for cell in row)
-                for r, row in enumerate(grid)]
-        summary = (f"makespan {self.makespan:.4g}, bubble {self.bubble_fraction:.1%}, "
-                   f"peak in flight {self.peak_inflight}")
-        return "\n".join([header, *rows, summary])
-
-    def __repr__(self) -> str:
-        kind = "measured" if self.measured else "simulated"
-        return (f"Timeline({kind} {self.schedule.name}, p={self.schedule.ranks}, "
-                f"m={self.schedule.microbatches}: makespan={self.makespan:.4g}, "
-                f"bubble_fraction={self.bubble_fraction:.4f}, "
-                f"peak_inflight={self.peak_inflight})")
-
-
-def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
-    """Run `schedule` on paper: every action starts as soon as its rank is free and, for an
-    action after a receive, its message has arrived (send time + `costs.latency`).
-    `costs=None` means Costs(): F = B = W = 1, so a full backward costs 2 forwards, and no
-    latency. Raises ScheduleError if the schedule deadlocks (call `validate` first for the
-    other checks)."""
-    costs = costs or Costs()
-    costs.check(schedule.num_stages)
-    events = _run(schedule, lambda rank, action: costs.of(action, schedule.split_backward),
-                  costs.latency)
-    return Timeline(schedule, events)
-
-
-def _run(schedule: Schedule, duration: Callable[[int, Action], float],
-         latency: float) -> list[list[Event]]:
-    """Each rank executes its actions in order; a receive waits for its send. Returns the
-    compute events, or raises ScheduleError naming every rank that can no longer move."""
-    clock = [0.0] * schedule.ranks
-    position = [0] * schedule.ranks
-    arrival: dict[Action, float] = {}  # receive action -> when its message is available
-    events: list[list[Event]] = [[] for _ in range(schedule.ranks)]
-    moved = True
-    while moved:
-        moved = False
-        for rank, ops in enumerate(schedule.actions):
-            while position[rank] < len(ops):
-                action = ops[position[rank]]
-                if action.kind.startswith("RECV"):
-                    if action not in arrival:
-                        break  # blocked until the sender gets there
-                    clock[rank] = max(clock[rank], arrival.pop(action))
-                elif action.kind.startswith("SEND"):
-                    arrival[_matching(action)] = clock[rank] + latency
-                else:
-                    end = clock[rank] + duration(rank, action)
-                    events[rank].append(action_event(rank, action, clock[rank], end))
-                    clock[rank] = end
-                position[rank] += 1
-                moved = True
-    stuck = {rank: position[rank] for rank, ops in enumerate(schedule.actions)
-             if position[rank] < len(ops)}
-    if stuck:
-        raise _deadlock(schedule, stuck)
-    return events
-
-
-def _deadlock(schedule: Schedule, stuck: dict[int, int]) -> ScheduleError:
-    lines, waits_for = [], {}
-    for rank, index in stuck.items():
-        action = schedule.actions[rank][index]
-        sender = peer(schedule, action)
-        waits_for[rank] = sender
-        send = _matching(action)
-        at = schedule.actions[sender].index(send) if send in schedule.actions[sender] else None
-        later = (f"rank {sender} sends it only at {position(schedule, sender, at)}"
-                 if at is not None else f"rank {sender} never sends it")
-        lines.append(f"rank {rank} is stuck at {position(schedule, rank, index)}: waiting to "
-                     f"{action.describe(schedule)}; {later}")
-    cycle = _cycle(waits_for)
-    summary = "deadlock: no rank can move"
-    if cycle:
-        summary += ": " + " -> ".join(f"rank {r}" for r in cycle) + " wait for each other"
-    first = next(iter(stuck))
-    blocked = {rank: (index, schedule.actions[rank][index]) for rank, index in stuck.items()}
-    return ScheduleError("\n".join([summary, *lines]), first, stuck[first],
-                         schedule.actions[first][stuck[first]], blocked)
-
-
-def _cycle(waits_for: dict[int, int]) -> list[int]:
-    """A cycle in the waits-for graph, as [a, b, ..., a], or [] if there is none."""
-    for start in waits_for:
-        path, rank = [], start
-        while rank in waits_for and rank not in path:
-            path.append(rank)
-            rank = waits_for[rank]
-        if rank in path:
-            return path[path.index(rank):] + [rank]
-    return []

@@ -24,9 +24,9 @@ its last backward of the step.
 
 Emulated compute. A 2-core laptop cannot show a 4-rank bubble with real math: the ranks fight
 for the cores. With `time_unit` > 0 every compute action lasts at least its cost in
-`pipeline.Costs` times `time_unit` seconds: the real (tiny) math runs, then the rank sleeps for
-the rest. Sleeping takes no CPU, so the measured timeline is the schedule's, and its bubble
-matches `pipeline.simulate` within a few points.
+`pipeline_simulator.Costs` times `time_unit` seconds: the real (tiny) math runs, then the rank
+sleeps for the rest. Sleeping takes no CPU, so the measured timeline is the schedule's, and its
+bubble matches `pipeline_simulator.simulate` within a few points.
 
 Deadlocks. Every wait has a time limit (`timeout`, seconds; gloo). A rank that runs out of
 time publishes what it is stuck on in the job's key-value store, collects the other ranks'
@@ -53,7 +53,8 @@ from minidist.communication.counting import uncounted
 from minidist.core._checks import positive_int
 from minidist.core._groups import members
 from minidist.core.timeline import Event, clock
-from minidist.parallel.pipeline import Action, Costs, Schedule, action_event, peer, position
+from minidist.parallel.pipeline import Action, Schedule, peer, position
+from minidist.parallel.pipeline_simulator import Costs, action_event
 
 __all__ = [
     "DEFAULT_TIMEOUT_S", "PipelineDeadlock", "split_layers", "split_microbatches",
@@ -310,7 +311,7 @@ class _Mailbox:
 class _Executor:
     """The state of one rank while it runs its action list: what each action computes, and
     the activations and gradients it keeps per (stage, microbatch) until the backward that
-    frees them. (About 135 lines: one short method per kind of action, in one place with the
+    frees them. (About 140 lines: one short method per kind of action, in one place with the
     table that dispatches them; the messages are `_Mailbox`'s.)"""
 
     def __init__(self, schedule: Schedule, stages: dict[int, nn.Module],

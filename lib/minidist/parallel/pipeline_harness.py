@@ -9,7 +9,8 @@
     s = pipeline.schedule("1f1b", ranks=4, microbatches=8)
     result = pipeline_harness.run_pipeline(s, build_stages, x, y, F.mse_loss, time_unit=0.02)
     result.grads            # {"0.0.weight": ..., ...}, named like nn.Sequential(*stages)
-    result.timeline         # measured: .bubble_fraction, .peak_inflight, like pipeline.simulate
+    result.timeline         # measured: .bubble_fraction, .peak_inflight, as simulated by
+                            # pipeline_simulator.simulate
 
 `reference_grads` runs the same step in one process; `run_torch_pipeline` runs it with
 `torch.distributed.pipelining`, the schedule's PyTorch counterpart (`TORCH_SCHEDULES`).
@@ -25,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from minidist.core import launch
-from minidist.parallel.pipeline import Costs, Schedule, Timeline, validate
+from minidist.parallel.pipeline import Schedule
 from minidist.parallel.pipeline_exec import (
     LossFn,
     PipelineDeadlock,
@@ -34,6 +35,8 @@ from minidist.parallel.pipeline_exec import (
     split_microbatches,
     wait_limit,
 )
+from minidist.parallel.pipeline_simulator import Costs, Timeline
+from minidist.parallel.pipeline_validator import validate
 
 __all__ = ["PipelineRun", "run_pipeline", "reference_grads", "TORCH_SCHEDULES", "torch_step",
            "run_torch_pipeline"]

@@ -1,8 +1,9 @@
-"""Gantt charts of pipeline timelines, simulated (`pipeline.simulate`) or measured
+"""Gantt charts of pipeline timelines, simulated (`pipeline_simulator.simulate`) or measured
 (`pipeline_exec.run_pipeline`), for the lab and the slides.
 
-    draw(pipeline.simulate(pipeline.schedule("1f1b", 4, 8)))
-    draw_all([pipeline.simulate(pipeline.schedule(name, 4, 8)) for name in ("gpipe", "1f1b")])
+    draw(pipeline_simulator.simulate(pipeline.schedule("1f1b", 4, 8)))
+    draw_all([pipeline_simulator.simulate(pipeline.schedule(name, 4, 8))
+              for name in ("gpipe", "1f1b")])
 
 One row per rank, rank 0 on top. Each compute action is a box coloured by its microbatch:
 F plain, B hatched, W dotted; grey hatching marks idle time. Every row ends with the rank's
@@ -16,7 +17,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from minidist.core.timeline import IDLE_COLOR, Event, plot_events
-from minidist.parallel.pipeline import Timeline
+from minidist.parallel.pipeline_simulator import Timeline
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

@@ -6,10 +6,10 @@
 
 Lab 02 shows the first (one device); the labs that build each strategy show the others.
 Each widget is a function from values to data (`memory_on_one_device`, `memory_by_zero_stage`,
-or `minidist.parallel.pipeline.simulate`), a function from data to a figure (`draw_memory`, or
-`minidist.pictures.gantt.draw`), and a thin widget that calls them when a control moves. Tests set
-`widget.controls[name].value` and read `widget.data`, `widget.figure` and `widget.message`; no
-browser is needed.
+or `minidist.parallel.pipeline_simulator.simulate`), a function from data to a figure
+(`draw_memory`, or `minidist.pictures.gantt.draw`), and a thin widget that calls them when a
+control moves. Tests set `widget.controls[name].value` and read `widget.data`, `widget.figure`
+and `widget.message`; no browser is needed.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from minidist.costs import bubbles, memory, tiers
 from minidist.costs.planner import MODELS, Layout, MemoryEstimate, Model, pipeline_rank_memory
-from minidist.parallel import pipeline
+from minidist.parallel import pipeline, pipeline_simulator
 from minidist.pictures import gantt
 
 if TYPE_CHECKING:
@@ -272,8 +272,9 @@ class MemoryCalculator(_Widget):
 
 class BubbleExplorer(_Widget):
     """A schedule's timeline for p ranks, m microbatches and v chunks, simulated by
-    `minidist.parallel.pipeline.simulate` and drawn by `minidist.pictures.gantt.draw`, with its
-    bubble measured on the timeline and given by `minidist.costs.bubbles.bubble_fraction`."""
+    `minidist.parallel.pipeline_simulator.simulate` and drawn by `minidist.pictures.gantt.draw`,
+    with its bubble measured on the timeline and given by
+    `minidist.costs.bubbles.bubble_fraction`."""
 
     def __init__(self, schedule: str = "1f1b", ranks: int = 4, microbatches: int = 8,
                  chunks: int = 1) -> None:
@@ -287,13 +288,13 @@ class BubbleExplorer(_Widget):
             "chunks": w.IntSlider(chunks, 1, 4, description="v"),
         })
 
-    def compute(self) -> tuple[pipeline.Timeline, Figure, str]:
+    def compute(self) -> tuple[pipeline_simulator.Timeline, Figure, str]:
         v = self.values()
         args = (v["schedule"], v["ranks"], v["microbatches"],
                 v["chunks"] if v["schedule"] == "interleaved" else 1)
         formula = bubbles.bubble_fraction(*args)  # raises, saying why, where none is possible
         relative = bubbles.bubble_relative_to_ideal(*args)
-        timeline = pipeline.simulate(pipeline.schedule(*args))
+        timeline = pipeline_simulator.simulate(pipeline.schedule(*args))
         message = (f"bubble: {timeline.bubble_fraction:.1%} of the timeline measured, "
                    f"{formula:.1%} by bubble_fraction (share of total time); {relative:.1%} "
                    "relative to ideal")
