@@ -17,6 +17,7 @@ from minidist.parallel.fsdp import FullyShardedDataParallel
 from minidist.parallel.models import TinyGPT, lm_loss
 from minidist.parallel.parallelize import parallelize
 from minidist.parallel.zero import ZeroOptimizer
+from minidist.parallel.zero_offload import ZeroOffloadOptimizer
 
 MAX_NORM = 0.05  # below the model's gradient norm (about 0.6): clipping scales
 
@@ -68,8 +69,12 @@ def sharded_clips(rank, world_size, norm_type):
     for stage in (1, 2):
         for target in (None, "host"):
             model = gpt()
-            optimizer = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=stage,
-                                      offload=target, lr=1e-3)
+            if target is None:
+                optimizer = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=stage,
+                                          lr=1e-3)
+            else:
+                optimizer = ZeroOffloadOptimizer(model.parameters(), torch.optim.AdamW,
+                                                 stage=stage, offload=target, lr=1e-3)
             model.loss(ids, targets).backward()
             optimizer.reduce_gradients()
             with counting.count_traffic() as log:

@@ -1,6 +1,6 @@
 """Pipeline-parallel schedules as plain data, and the generators of the named ones. Beside this
-module: a validator that explains what is wrong (`pipeline_validator`), and a
-simulator that turns a schedule into a timeline with its bubble and memory (`pipeline_simulator`).
+module: a validator that explains what is wrong (`pipeline_validator`), and a simulator that
+turns a schedule into a timeline with its bubble and memory (`pipeline_simulator`).
 
     from minidist.parallel import pipeline, pipeline_simulator, pipeline_validator
 
