@@ -52,3 +52,53 @@ def test_unavailable_names_a_path_that_does_not_exist():
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):
         with unavailable("minidist.parallel.tensor_parallel.CopyToParallel.nothing"):
             pass
+
+
+def _every_path_to_a_refused_answer(rank, world_size):
+    """Each way a fake might reach the library's or torch's answer, tried inside the block."""
+    import functools
+
+    import torch.distributed._functional_collectives as functional
+    from torch.distributed.distributed_c10d import all_reduce as c10d_all_reduce
+
+    from minidist.communication import comm
+    from minidist.communication.comm import ring_all_reduce as imported_by_name
+
+    alias, partial = comm.ring_all_reduce, functools.partial(comm.ring_all_reduce)
+    ring, t, world = comm.ring_of(None, "test"), torch.ones(4), dist.group.WORLD
+    paths = {
+        "from-import": lambda: imported_by_name(t),
+        "alias": lambda: alias(t),
+        "functools.partial": lambda: partial(t),
+        "private helper": lambda: comm._ring(t, ring, False),
+        "distributed_c10d": lambda: c10d_all_reduce(t),
+        "process group": lambda: world.allreduce([t]).wait(),
+        "functional collective": lambda: functional.all_reduce(t, "sum", world),
+        "dispatcher op": lambda: torch.ops._c10d_functional.all_reduce(t, "sum",
+                                                                      world.group_name),
+        "C function": lambda: torch.chunk(t, 2),
+        "C function by another name": lambda: __import__("torch").tensor_split(t, 2),
+    }
+    refused = {}
+    with unavailable("minidist.communication.comm.*", "torch.distributed.all_reduce",
+                     "torch.chunk", "torch.tensor_split", reason="test"):
+        for path, call in paths.items():
+            try:
+                call()
+                refused[path] = "ran"
+            except LibraryVersionUsed as error:
+                refused[path] = "refused" if "write your own" in str(error) else str(error)
+    # Everything is back: each path runs again.
+    for path in ("from-import", "distributed_c10d", "process group", "C function"):
+        paths[path]()
+    imported_by_name(t)
+    return refused
+
+
+def test_unavailable_refuses_every_path_to_the_answer_by_identity():
+    """A name bound by `from ... import`, an alias, a partial, a private helper of the module,
+    distributed_c10d's function, the process group's method, the functional collectives and
+    the dispatcher's op all meet the refusal; afterwards all work again."""
+    for refused in run(_every_path_to_a_refused_answer, 2):
+        ran = [path for path, outcome in refused.items() if outcome != "refused"]
+        assert not ran, f"reached the refused answer through {ran}: {refused}"
