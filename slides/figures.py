@@ -1473,23 +1473,24 @@ def ring_attention_steps(cp: int = 4) -> Figure:
 
 
 def online_softmax_merge() -> Figure:
-    """One query's softmax over 8 keys, computed as two blocks of 4 and merged."""
+    """One query's softmax over 8 keys: each of two blocks of 4 alone, and over all 8 (what a
+    merge of the two must give), with each block's share of the whole normaliser."""
     scores = [1.2, -0.3, 2.1, 0.4, 0.9, 2.6, -1.0, 0.2]
     exps = [2.718281828**x for x in scores]
     total, first, second = sum(exps), sum(exps[:4]), sum(exps[4:])
     fig, axes = plt.subplots(1, 3, figsize=(11, 3.2), sharey=True)
-    panels = [("block A alone: softmax over keys 0-3", [e / first for e in exps[:4]] + [0] * 4),
-              ("block B alone: softmax over keys 4-7", [0] * 4 + [e / second for e in exps[4:]]),
-              ("merged: A × e^(ℓA−ℓ) + B × e^(ℓB−ℓ)", [e / total for e in exps])]
+    panels = [("block A alone: softmax over keys 0–3", [e / first for e in exps[:4]] + [0] * 4),
+              ("block B alone: softmax over keys 4–7", [0] * 4 + [e / second for e in exps[4:]]),
+              ("all 8 keys: what merging A and B gives", [e / total for e in exps])]
     for ax, (title, weights) in zip(axes, panels, strict=True):
         ax.bar(range(8), weights, color=[CP_COLORS[0]] * 4 + [CP_COLORS[1]] * 4,
                edgecolor="0.3")
         ax.set_title(title, fontsize=11)
         ax.set_xticks(range(8))
-        ax.set_xlabel("key")
-    axes[0].set_ylabel("weight p_j")
-    axes[2].text(0.02, 0.93, f"e^(ℓA−ℓ) = {first / total:.2f}\ne^(ℓB−ℓ) = {second / total:.2f}",
-                 transform=axes[2].transAxes, va="top", fontsize=10)
+        ax.set_xlabel("key $j$")
+    axes[0].set_ylabel("weight $p_j$")
+    shares = rf"share of $\Sigma_j\, e^{{x_j}}$: A {first / total:.2f}, B {second / total:.2f}"
+    axes[2].text(0.02, 0.95, shares, transform=axes[2].transAxes, va="top", fontsize=10)
     fig.tight_layout()
     return fig
 
