@@ -22,12 +22,14 @@ from matplotlib.axes import Axes  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.patches import FancyArrowPatch, Rectangle  # noqa: E402
 
-from minidist.parallel import fsdp1, moe, pipeline
-from minidist.pictures import gantt
-from minidist.costs import memory, tiers, traffic
 from minidist.communication.comm import chunk_bounds  # noqa: E402
-from minidist.parallel.context_parallel import LAYOUTS, forward_times, positions  # noqa: E402
-from minidist.costs.cost import (
+from minidist.communication.mesh import group_ranks  # noqa: E402
+from minidist.communication.network import ALGORITHMS as TWO_TIER_ALGORITHMS  # noqa: E402
+from minidist.communication.network import TwoTier, hierarchical_bytes  # noqa: E402
+from minidist.core.timeline import Event, plot_events  # noqa: E402
+from minidist.costs import flops, memory, tiers, traffic  # noqa: E402
+from minidist.costs.cost import (  # noqa: E402
+    ALL_REDUCE_ALGORITHMS,
     all_reduce_time,
     busbw_factor,
     collective_time,
@@ -35,23 +37,27 @@ from minidist.costs.cost import (
     parameter_server_time,
     ring_bytes_sent,
 )
+from minidist.costs.planner import MODELS, Cluster  # noqa: E402
+from minidist.jobs.profiling import ProfileTimeline  # noqa: E402
+from minidist.parallel import fsdp1, moe, pipeline  # noqa: E402
+from minidist.parallel.context_parallel import LAYOUTS, forward_times, positions  # noqa: E402
 from minidist.parallel.ddp import assign_buckets, plot_timeline  # noqa: E402
-from minidist.pictures.diagrams import (
+from minidist.parallel.fsdp import modelled_step  # noqa: E402
+from minidist.parallel.param_server import stale_gradient_descent  # noqa: E402
+from minidist.pictures import gantt  # noqa: E402
+from minidist.pictures.diagrams import (  # noqa: E402
+    draw_collectives,
     draw_linear_splits,
     draw_mesh_groups,
     draw_roofline,
     draw_tensor_parallel_mlp,
     draw_two_tiers,
 )
-from minidist.parallel.fsdp import modelled_step  # noqa: E402
-from minidist.communication.mesh import group_ranks  # noqa: E402
-from minidist.communication.network import ALGORITHMS as TWO_TIER_ALGORITHMS  # noqa: E402
-from minidist.communication.network import TwoTier, hierarchical_bytes  # noqa: E402
-from minidist.parallel.param_server import stale_gradient_descent  # noqa: E402
-from minidist.costs.planner import MODELS, Cluster  # noqa: E402
-from minidist.jobs.profiling import ProfileTimeline  # noqa: E402
-from minidist.core.timeline import Event, plot_events  # noqa: E402
-from minidist.pictures.widgets import draw_memory, memory_by_zero_stage, memory_on_one_device  # noqa: E402
+from minidist.pictures.widgets import (  # noqa: E402
+    draw_memory,
+    memory_by_zero_stage,
+    memory_on_one_device,
+)
 
 GB = memory.GB
 H100 = Cluster.dgx_h100(64)
@@ -1464,23 +1470,24 @@ def ring_attention_steps(cp: int = 4) -> Figure:
 
 
 def online_softmax_merge() -> Figure:
-    """One query's softmax over 8 keys, computed as two blocks of 4 and merged."""
+    """One query's softmax over 8 keys: each of two blocks of 4 alone, and over all 8 (what a
+    merge of the two must give), with each block's share of the whole normaliser."""
     scores = [1.2, -0.3, 2.1, 0.4, 0.9, 2.6, -1.0, 0.2]
     exps = [2.718281828**x for x in scores]
     total, first, second = sum(exps), sum(exps[:4]), sum(exps[4:])
     fig, axes = plt.subplots(1, 3, figsize=(11, 3.2), sharey=True)
-    panels = [("block A alone: softmax over keys 0-3", [e / first for e in exps[:4]] + [0] * 4),
-              ("block B alone: softmax over keys 4-7", [0] * 4 + [e / second for e in exps[4:]]),
-              ("merged: A × e^(ℓA−ℓ) + B × e^(ℓB−ℓ)", [e / total for e in exps])]
+    panels = [("block A alone: softmax over keys 0–3", [e / first for e in exps[:4]] + [0] * 4),
+              ("block B alone: softmax over keys 4–7", [0] * 4 + [e / second for e in exps[4:]]),
+              ("all 8 keys: what merging A and B gives", [e / total for e in exps])]
     for ax, (title, weights) in zip(axes, panels, strict=True):
         ax.bar(range(8), weights, color=[CP_COLORS[0]] * 4 + [CP_COLORS[1]] * 4,
                edgecolor="0.3")
         ax.set_title(title, fontsize=11)
         ax.set_xticks(range(8))
-        ax.set_xlabel("key")
-    axes[0].set_ylabel("weight p_j")
-    axes[2].text(0.02, 0.93, f"e^(ℓA−ℓ) = {first / total:.2f}\ne^(ℓB−ℓ) = {second / total:.2f}",
-                 transform=axes[2].transAxes, va="top", fontsize=10)
+        ax.set_xlabel("key $j$")
+    axes[0].set_ylabel("weight $p_j$")
+    shares = rf"share of $\Sigma_j\, e^{{x_j}}$: A {first / total:.2f}, B {second / total:.2f}"
+    axes[2].text(0.02, 0.95, shares, transform=axes[2].transAxes, va="top", fontsize=10)
     fig.tight_layout()
     return fig
 
