@@ -1277,24 +1277,31 @@ def scaling_efficiency() -> Figure:
 # Assumptions the slides state: a multi-threaded CPU Adam's parameters/s; NVMe read, write B/s
 OFFLOAD_CPU_RATE = 2e9
 OFFLOAD_DISK = (3e9, 2e9)
+# The deck's offload scenario: 7B (Llama 2's shape) fine-tuned on one H100, 8 sequences of 4,096
+# tokens a step at 40% of 989 TFLOP/s (Lab 12's); 16Ψ does not fit its 80 GB without offload
+OFFLOAD_PSI = 6.7e9
+OFFLOAD_COMPUTE = 3.33
 
 
 def tiers_bytes() -> Figure:
-    """Where each byte of a 7B model's training state lives, per rank of 8 under ZeRO-2, for
-    each offload tier (minidist.costs.tiers)."""
+    """Where each byte of a 7B model's training state lives when it is fine-tuned on one 80 GB
+    GPU, for each offload tier (minidist.costs.tiers): without offload it does not fit."""
     fig, ax = plt.subplots(figsize=(10, 4))
     labels = {None: "no offload", "host": "offload to host", "nvme": "offload to NVMe"}
     for i, tier in enumerate(tiers.OFFLOAD):
-        state = tiers.model_state_by_tier(7e9, 2, 8, tier)
+        state = tiers.model_state_by_tier(OFFLOAD_PSI, 2, 1, tier)
         for j, part in enumerate(("device", "host", "nvme")):
             value = getattr(state, part) / GB
             ax.bar(i * 4 + j, value, color=COLORS(j), label=part if i == 0 else None)
             if value:
                 ax.text(i * 4 + j, value, f"{value:.1f}", ha="center", va="bottom", fontsize=10)
+    ax.axhline(80, color="0.3", linestyle="--", linewidth=1)
+    ax.text(2, 82, "one GPU: 80 GB", ha="center", va="bottom", fontsize=10, color="0.3")
     ax.set_xticks([i * 4 + 1 for i in range(3)], [labels[t] for t in tiers.OFFLOAD])
-    ax.set_ylabel("GB per rank")
-    ax.set_title("7B, mixed-precision Adam, ZeRO-2 on N = 8: what each tier holds per rank")
-    ax.legend(title="tier", fontsize=10)
+    ax.set_ylabel("GB")
+    ax.set_ylim(0, 125)
+    ax.set_title("7B (Ψ = 6.7e9), mixed-precision Adam, on one GPU: what each tier holds")
+    ax.legend(title="tier", fontsize=10, loc="upper right")
     fig.tight_layout()
     return fig
 
@@ -1302,8 +1309,8 @@ def tiers_bytes() -> Figure:
 def offload_transfer_timeline() -> Figure:
     """One offloaded step, schematic (not to scale): each layer's gradient slice leaves for the
     host as backward produces it, the CPU steps, the parameters come back; the durations for
-    7B on 8 H100s are written beside each lane (minidist.costs.tiers)."""
-    psi, n, compute = 6.7e9, 8, 3.33
+    7B on one H100 are written beside each lane (minidist.costs.tiers)."""
+    psi, n, compute = OFFLOAD_PSI, 1, OFFLOAD_COMPUTE
     moved = tiers.offload_transfer_bytes(psi, n)
     pcie = tiers.PCIE_BANDWIDTH["gen5"]
     fig, ax = _canvas(15, 3.8, (-2.6, 24), (0, 4.3))
@@ -1316,41 +1323,45 @@ def offload_transfer_timeline() -> Figure:
     for k in range(layers):  # backward runs the layers last to first
         _box(ax, 3 + k, lanes["GPU"], 1, 0.6, f"L{layers - k}", "#9dc3e6", size=9)
         _box(ax, 4 + k, lanes["PCIe → host"], 0.6, 0.6, "", "#f4b183")
-    _box(ax, 9.6, lanes["CPU"], 4, 0.6, "AdamW, Ψ/N params", "#a9d18e", size=10)
+    _box(ax, 9.6, lanes["CPU"], 4, 0.6, "AdamW, Ψ params", "#a9d18e", size=10)
     _box(ax, 13.6, lanes["PCIe → GPU"], 0.8, 0.6, "", "#f4b183")
     _box(ax, 14.4, lanes["GPU"], 2.6, 0.6, "next forward", "#dbe9f6", size=10)
-    notes = {"PCIe → host": f"2Ψ/N = {moved.to_host / GB:.2f} GB: "
-                            f"{moved.to_host / pcie * 1e3:.0f} ms, under backward",
-             "CPU": f"{psi / n / 1e6:.0f} M parameters at the CPU's rate",
-             "PCIe → GPU": f"2Ψ/N back: {moved.to_device / pcie * 1e3:.0f} ms"}
+    notes = {"PCIe → host": f"2Ψ = {moved.to_host / GB:.1f} GB: "
+                            f"{moved.to_host / pcie:.2f} s, under backward",
+             "CPU": f"{psi / n / 1e9:.1f} G parameters at the CPU's rate",
+             "PCIe → GPU": f"2Ψ back: {moved.to_device / pcie:.2f} s"}
     for lane, text in notes.items():
         ax.text(17.3, lanes[lane] + 0.3, text, ha="left", va="center", fontsize=10,
                 color="0.25")
-    ax.set_title(f"ZeRO-Offload step, schematic; 7B on 8 H100s (PCIe Gen5, 64 GB/s): compute "
+    ax.set_title(f"ZeRO-Offload step, schematic; 7B on one H100 (PCIe Gen5, 64 GB/s): compute "
                  f"{compute} s", fontsize=11)
     return fig
 
 
 def offload_step_time() -> Figure:
-    """The time model's parts for 7B on 8 H100s: no offload, host, NVMe."""
+    """The time model's parts for 7B fine-tuned on one H100: host and NVMe; without offload the
+    state does not fit, and the figure says so beside them."""
     fig, ax = plt.subplots(figsize=(10, 3.8))
     parts = ("compute", "to_host", "optimizer", "disk", "to_device")
-    rows = {"no offload": tiers.offload_step_time(6.7e9, 8, 3.33, None, 64e9, OFFLOAD_CPU_RATE),
-            "host": tiers.offload_step_time(6.7e9, 8, 3.33, "host", 64e9, OFFLOAD_CPU_RATE),
-            "NVMe": tiers.offload_step_time(6.7e9, 8, 3.33, "nvme", 64e9, OFFLOAD_CPU_RATE,
-                                            *OFFLOAD_DISK)}
-    for i, time in enumerate(rows.values()):
+    rows = {"host": tiers.offload_step_time(OFFLOAD_PSI, 1, OFFLOAD_COMPUTE, "host", 64e9,
+                                            OFFLOAD_CPU_RATE),
+            "NVMe": tiers.offload_step_time(OFFLOAD_PSI, 1, OFFLOAD_COMPUTE, "nvme", 64e9,
+                                            OFFLOAD_CPU_RATE, *OFFLOAD_DISK)}
+    state = tiers.model_state_by_tier(OFFLOAD_PSI, 2, 1).device / GB
+    ax.text(1.5, 0, f"does not fit: {state:.0f} GB of model state > 80 GB", va="center",
+            color="0.3")
+    for i, time in enumerate(rows.values(), start=1):
         left = 0.0
         for j, part in enumerate(parts):
             value = getattr(time, part)
-            ax.barh(i, value, left=left, color=COLORS(j), label=part if i == 0 else None)
+            ax.barh(i, value, left=left, color=COLORS(j), label=part if i == 1 else None)
             left += value
         ax.text(left, i, f" {left:.1f} s", va="center")
-    ax.set_yticks(range(len(rows)), list(rows))
-    ax.invert_yaxis()
+    ax.set_yticks(range(len(rows) + 1), ["no offload", *rows])
+    ax.set_ylim(len(rows) + 0.6, -0.6)  # top to bottom, room for the row without a bar
     ax.set_xlabel("seconds per step")
-    ax.set_title("7B on 8 H100s, ZeRO-2: what offload adds (CPU Adam 2 G param/s, NVMe read 3 "
-                 "GB/s, write 2 GB/s: assumed)", fontsize=11)
+    ax.set_title("7B on one H100: what offload costs (CPU Adam 2 G param/s, NVMe read 3 GB/s, "
+                 "write 2 GB/s: assumed)", fontsize=11)
     ax.legend(fontsize=9, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.22))
     fig.tight_layout()
     return fig

@@ -149,7 +149,13 @@ def test_student_release_has_no_solutions_and_make_lab_opens_the_labs(guided: di
     names = {path.name for path in release.iterdir()}
     assert not names & {"solutions", "tests", "nbgrader_config.py", "cluster_setup"}
     assert not (release / "tools" / "grading").exists(), "the grading tooling is instructors' only"
-    assert {"labs", "lib", "slides", "README.md", "requirements.txt", "Makefile"} <= names
+    assert {"labs", "lib", "slides", "bench", "README.md", "requirements.txt", "Makefile"} <= names
+    # The benchmarks the labs and README send students to ship; the scripts that drive the
+    # hidden tests and the fakes do not.
+    for shipped in ("gpu_check.py", "allreduce_busbw.py"):
+        assert (release / "bench" / shipped).exists(), f"bench/{shipped} is not in the release"
+    assert not (release / "bench" / "self_grade_every_lab.py").exists()
+    assert not (release / "bench" / "grading_on_any_machine.py").exists()
     assert not list(release.rglob("gradebook.db"))
     text = all_text(release)
     notebooks = sorted((clone / "solutions").glob("*/*.ipynb"))
