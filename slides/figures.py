@@ -49,6 +49,7 @@ from minidist.pictures.diagrams import (  # noqa: E402
     draw_collectives,
     draw_linear_splits,
     draw_mesh_groups,
+    draw_ring,
     draw_roofline,
     draw_tensor_parallel_mlp,
     draw_two_tiers,
@@ -196,6 +197,12 @@ def send_recv() -> Figure:
 
 
 # --- Lab 01: collectives -----------------------------------------------------------------------
+
+
+def ring_phases() -> Figure:
+    """The ring and what each phase must leave on each rank, without the order of the chunks:
+    which chunk moves at which step is Lab 01's Exercise 2."""
+    return draw_ring(4)
 
 
 def ring_reduce_scatter_steps(n: int = 4) -> Figure:
@@ -1727,6 +1734,7 @@ FIGURES: dict[str, Callable[[], Figure]] = {
     "broadcast-reduce-all-reduce": collectives_part_one,
     "all-gather-reduce-scatter-send": collectives_part_two,
     "reduce-scatter-then-all-gather": reduce_scatter_then_all_gather,
+    "ring-phases": ring_phases,
     "ring-reduce-scatter-steps": ring_reduce_scatter_steps,
     "ring-bytes-against-n": ring_bytes_against_n,
     "alpha-beta-time": alpha_beta_time,
