@@ -35,7 +35,7 @@ additions run after each emulated delay, so measured times sit a little above th
 at small sizes. On the course's 2-core VM, beside other users' work (load average 7 to 10), in 56 s
 (the printed table, abridged):
 
-    size | flat, 1 ch | flat, 2 ch | hierarchical | hier./flat 1 ch (predicted), 2 ch
+    size | flat, 1 ch | flat, 2 ch | hierarchical | hierarchical / flat: 1 ch, 2 ch (predicted)
    1 MiB |    74.6 ms |    45.3 ms |      34.8 ms | 0.47 (0.40), 0.77 (0.73)
    4 MiB |   267.5 ms |   146.9 ms |     119.9 ms | 0.45 (0.40), 0.82 (0.78)
   16 MiB |  1035.0 ms |   528.2 ms |     431.7 ms | 0.42 (0.40), 0.82 (0.79)
