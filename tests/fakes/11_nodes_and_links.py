@@ -76,6 +76,22 @@ FAKES = {
             dist.all_reduce(shard.grad, group=cross_group)
             shard.grad /= dist.get_world_size(cross_group)
 """),
+        Fake("sums instead of averaging",
+             "the ring across nodes, but summed: every gradient twice FSDP's, the step too long",
+             checked_by=("test-hsdp",), source="""\
+    for shard in model.parameters():
+        if shard.grad is not None:
+            collectives.all_reduce(shard.grad, group=cross_group, impl="ring")
+"""),
+        Fake("divides by the whole job",
+             "sums across nodes, then divides by all 4 ranks: the node's average was taken "
+             "already, so every gradient is half FSDP's",
+             checked_by=("test-hsdp",), source="""\
+    for shard in model.parameters():
+        if shard.grad is not None:
+            collectives.all_reduce(shard.grad, group=cross_group, impl="ring")
+            shard.grad /= dist.get_world_size()
+"""),
     ],
     "impl-sweep": [
         Fake("from the model", "measures nothing: returns the emulated links' bandwidths",

@@ -30,9 +30,15 @@ bandwidth, both ways: the seeds' incident of an InfiniBand link silently running
 
 The alpha-beta model of the two tiers (`TwoTier.all_reduce_time`) charges each step of an
 algorithm on the slowest link it uses: the flat ring pays the inter-node link on every one of
-its 2(N-1) steps, hierarchical all-reduce sends 2(n-1)/n * S/g across nodes instead of the
-ring's 2(ng-1)/(ng) * S (n nodes of g ranks; REFERENCES.md#horovod). `collectives.all_reduce(t,
-impl="auto")` picks the algorithm this model predicts fastest whenever a network is known.
+its 2(N-1) steps. `collectives.all_reduce(t, impl="auto")` picks the algorithm this model
+predicts fastest whenever a network is known.
+
+The flat ring crosses between two nodes through ONE rank's port: the other g-1 inter-node ports
+of the node sit idle. NCCL does not: it runs several rings at once (its channels), each leaving
+the node through a different NIC (REFERENCES.md#nccl-channels). `channels_all_reduce(t,
+channels=g)` is that ring: the tensor cut into `channels` parts, part c around ring c of
+`TwoTier.rings`, which leaves each node from local rank g-1-c; `TwoTier.all_reduce_time("ring",
+S, N, channels=c)` is its cost, each step as long as its busiest port.
 """
 
 from __future__ import annotations
@@ -56,8 +62,8 @@ from minidist.core._checks import positive, positive_int
 from minidist.core._groups import members, on_forget_groups
 from minidist.costs.cost import ALL_REDUCE_ALGORITHMS, AlphaBeta
 
-__all__ = ["TwoTier", "ALGORITHMS", "hierarchical_bytes", "hierarchical", "attach", "detach",
-           "job", "node_rings", "pairwise_bandwidth", "slow_nodes"]
+__all__ = ["TwoTier", "ALGORITHMS", "hierarchical_bytes", "hierarchical", "channels_all_reduce",
+           "attach", "detach", "job", "node_rings", "pairwise_bandwidth", "slow_nodes"]
 
 ALGORITHMS = (*ALL_REDUCE_ALGORITHMS, "hierarchical")
 """All-reduce algorithms the two-tier model predicts: the flat ones and the hierarchical one."""
@@ -150,20 +156,57 @@ class TwoTier:
 
     # --- The alpha-beta model of the two tiers ------------------------------------------------
 
-    def all_reduce_time(self, algorithm: str, nbytes: float, world_size: int) -> float:
+    def all_reduce_time(self, algorithm: str, nbytes: float, world_size: int,
+                        channels: int = 1) -> float:
         """Seconds the two-tier model predicts for all-reduce of `nbytes` over `world_size`
         ranks (the whole job) with `algorithm` (`ALGORITHMS`): each step costs alpha + bytes *
         beta on the slowest link any rank uses in it. The busiest rank's bytes are the
-        cost.all_reduce_coefficients ones; additions are left out."""
+        cost.all_reduce_coefficients ones; additions are left out.
+
+        "ring" with `channels` = c runs `channels_all_reduce`: c rings (`rings`) at once, each
+        on S/c; in each of its 2(N-1) steps every ring sends S/(cN) to its right, and a rank's
+        port for a tier carries its channels' messages one after another, so the step lasts as
+        long as the busiest port: alpha + (its messages) * S/(cN) * beta. With c = 1 that is
+        the plain ring on its slowest link."""
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm={algorithm!r}: choose one of {', '.join(ALGORITHMS)}")
+        positive_int(channels=channels)
+        if channels != 1 and algorithm != "ring":
+            raise ValueError(f"channels={channels}: only the flat ring runs on channels; "
+                             f"{algorithm!r} runs on one (leave channels=1)")
         n, g = self.nodes(world_size), self.ranks_per_node
+        if algorithm == "ring" and world_size > 1:
+            return 2 * (world_size - 1) * self._busiest_port(nbytes / channels / world_size,
+                                                             self.rings(world_size, channels))
         if algorithm == "hierarchical":
             inside = 2 * (g - 1) * (self.intra_latency + nbytes / g / self.intra_bandwidth)
             across = self.slowest_link([(r, r + g) for r in range(world_size - g)])
             return inside + 2 * (n - 1) * (across.alpha + nbytes / g / n * across.beta)
         return sum(link.alpha + fraction * nbytes * link.beta
                    for fraction, link in _flat_steps(self, algorithm, world_size))
+
+    def rings(self, world_size: int, channels: int = 1) -> list[tuple[int, ...]]:
+        """The global ranks of each channel's ring, in ring order, as NCCL lays its rings over
+        a node's NICs: ring c visits each node's ranks in turn and leaves the node from local
+        rank g-1-c (modulo g) for the next node, so with `channels` = g every rank's
+        inter-node port carries exactly one channel. Ring 0 is the plain ring 0, 1, ..., N-1."""
+        n, g = self.nodes(world_size), self.ranks_per_node
+        positive_int(channels=channels)
+        starts = [(g - c) % g for c in range(channels)]  # the node's last rank is start - 1
+        return [tuple(node * g + (start + i) % g for node in range(n) for i in range(g))
+                for start in starts]
+
+    def _busiest_port(self, chunk: float, rings: list[tuple[int, ...]]) -> float:
+        """Seconds one step of `rings` lasts when each sends `chunk` bytes to its right: the
+        busiest (rank, tier) port's alpha + chunk * the betas of what it carries."""
+        ports: dict[tuple[int, str], tuple[float, float]] = {}
+        for ring in rings:
+            for i, src in enumerate(ring):
+                dst = ring[(i + 1) % len(ring)]
+                link = self.link(src, dst)
+                alpha, beta = ports.get((src, self.tier(src, dst)), (0.0, 0.0))
+                ports[src, self.tier(src, dst)] = (max(alpha, link.alpha), beta + link.beta)
+        return max(alpha + chunk * beta for alpha, beta in ports.values())
 
     def best_all_reduce(self, nbytes: float, world_size: int) -> str:
         """The algorithm this model predicts fastest (first of `ALGORITHMS` on a tie)."""
@@ -208,6 +251,60 @@ def hierarchical(flat: torch.Tensor, node: Ring, across: Ring, average: bool) ->
     if average:
         shard.div_(node.size * across.size)
     streaming.all_gather(flat, node)
+
+
+def channels_all_reduce(tensor: torch.Tensor, channels: int | None = None,
+                        average: bool = False) -> torch.Tensor:
+    """Sum (or average) the contiguous `tensor` over every rank of the job with the flat ring
+    on `channels` channels (default: g, one per rank of a node, as NCCL runs a channel per
+    NIC), in place, and return it. Needs the job's network (a Mesh built with
+    network=TwoTier(...)); channels=1 is the plain ring.
+
+    The tensor is cut into `channels` parts and part c goes round ring c of
+    `TwoTier.rings`: reduce-scatter, then all-gather, 2(N-1) steps in which every channel
+    sends one chunk (1/N of its part) to its right, whole, the channels side by side; a step
+    ends when all of its messages have arrived (comm.ring_all_reduce's schedule, per channel).
+    Each channel's messages carry its own tag, so two channels between the same two ranks
+    never take each other's."""
+    known = job()
+    if known is None:
+        raise ValueError("channels_all_reduce runs over the job's nodes: build the mesh with "
+                         "a network first, e.g. Mesh(dp=4, network=TwoTier(ranks_per_node=2))")
+    if not tensor.is_contiguous():
+        raise ValueError("channels_all_reduce works in place on a contiguous tensor; pass "
+                         "tensor.contiguous() and copy the result back")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    channels = known.tiers.ranks_per_node if channels is None else channels
+    flat = tensor.view(-1)
+    parts = chunk_bounds(flat.numel(), channels)
+    lanes = []  # per channel: this rank's place in its ring and the chunks of its part
+    for (start, end), ring in zip(parts, known.tiers.rings(world, channels), strict=True):
+        place = ring.index(rank)
+        chunks = [(start + a, start + b) for a, b in chunk_bounds(end - start, world)]
+        buffer = flat.new_empty(chunks[0][1] - chunks[0][0])  # chunk 0 is the largest
+        lanes.append((ring[place - 1], ring[(place + 1) % world], place, chunks, buffer))
+    for step in range(2 * (world - 1)):
+        reduce = step < world - 1
+        receives, sends, adds = [], [], []
+        for tag, (left, _, place, chunks, buffer) in enumerate(lanes):
+            a, b = chunks[(place - 2 - step) % world]
+            if b > a:  # an empty chunk is sent by neither side
+                target = buffer[: b - a] if reduce else flat[a:b]
+                receives.append(dist.irecv(target, left, tag=tag))
+                adds.append((a, b, target))
+        for tag, (_, right, place, chunks, _) in enumerate(lanes):
+            a, b = chunks[(place - 1 - step) % world]
+            if b > a:
+                sends.append(dist.isend(flat[a:b], right, tag=tag))
+        for receive, (a, b, target) in zip(receives, adds, strict=True):
+            receive.wait()
+            if reduce:
+                flat[a:b].add_(target)
+        for send in sends:  # a chunk must not change before it has left
+            send.wait()
+    if average:
+        flat.div_(world)
+    return tensor
 
 
 # --- The job's network: which ranks share a node ----------------------------------------------
@@ -480,13 +577,11 @@ def _check(network: TwoTier) -> None:
 
 
 def _flat_steps(network: TwoTier, algorithm: str, n: int) -> list[tuple[float, AlphaBeta]]:
-    """(bytes per byte of tensor, link) of each step of a flat algorithm on n ranks, in
-    the schedules of minidist.communication.comm."""
+    """(bytes per byte of tensor, link) of each step of a flat algorithm other than the ring
+    (`TwoTier._busiest_port` prices the ring's steps) on n ranks, in minidist.communication.comm's
+    schedules."""
     if n == 1:
         return []
-    if algorithm == "ring":
-        link = network.slowest_link([(r, (r + 1) % n) for r in range(n)])
-        return [(1 / n, link)] * (2 * (n - 1))
     if algorithm == "tree":  # edges (r, r + 2^k), r < 2^k: up the tree, then down
         rounds = [network.slowest_link([(r, r + 2**k) for r in range(min(2**k, n - 2**k))])
                   for k in range((n - 1).bit_length())]
