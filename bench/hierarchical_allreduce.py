@@ -9,12 +9,13 @@ Four ranks on one machine, grouped as 2 nodes of g = 2 by `minidist.communicatio
 point-to-point message delayed by its link, each rank with one port per tier. At each size it
 times, in the same ranks, taking turns (`timing.time_in_turns`, median of --rounds):
 
-    flat ring, 1 channel    `network.channels_all_reduce(t, channels=1)`: the plain ring; it
-                            leaves each node through one rank's port, the other g-1 sit idle
+    flat ring, 1 channel    `network.channels_all_reduce(t, network=..., channels=1)`: the
+                            plain ring; it leaves each node through one rank's port, the
+                            other g-1 sit idle
     flat ring, g channels   `channels=2`: the tensor in g parts, each around its own ring that
                             leaves the node through a different rank's port, as NCCL runs a
                             channel per NIC
-    hierarchical            `collectives.all_reduce(t, impl="hierarchical")`
+    hierarchical            `collectives.all_reduce(t, impl="hierarchical", network=...)`
 
 and prints hierarchical / flat for both flat rings beside the ratio the two-tier alpha-beta model
 predicts (`TwoTier.all_reduce_time`, the intra-node phases of hierarchical included). It then
@@ -61,18 +62,22 @@ RANKS_PER_NODE = 2
 WORLD_SIZE = 4
 
 
-def _calls(tensor: torch.Tensor, g: int) -> dict:
-    return {"flat, 1 channel": lambda: network.channels_all_reduce(tensor, channels=1),
-            f"flat, {g} channels": lambda: network.channels_all_reduce(tensor, channels=g),
-            "hierarchical": lambda: collectives.all_reduce(tensor, impl="hierarchical")}
+def _calls(tensor: torch.Tensor, net: network.Network) -> dict:
+    g = net.tiers.ranks_per_node
+    return {"flat, 1 channel": lambda: network.channels_all_reduce(tensor, network=net,
+                                                                   channels=1),
+            f"flat, {g} channels": lambda: network.channels_all_reduce(tensor, network=net,
+                                                                       channels=g),
+            "hierarchical": lambda: collectives.all_reduce(tensor, impl="hierarchical",
+                                                           network=net)}
 
 
 def _time(rank: int, world_size: int, tiers: TwoTier, sizes: list[int],
           rounds: int) -> dict[int, dict[str, float]]:
-    Mesh(dp=world_size, network=tiers)
+    net = Mesh(dp=world_size, network=tiers).network
     medians = {}
     for nbytes in sizes:
-        times = time_in_turns(_calls(torch.zeros(nbytes // 4), tiers.ranks_per_node), rounds)
+        times = time_in_turns(_calls(torch.zeros(nbytes // 4), net), rounds)
         medians[nbytes] = {name: statistics.median(seconds) for name, seconds in times.items()}
     return medians
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from minidist.communication import collectives, comm, network
 from minidist.communication.counting import count_traffic
 from minidist.communication.mesh import Mesh
-from minidist.communication.network import TwoTier, hierarchical_bytes
+from minidist.communication.network import Network, TwoTier, hierarchical_bytes
 from minidist.core import interposer
 from minidist.core.launch import RankError, run
 from minidist.costs import cost
@@ -40,7 +40,7 @@ def _integers(numel: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
 # --- On ranks: one launch per layout -----------------------------------------------------------
 
 
-def _check_equal_to_torch(rank: int, tiers: TwoTier) -> list[str]:
+def _check_equal_to_torch(rank: int, net: Network) -> list[str]:
     failures = []
     for numel in SIZES:
         for dtype in DTYPES:
@@ -50,17 +50,17 @@ def _check_equal_to_torch(rank: int, tiers: TwoTier) -> list[str]:
                 dist.all_reduce(expected)
                 if op == "avg":
                     expected /= dist.get_world_size()
-                returned = collectives.all_reduce(ours, op, impl="hierarchical")
+                returned = collectives.all_reduce(ours, op, impl="hierarchical", network=net)
                 if returned is not ours or not torch.equal(ours, expected):
                     failures.append(f"numel={numel}, {dtype}, op={op}")
     return failures
 
 
-def _check_bytes_per_tier(rank: int, tiers: TwoTier) -> list[str]:
+def _check_bytes_per_tier(rank: int, net: Network) -> list[str]:
     """Each rank sends 2(g-1)/g * S inside its node and 2(n-1)/n * S/g across: exactly when
     n*g divides the tensor, within one element per step otherwise; inside the node to its
     right neighbour, across nodes only to its own local rank on the next node."""
-    failures = []
+    failures, tiers = [], net.tiers
     world, g = dist.get_world_size(), tiers.ranks_per_node
     n = world // g
     node, local = divmod(rank, g)
@@ -69,7 +69,7 @@ def _check_bytes_per_tier(rank: int, tiers: TwoTier) -> list[str]:
         for dtype in DTYPES:
             tensor = torch.ones(numel, dtype=dtype)
             with count_traffic() as log:
-                collectives.all_reduce(tensor, impl="hierarchical")
+                collectives.all_reduce(tensor, impl="hierarchical", network=net)
             counted = tiers.bytes_per_tier(log.sends, rank)
             formula = hierarchical_bytes(numel * tensor.element_size(), n, g)
             steps = {"intra": 2 * (g - 1), "inter": 2 * (n - 1)}
@@ -106,13 +106,15 @@ def _check_mesh(rank: int, tiers: TwoTier) -> list[str]:
     # impl="hierarchical" over the mesh's dp group (the whole job) works too; over part of the
     # job it refuses, before sending anything
     tensor = torch.ones(10)
-    collectives.all_reduce(tensor, group=mesh.group("dp"), impl="hierarchical")
+    collectives.all_reduce(tensor, group=mesh.group("dp"), impl="hierarchical",
+                           network=mesh.network)
     if not torch.equal(tensor, torch.full((10,), float(dist.get_world_size()))):
         failures.append(f"hierarchical on the dp group gave {tensor.tolist()}")
     part = dist.new_group(list(range(g)))
     if rank < g:
         try:
-            collectives.all_reduce(torch.ones(4), group=part, impl="hierarchical")
+            collectives.all_reduce(torch.ones(4), group=part, impl="hierarchical",
+                                   network=mesh.network)
             failures.append("hierarchical on part of the job did not raise")
         except ValueError as error:
             if "part of it" not in str(error):
@@ -120,20 +122,20 @@ def _check_mesh(rank: int, tiers: TwoTier) -> list[str]:
     return failures
 
 
-def _check_auto(rank: int, tiers: TwoTier) -> list[str]:
+def _check_auto(rank: int, net: Network) -> list[str]:
     """auto follows the two-tier model: large tensors go hierarchical (its bytes across
     nodes), the smallest ones the algorithm the model names."""
-    failures = []
+    failures, tiers = [], net.tiers
     world = dist.get_world_size()
     for numel in (4, 2**18):
         nbytes = numel * 4
         expected = tiers.best_all_reduce(nbytes, world)
         tensor = torch.ones(numel)
         with count_traffic() as log:
-            collectives.all_reduce(tensor, impl="auto")
+            collectives.all_reduce(tensor, impl="auto", network=net)
         reference = torch.ones(numel)
         with count_traffic() as reference_log:
-            collectives.all_reduce(reference, impl=expected)
+            collectives.all_reduce(reference, impl=expected, network=net)
         if log.bytes_to() != reference_log.bytes_to() or not torch.equal(tensor, reference):
             failures.append(f"auto at {nbytes} B did not run {expected}")
     if tiers.best_all_reduce(2**20, world) != "hierarchical":
@@ -141,14 +143,14 @@ def _check_auto(rank: int, tiers: TwoTier) -> list[str]:
     return failures
 
 
-def _check_channels(rank: int, tiers: TwoTier) -> list[str]:
+def _check_channels(rank: int, net: Network) -> list[str]:
     """The flat ring on c channels (network.channels_all_reduce): equal to torch's sum for
     c = 1, g and g + 1 (two channels between the same two ranks); each step sends one message
     per channel, to that channel's right neighbour, in channel order; per rank, channel c's
     bytes 2(N-1)/N * S/c go to its right in ring c, so with c = g every rank's inter-node port
     carries exactly one channel's S/g share and the plain ring's (c = 1) only the node's last
     rank sends across."""
-    failures = []
+    failures, tiers = [], net.tiers
     world, g = dist.get_world_size(), tiers.ranks_per_node
     for channels in (1, g, g + 1):
         rights = [ring[(ring.index(rank) + 1) % world] for ring in tiers.rings(world, channels)]
@@ -160,7 +162,8 @@ def _check_channels(rank: int, tiers: TwoTier) -> list[str]:
                 if average:
                     expected /= world
                 with count_traffic() as log:
-                    returned = network.channels_all_reduce(ours, channels, average)
+                    returned = network.channels_all_reduce(ours, network=net, channels=channels,
+                                                           average=average)
                 if returned is not ours or not torch.equal(ours, expected):
                     failures.append(f"channels={channels}, numel={numel}, {dtype}, "
                                     f"average={average}: not torch's result")
@@ -193,27 +196,34 @@ def _check_channels(rank: int, tiers: TwoTier) -> list[str]:
 
 def _on_layout(rank: int, world_size: int, g: int) -> dict[str, list[str]]:
     tiers = TwoTier(ranks_per_node=g, emulated=False)  # the same sends, without the delays
-    Mesh(dp=world_size, network=tiers)
-    results = {check.__name__.removeprefix("_check_"): check(rank, tiers)
+    net = Mesh(dp=world_size, network=tiers).network
+    results = {check.__name__.removeprefix("_check_"): check(rank, net)
                for check in (_check_equal_to_torch, _check_bytes_per_tier, _check_auto,
                              _check_channels)}
     results["mesh"] = _check_mesh(rank, tiers)
+    # hierarchical without the nodes: a clear error naming the fix, before anything is sent
+    try:
+        collectives.all_reduce(torch.ones(4), impl="hierarchical")
+        results["mesh"].append("hierarchical without a network did not raise")
+    except ValueError as error:
+        if "network=mesh.network" not in str(error):
+            results["mesh"].append(f"unclear error: {error}")
     # The same all-reduce under the emulation: equal results, every message delayed
     emulated = TwoTier(ranks_per_node=g, inter_bandwidth=1e9, intra_bandwidth=1e10,
                        inter_latency=1e-4, intra_latency=1e-5)
-    Mesh(dp=world_size, network=emulated)
-    results["emulated"] = _check_equal_to_torch(rank, emulated)[:1]
+    emulation = Mesh(dp=world_size, network=emulated).network
+    results["emulated"] = _check_equal_to_torch(rank, emulation)[:1]
     tensor = _integers(999, rank, torch.float32)
     expected = tensor.clone()
     dist.all_reduce(expected)
-    if not torch.equal(network.channels_all_reduce(tensor), expected):
+    if not torch.equal(network.channels_all_reduce(tensor, network=emulation), expected):
         results["emulated"].append("channels_all_reduce under the emulation: not torch's sum")
-    network.detach()
+    emulation.close()
     try:
-        network.channels_all_reduce(torch.ones(4))
+        network.channels_all_reduce(torch.ones(4), network=None)
         results["channels"].append("channels_all_reduce without a network did not raise")
     except ValueError as error:
-        if "network=TwoTier" not in str(error):
+        if "network=mesh.network" not in str(error):
             results["channels"].append(f"unclear error: {error}")
     return results
 
@@ -237,7 +247,7 @@ def test_hierarchical_all_reduce(check: str, nodes: int, g: int) -> None:
 def _emulation_mechanism(rank: int, world_size: int) -> dict:
     tiers = TwoTier(ranks_per_node=2, intra_bandwidth=100e6, inter_bandwidth=10e6,
                     intra_latency=1e-3, inter_latency=5e-3)
-    Mesh(dp=4, network=tiers)
+    emulation = Mesh(dp=4, network=tiers).network
     found: dict = {}
     message = torch.full((2**18,), float(rank))  # 1 MiB: 10 ms inside, 100 ms across
     if rank == 0:
@@ -261,7 +271,7 @@ def _emulation_mechanism(rank: int, world_size: int) -> dict:
     with count_traffic() as log:
         dist.all_reduce(torch.ones(4))
     found["torch collective sends"] = log.messages
-    network.detach()
+    emulation.close()
     found["send restored"] = "route" not in interposer.subscribers("ProcessGroup.send")
     work = dist.isend(torch.ones(1), (rank + 1) % 4)
     found["after detach"] = type(work).__name__

@@ -40,9 +40,14 @@ FAKES = {
 """),
     ],
     "impl-hierarchical": [
-        Fake("calls the library", "writes no hierarchy: delegates to collectives.all_reduce",
+        Fake("calls the library", "writes no hierarchy: delegates to collectives.all_reduce "
+             "over a network of its own",
              checked_by=("test-hierarchical",), source="""\
-    return collectives.all_reduce(tensor, impl="hierarchical")
+    from minidist.communication.mesh import Mesh
+    from minidist.communication.network import TwoTier
+    tiers = TwoTier(ranks_per_node=dist.get_world_size(node_group), emulated=False)
+    mesh = Mesh(dp=dist.get_world_size(), network=tiers)
+    return collectives.all_reduce(tensor, impl="hierarchical", network=mesh.network)
 """),
         Fake("flat ring", "no hierarchy: one ring over every rank, crossing nodes on every step",
              checked_by=("test-hierarchical",), source="""\

@@ -7,11 +7,16 @@ loopback, all equally fast. This module makes a laptop feel the difference:
 
     tiers = TwoTier(ranks_per_node=2)                # intra-node links 10x faster than inter
     mesh = Mesh(dp=4, network=tiers)                 # ranks 0,1 on node 0; ranks 2,3 on node 1
-    collectives.all_reduce(t, impl="hierarchical")   # reduce-scatter in the node, all-reduce
+    collectives.all_reduce(t, impl="hierarchical", network=mesh.network)
+                                                     # reduce-scatter in the node, all-reduce
                                                      # across nodes, all-gather in the node
 
-**It is an emulation.** Once a Mesh is built with an emulated `TwoTier` (until `detach()`, or
-the next Mesh built with a network), every point-to-point message this process sends
+The network is an argument: `mesh.network` (a `Network`) is what a collective that needs the
+nodes is given; nothing in the module remembers it.
+
+**It is an emulation.** Once a Mesh is built with an emulated `TwoTier` (until
+`mesh.network.close()`, the next Mesh built with one, or the job's end), every point-to-point
+message this process sends
 (minidist's algorithms, and a student's own dist.send / dist.isend, all of which end in torch's
 ProcessGroup.send) is held back for the time its link would take: it leaves when the sending
 rank's port for that tier is free, takes nbytes * beta on it, and arrives alpha later; only
@@ -63,7 +68,7 @@ from minidist.core._groups import members, on_forget_groups
 from minidist.costs.cost import ALL_REDUCE_ALGORITHMS, AlphaBeta
 
 __all__ = ["TwoTier", "ALGORITHMS", "hierarchical_bytes", "hierarchical", "channels_all_reduce",
-           "attach", "detach", "job", "node_rings", "pairwise_bandwidth", "slow_nodes"]
+           "Network", "connect", "pairwise_bandwidth", "slow_nodes"]
 
 ALGORITHMS = (*ALL_REDUCE_ALGORITHMS, "hierarchical")
 """All-reduce algorithms the two-tier model predicts: the flat ones and the hierarchical one."""
@@ -253,12 +258,12 @@ def hierarchical(flat: torch.Tensor, node: Ring, across: Ring, average: bool) ->
     streaming.all_gather(flat, node)
 
 
-def channels_all_reduce(tensor: torch.Tensor, channels: int | None = None,
+def channels_all_reduce(tensor: torch.Tensor, *, network: Network, channels: int | None = None,
                         average: bool = False) -> torch.Tensor:
     """Sum (or average) the contiguous `tensor` over every rank of the job with the flat ring
     on `channels` channels (default: g, one per rank of a node, as NCCL runs a channel per
-    NIC), in place, and return it. Needs the job's network (a Mesh built with
-    network=TwoTier(...)); channels=1 is the plain ring.
+    NIC), in place, and return it. `network` is the job's (`mesh.network`, of a Mesh built
+    with network=TwoTier(...)); channels=1 is the plain ring.
 
     The tensor is cut into `channels` parts and part c goes round ring c of
     `TwoTier.rings`: reduce-scatter, then all-gather, 2(N-1) steps in which every channel
@@ -266,19 +271,19 @@ def channels_all_reduce(tensor: torch.Tensor, channels: int | None = None,
     ends when all of its messages have arrived (comm.ring_all_reduce's schedule, per channel).
     Each channel's messages carry its own tag, so two channels between the same two ranks
     never take each other's."""
-    known = job()
-    if known is None:
-        raise ValueError("channels_all_reduce runs over the job's nodes: build the mesh with "
-                         "a network first, e.g. Mesh(dp=4, network=TwoTier(ranks_per_node=2))")
+    if not isinstance(network, Network):
+        raise ValueError(f"network={network!r}: channels_all_reduce runs over the job's nodes; "
+                         "pass network=mesh.network, the mesh built with one, e.g. "
+                         "Mesh(dp=4, network=TwoTier(ranks_per_node=2))")
     if not tensor.is_contiguous():
         raise ValueError("channels_all_reduce works in place on a contiguous tensor; pass "
                          "tensor.contiguous() and copy the result back")
     world, rank = dist.get_world_size(), dist.get_rank()
-    channels = known.tiers.ranks_per_node if channels is None else channels
+    channels = network.tiers.ranks_per_node if channels is None else channels
     flat = tensor.view(-1)
     parts = chunk_bounds(flat.numel(), channels)
     lanes = []  # per channel: this rank's place in its ring and the chunks of its part
-    for (start, end), ring in zip(parts, known.tiers.rings(world, channels), strict=True):
+    for (start, end), ring in zip(parts, network.tiers.rings(world, channels), strict=True):
         place = ring.index(rank)
         chunks = [(start + a, start + b) for a, b in chunk_bounds(end - start, world)]
         buffer = flat.new_empty(chunks[0][1] - chunks[0][0])  # chunk 0 is the largest
@@ -311,67 +316,52 @@ def channels_all_reduce(tensor: torch.Tensor, channels: int | None = None,
 
 
 @dataclass(frozen=True)
-class _Job:
+class Network:
+    """The network a job runs on, as the Mesh built with it knows it (`mesh.network`), passed
+    to what needs the nodes: `collectives.all_reduce(t, impl="hierarchical", network=...)`,
+    `channels_all_reduce`. With an emulated `tiers` it also owns the emulation that delays this
+    rank's sends, from `connect` until `close`."""
+
     tiers: TwoTier
     node: Ring  # this rank in its node
     across: Ring  # this rank among the ranks of the same local rank on every node
     groups: tuple[Any, ...]  # the process groups of every rank of the job
+    emulation: _Emulation | None = field(default=None, compare=False, repr=False)
+
+    def spans(self, group: dist.ProcessGroup | None) -> bool:
+        """Whether `group` (None: every rank) is the whole job, whose nodes this network knows."""
+        return (group or dist.group.WORLD) in self.groups
+
+    def rings(self, group: dist.ProcessGroup | None) -> tuple[Ring, Ring]:
+        """(this rank's node, its peers across nodes): the two rings of hierarchical all-reduce
+        over `group`, which must be the whole job."""
+        if not self.spans(group):
+            ring = comm.ring_of(group, "hierarchical all-reduce")
+            raise ValueError(
+                f"the network (TwoTier(ranks_per_node={self.tiers.ranks_per_node})) knows the "
+                f"nodes of the whole job, and group {list(ring.members)} is a part of it: run "
+                f"impl='hierarchical' over the whole job (group=None), or a flat impl such as "
+                f"'ring' on this group")
+        return self.node, self.across
+
+    def close(self) -> None:
+        """Stop emulating (after the sends in flight arrive); the network's groups stay."""
+        if self.emulation is not None:
+            self.emulation.close()
 
 
-_job: _Job | None = None
-_emulation: _Emulation | None = None
-
-
-def attach(tiers: TwoTier, node_group: dist.ProcessGroup, cross_group: dist.ProcessGroup,
-           whole_job: Iterable[dist.ProcessGroup]) -> None:
-    """Make `tiers` this job's network: `minidist.communication.mesh.Mesh(..., network=tiers)`
-    calls it on
-    every rank with the groups it made; an emulated one starts delaying this rank's sends."""
-    global _job, _emulation
-    detach()
+def connect(tiers: TwoTier, node_group: dist.ProcessGroup, cross_group: dist.ProcessGroup,
+            whole_job: Iterable[dist.ProcessGroup]) -> Network:
+    """The Network of `tiers` over the groups a Mesh made (`Mesh(..., network=tiers)` calls it
+    on every rank); an emulated one starts delaying this rank's sends, until its `close`, or
+    until the job's groups are destroyed."""
     node, across = comm.ring_of(node_group, "a node"), comm.ring_of(cross_group, "a node")
-    _job = _Job(tiers, node, across, tuple(whole_job))
-    if tiers.emulated:
-        _emulation = _Emulation(tiers, dist.get_rank())
-        _emulation.stop_routing = interposer.subscribe("route", "ProcessGroup.send",
-                                                       _emulation.route)
-
-
-def detach() -> None:
-    """Forget the job's network and stop emulating it (after the sends in flight arrive)."""
-    global _job, _emulation
-    if _emulation is not None:
-        _emulation.stop_routing()
-        _emulation.close()
-    _job = _emulation = None
-
-
-on_forget_groups(detach)  # the job's groups end with it: stop emulating, drop them
-
-
-def job(group: dist.ProcessGroup | None = None) -> _Job | None:
-    """The job's network, when a Mesh was built with one and `group` (None: every rank) is
-    the whole job; else None."""
-    if _job is not None and (group or dist.group.WORLD) in _job.groups:
-        return _job
-    return None
-
-
-def node_rings(group: dist.ProcessGroup | None = None) -> tuple[Ring, Ring]:
-    """(this rank's node, this rank's peers across nodes), the two rings of hierarchical
-    all-reduce over `group`. Without a known network every rank counts as one node's: the
-    hierarchy is then the plain ring."""
-    ring = comm.ring_of(group, "hierarchical all-reduce")
-    if _job is None:
-        return ring, Ring(0, 1, (ring.peer(ring.rank),), group)
-    known = job(group)
-    if known is None:
-        raise ValueError(
-            f"the job's network (TwoTier(ranks_per_node={_job.tiers.ranks_per_node})) knows "
-            f"the nodes of the whole job, and group {list(ring.members)} is a part of it: run "
-            f"impl='hierarchical' over the whole job (group=None), or a flat impl such as "
-            f"'ring' on this group")
-    return known.node, known.across
+    emulation = _Emulation(tiers, dist.get_rank()) if tiers.emulated else None
+    if emulation is not None:
+        # The job's groups end with it: stop emulating. (The emulation holds no group, so this
+        # keeps none alive; the Network, which holds them, goes with its Mesh.)
+        on_forget_groups(emulation.close)
+    return Network(tiers, node, across, tuple(whole_job), emulation)
 
 
 # --- The emulation ---------------------------------------------------------------------------
@@ -455,7 +445,11 @@ class _Emulation:
     def __init__(self, tiers: TwoTier, rank: int):
         self.tiers, self.rank = tiers, rank
         self.ports = {tier: _Port(f"{tier}-{rank}") for tier in ("intra", "inter")}
-        self.stop_routing: Callable[[], None] = lambda: None
+        self.closed = False
+        # The interposer's last layer: every send of this process now takes its port, in place
+        # of an earlier emulation's (whose messages in flight still arrive).
+        self.stop_routing = interposer.subscribe("route", "ProcessGroup.send", self.route,
+                                                 replace=True)
 
     def route(self, send: Callable[..., dist.Work], group: dist.ProcessGroup, tensors: list,
               dst: int, *args: Any, **kwargs: Any) -> dist.Work:
@@ -471,7 +465,12 @@ class _Emulation:
         return port.post(nbytes, self.tiers.link(self.rank, peer), start_send)
 
     def close(self) -> None:
-        """Wait until every message posted has been sent, then end the delivery threads."""
+        """Stop routing sends, wait until every message posted has been sent, then end the
+        delivery threads (again: nothing)."""
+        if self.closed:
+            return
+        self.closed = True
+        self.stop_routing()
         for port in self.ports.values():
             port.idle.wait()
             port.close()

@@ -102,13 +102,17 @@ def _install(target: str) -> None:
     setattr(owner, name, interposed)
 
 
-def subscribe(layer: str, target: str, around: Around) -> Callable[[], None]:
+def subscribe(layer: str, target: str, around: Around, *,
+              replace: bool = False) -> Callable[[], None]:
     """Have every call of `target` go through `around` from now on, at `layer`'s place in
-    LAYERS; returns the function that unsubscribes it."""
+    LAYERS (with `replace`, instead of that layer's earlier subscribers); returns the function
+    that unsubscribes it."""
     if layer not in LAYERS:
         raise ValueError(f"layer={layer!r}: choose one of {', '.join(LAYERS)}")
     _owner(target)
     entry = (LAYERS.index(layer), next(_order), around)
+    if replace:
+        _subscribers[target] = [e for e in _subscribers.get(target, []) if e[0] != entry[0]]
     _subscribers.setdefault(target, []).append(entry)
     _install(target)
 
