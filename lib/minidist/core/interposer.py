@@ -5,8 +5,9 @@ rank's latest call, the labs' checks, the byte counter and the emulated network.
 here to a *target*, a function of torch.distributed (`"dist.all_reduce"`) or one of the two
 methods every point-to-point message ends in (`"ProcessGroup.send"`, `"ProcessGroup.recv"`),
 and this module puts one wrapper in the target's place while anyone is subscribed, torch's own
-back when no one is. One more target is minidist's own: `"minidist.collective"`, which the
-collective layer (minidist.communication.collectives) `announce`s once per collective it runs.
+back when no one is. Two more targets are minidist's own: `"minidist.collective"`, which the
+collective layer (minidist.communication.collectives) `announce`s once per collective it runs,
+and `"minidist.event"`, each timeline Event noted (minidist.core.timeline).
 
 A subscriber is an *around* function, `around(proceed, *args, **kwargs)`: it sees the call's
 arguments, must call `proceed(*args, **kwargs)` once (or hand it to a thread that will, as the
@@ -43,7 +44,9 @@ __all__ = ["LAYERS", "ANNOUNCED", "subscribe", "subscribed", "subscribers", "mut
 
 LAYERS = ("calls", "recording", "messages", "counting", "route")
 
-ANNOUNCED = ("minidist.collective",)  # minidist's own targets: announced, not replaced
+# minidist's own targets, announced, not replaced: each collective the collective layer runs, and
+# each timeline Event noted (minidist.core.timeline.note)
+ANNOUNCED = ("minidist.collective", "minidist.event")
 
 Around = Callable[..., Any]
 
