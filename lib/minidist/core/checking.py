@@ -39,9 +39,10 @@ import functools
 import importlib
 import inspect
 import sys
+import threading
 import types
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -52,8 +53,8 @@ from minidist.core import interposer
 
 __all__ = [
     "Call", "RECORDED", "recording", "unavailable", "LibraryVersionUsed", "Message",
-    "messages_sent", "Seen", "watching", "MATMULS", "FlightRecord", "in_flight",
-    "ran_while_in_flight", "Held", "holding",
+    "messages_sent", "tampered_receives", "Seen", "watching", "MATMULS", "FlightRecord",
+    "in_flight", "ran_while_in_flight", "Held", "holding",
 ]
 
 RECORDED = (
@@ -70,7 +71,10 @@ class Call:
     """One call into torch.distributed: its name, the peer (global rank) of a point-to-point
     call, and the bytes, shape and dtype of its first tensor; the reduction `op` ("SUM",
     "MAX", ...) of a reducing collective; for an all-to-all, the bytes it `sent` to each rank
-    of its group, in group order (its own piece included: it never leaves the rank)."""
+    of its group, in group order (its own piece included: it never leaves the rank).
+    `tensor` is that tensor itself (so a check can ask whether the tensor a function returns
+    is the one it reduced) and `before` a copy of what it held when the call began (what this
+    rank contributed)."""
 
     name: str
     peer: int | None
@@ -79,6 +83,8 @@ class Call:
     dtype: torch.dtype | None
     op: str | None = None
     sent: tuple[int, ...] | None = None
+    tensor: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    before: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
 
 _REDUCING = {"all_reduce": 1, "reduce": 2, "reduce_scatter": 2, "reduce_scatter_tensor": 2,
@@ -123,7 +129,7 @@ def _describe(name: str, args: tuple, kwargs: dict) -> Call:
     if not isinstance(tensor, torch.Tensor):
         return Call(name, peer, 0, (), None, op, sent)
     return Call(name, peer, tensor.numel() * tensor.element_size(), tuple(tensor.shape),
-                tensor.dtype, op, sent)
+                tensor.dtype, op, sent, tensor, tensor.detach().clone())
 
 
 @contextlib.contextmanager
@@ -144,7 +150,12 @@ def recording(names: tuple[str, ...] = RECORDED) -> Iterator[list[Call]]:
 
 
 class LibraryVersionUsed(RuntimeError):
-    """A checked function called the library's (or torch's) own version of the exercise."""
+    """A checked function called the library's (or torch's) own version of the exercise.
+    Each one is announced to the open `unavailable` blocks, so catching it does not hide it."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        interposer.announce("minidist.refusal", message)
 
 
 # What torch runs a torch.distributed collective through below its Python function: the process
@@ -199,6 +210,7 @@ def _below(path: str) -> list[str]:
         return []
     family = _FAMILY.get(name, name)
     return ([f"torch.distributed.ProcessGroup.{method}" for method in _BELOW.get(family, ())]
+            + [f"torch._C._distributed_c10d.Backend.{method}" for method in _BELOW.get(family, ())]
             + [f"torch.distributed._functional_collectives.{function}"
                for function in _FUNCTIONAL.get(family, ())]
             + [f"torch.ops.{op}" for op in _OPS.get(family, ())])
@@ -222,14 +234,23 @@ def unavailable(*paths: str, reason: str = "") -> Iterator[None]:
                 if _resolvable(below) and below not in targets]
     undo: list[Callable[[], None]] = []
     refused_builtins: dict[int, str] = {}
+    refused_code: dict[tuple[str, bytes], str] = {}
+    refusals: list[str] = []
+
+    def keep(_: Callable[..., None], message: str) -> None:
+        refusals.append(message)
+
     try:
         for path in targets:
-            undo.append(_refuse(path, reason, refused_builtins))
-        with _refusing_builtins(refused_builtins, reason):
+            undo.append(_refuse(path, reason, refused_builtins, refused_code))
+        with interposer.subscribed("recording", {"minidist.refusal": keep}), \
+                _refusing_copies(refused_builtins, refused_code, reason):
             yield
     finally:
         for restore in reversed(undo):
             restore()
+    if refusals:  # refused, and the function caught it and went on: still refused
+        raise LibraryVersionUsed(f"{refusals[0]} (your function caught the refusal and went on)")
 
 
 def _expand(path: str) -> list[str]:
@@ -254,8 +275,10 @@ def _refusal(path: str, reason: str) -> str:
             f"function is compared with{': ' + reason if reason else ''}")
 
 
-def _refuse(path: str, reason: str, refused_builtins: dict[int, str]) -> Callable[[], None]:
-    """Make the function at `path` refuse; returns what undoes it."""
+def _refuse(path: str, reason: str, refused_builtins: dict[int, str],
+            refused_code: dict[tuple[str, bytes], str]) -> Callable[[], None]:
+    """Make the function at `path` refuse; returns what undoes it. Its code's fingerprint goes
+    into `refused_code`, so a copy of it (a reloaded module, exec of its source) refuses too."""
     owner, attribute = _owner(path)
     # A class's own entry (a staticmethod, a classmethod), or nothing if it inherits one.
     entry = vars(owner).get(attribute, _INHERITED) if not isinstance(owner, _OpNamespace) \
@@ -264,6 +287,7 @@ def _refuse(path: str, reason: str, refused_builtins: dict[int, str]) -> Callabl
     if functions:  # swap the code of the function object (and what it wraps): every alias sees it
         saved = [(function, function.__code__) for function in functions]
         for function, code in saved:
+            refused_code[code.co_name, code.co_code] = path
             function.__code__ = _refusing_code(code, _refusal(path, reason))
 
         def restore_code() -> None:
@@ -319,22 +343,34 @@ def _refusing_code(code: types.CodeType, message: str) -> types.CodeType:
 
 
 @contextlib.contextmanager
-def _refusing_builtins(refused: dict[int, str], reason: str) -> Iterator[None]:
-    """While the block runs, a call of a refused C function raises, from any caller."""
-    if not refused:
+def _refusing_copies(builtins: dict[int, str], code: dict[tuple[str, bytes], str],
+                     reason: str) -> Iterator[None]:
+    """While the block runs, a call of a refused C function, or of any Python function whose
+    code is a refused one's (same name, same bytecode: a module reloaded or loaded again from
+    its file, its source exec'd), raises, from any caller, in this thread and in threads it
+    starts."""
+    if not builtins and not code:
         yield
         return
 
     def profile(frame: Any, event: str, arg: Any) -> None:
-        if event == "c_call" and id(arg) in refused:
-            raise LibraryVersionUsed(_refusal(refused[id(arg)], reason))
+        if event == "call":
+            refused = code.get((frame.f_code.co_name, frame.f_code.co_code))
+        elif event == "c_call":
+            refused = builtins.get(id(arg))
+        else:
+            return
+        if refused is not None:
+            raise LibraryVersionUsed(_refusal(refused, reason))
 
-    previous = sys.getprofile()
+    previous, previous_threads = sys.getprofile(), threading.getprofile()
     sys.setprofile(profile)
+    threading.setprofile(profile)
     try:
         yield
     finally:
         sys.setprofile(previous)
+        threading.setprofile(previous_threads)
 
 
 _INHERITED = object()
@@ -390,6 +426,51 @@ def messages_sent() -> Iterator[list[Message]]:
 
     with interposer.subscribed("messages", {"ProcessGroup.send": send}):
         yield sent
+
+
+class _Tampered(dist.Work):
+    """A receive whose message, once it has arrived, gets `delta` added to every element."""
+
+    def __init__(self, work: dist.Work, tensors: list[torch.Tensor], delta: float) -> None:
+        super().__init__()
+        self.work, self.tensors, self.delta, self.done = work, tensors, delta, False
+
+    def wait(self, timeout: Any = None) -> bool:
+        arrived = self.work.wait() if timeout is None else self.work.wait(timeout)
+        if not self.done:
+            self.done = True
+            for tensor in self.tensors:
+                tensor.add_(self.delta if tensor.is_floating_point() else round(self.delta))
+        return arrived
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+
+@contextlib.contextmanager
+def tampered_receives(*, delta: float = 1.0, nth: int | None = None) -> Iterator[list[int]]:
+    """Inside the block the `nth` point-to-point message this rank receives (counting from 0;
+    every one with nth=None) arrives with `delta` added to each element, however it was
+    received (dist.recv, dist.irecv, batch_isend_irecv, minidist's rings). The list it
+    yields holds the source (global rank) of each message received, in order.
+
+    A check runs the student's function and the library's under the same tampering: a
+    function whose result really comes from what it received changes as the library's does;
+    one that computed its result another way (a formula, a side channel, a replay of data
+    gathered earlier) does not."""
+    from minidist.core._groups import members
+
+    sources: list[int] = []
+
+    def receive(proceed: Any, group: Any, tensors: list, src: int, *args: Any,
+                **kwargs: Any) -> Any:
+        work = proceed(group, tensors, src, *args, **kwargs)
+        index = len(sources)
+        sources.append(members(group)[src] if src >= 0 else src)
+        return _Tampered(work, tensors, delta) if nth is None or index == nth else work
+
+    with interposer.subscribed("tampering", {"ProcessGroup.recv": receive}):
+        yield sources
 
 
 # --- What happened, in order: other functions' calls, requests in flight, matmuls --------------

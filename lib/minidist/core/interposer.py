@@ -18,6 +18,7 @@ earlier subscription is outside the later one (blocks nest as they read):
     calls      minidist.core._calls: each rank's latest call, for launch.run's reports
     recording  minidist.core.checking.recording: the torch.distributed calls a check watches
     messages   minidist.core.checking.messages_sent: each message's payload, copied
+    tampering  minidist.core.checking.tampered_receives: a received message changed on arrival
     counting   minidist.communication.counting: each message's bytes and peer
     route      minidist.communication.network: the emulated links' delays; it sends last
 
@@ -42,11 +43,12 @@ import torch.distributed as dist
 
 __all__ = ["LAYERS", "ANNOUNCED", "subscribe", "subscribed", "subscribers", "muted", "announce"]
 
-LAYERS = ("calls", "recording", "messages", "counting", "route")
+LAYERS = ("calls", "recording", "messages", "tampering", "counting", "route")
 
-# minidist's own targets, announced, not replaced: each collective the collective layer runs, and
-# each timeline Event noted (minidist.core.timeline.note)
-ANNOUNCED = ("minidist.collective", "minidist.event")
+# minidist's own targets, announced, not replaced: each collective the collective layer runs,
+# each timeline Event noted (minidist.core.timeline.note), each refusal of a checked function
+# (minidist.core.checking.LibraryVersionUsed)
+ANNOUNCED = ("minidist.collective", "minidist.event", "minidist.refusal")
 
 Around = Callable[..., Any]
 
