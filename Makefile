@@ -25,9 +25,13 @@ ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 # and its exchange panels: tools/jupyter-student-config/ turns them off.
 STUDENT_JUPYTER := JUPYTER_CONFIG_PATH=$(CURDIR)/tools/jupyter-student-config
 # What students get: no solutions/, tests/ (hidden tests), tools/grading/, nbgrader_config.py or
-# cluster_setup/.
+# cluster_setup/. bench/ ships (the labs, README and REFERENCES.md send students to
+# bench/gpu_check.py and bench/allreduce_busbw.py), less the instructors' scripts that drive the
+# hidden tests and the fakes, and overlap_and_bubbles.py, which measures what the tests check.
 RELEASE := release/scaling-lab
-RELEASED := labs lib slides tools ':(exclude)tools/grading' README.md REFERENCES.md requirements.txt \
+RELEASED := labs lib slides tools ':(exclude)tools/grading' bench \
+	':(exclude)bench/self_grade_every_lab.py' ':(exclude)bench/grading_on_any_machine.py' \
+	':(exclude)bench/overlap_and_bubbles.py' README.md REFERENCES.md requirements.txt \
 	pyproject.toml Makefile .gitignore
 
 .PHONY: lab test install cluster-tools update release grade

@@ -13,7 +13,7 @@ import nbgrader
 from nbconvert.preprocessors import CSSHTMLHeaderPreprocessor
 from nbgrader.converters import Autograde
 from nbgrader.coursedir import CourseDirectory
-from nbgrader.preprocessors import GetGrades
+from nbgrader.preprocessors import ClearSolutions, GetGrades
 
 c = get_config()  # noqa: F821  (injected by traitlets when it loads this file)
 
@@ -31,6 +31,7 @@ from grading.feedback import (  # noqa: E402
     MathToMathML,
 )
 from grading.predictions import KeepPredictionRecords, RestorePredictionLedger  # noqa: E402
+from grading.stubs import name_unwritten_exercises  # noqa: E402
 
 from minidist.core.predictions import LEDGER_NAME  # noqa: E402
 
@@ -71,6 +72,11 @@ c.Autograde.autograde_preprocessors = [
     RestorePredictionLedger, *NBGRADER_DEFAULTS["autograde_preprocessors"].default()
 ]
 c.CourseDirectory.ignore = [*NBGRADER_DEFAULTS["ignore"].default(), LEDGER_NAME]
+
+# A student's stub names its exercise and says how to run the cells below it (tools/grading/
+# stubs.py), right after nbgrader clears the solutions and before it checksums the cells.
+# GenerateAssignment's list of steps is not a config option, so the naming joins the clearing.
+name_unwritten_exercises(ClearSolutions)
 
 # Feedback goes to students: strip the hidden tests that autograding put back into the
 # test cells, and the tracebacks that quote them. Its math is MathML and its template loads

@@ -523,8 +523,8 @@ PATH = (
          objectives=(
              "Predict activations at long sequences, and why splitting the sequence (context "
              "parallelism) is needed on top of tensor parallelism.",
-             "Merge partial attention results with the online softmax, and run ring "
-             "attention with its transfers overlapping compute.",
+             "Merge partial attention results with the online softmax, and write ring "
+             "attention's forward and backward with their transfers overlapping compute.",
              "Even out causal work with the zigzag split, and compare ring attention with "
              "DeepSpeed-Ulysses' all-to-alls in bytes, heads and time.",
          ),

@@ -22,12 +22,14 @@ from matplotlib.axes import Axes  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.patches import FancyArrowPatch, Rectangle  # noqa: E402
 
-from minidist.parallel import fsdp1, moe, pipeline, pipeline_simulator
-from minidist.pictures import gantt
-from minidist.costs import memory, tiers, traffic
 from minidist.communication.comm import chunk_bounds  # noqa: E402
-from minidist.parallel.context_parallel import LAYOUTS, forward_times, positions  # noqa: E402
-from minidist.costs.cost import (
+from minidist.communication.mesh import group_ranks  # noqa: E402
+from minidist.communication.network import ALGORITHMS as TWO_TIER_ALGORITHMS  # noqa: E402
+from minidist.communication.network import TwoTier, hierarchical_bytes  # noqa: E402
+from minidist.core.timeline import Event, plot_events  # noqa: E402
+from minidist.costs import flops, memory, tiers, traffic  # noqa: E402
+from minidist.costs.cost import (  # noqa: E402
+    ALL_REDUCE_ALGORITHMS,
     all_reduce_time,
     busbw_factor,
     collective_time,
@@ -35,23 +37,28 @@ from minidist.costs.cost import (
     parameter_server_time,
     ring_bytes_sent,
 )
+from minidist.costs.overlap import modelled_step  # noqa: E402
+from minidist.costs.planner import MODELS, Cluster  # noqa: E402
+from minidist.jobs.profiling import ProfileTimeline  # noqa: E402
+from minidist.parallel import fsdp1, moe, pipeline, pipeline_simulator  # noqa: E402
+from minidist.parallel.context_parallel import LAYOUTS, forward_times, positions  # noqa: E402
 from minidist.parallel.ddp import assign_buckets, plot_timeline  # noqa: E402
-from minidist.pictures.diagrams import (
+from minidist.parallel.param_server import stale_gradient_descent  # noqa: E402
+from minidist.pictures import gantt  # noqa: E402
+from minidist.pictures.diagrams import (  # noqa: E402
+    draw_collectives,
     draw_linear_splits,
     draw_mesh_groups,
+    draw_ring,
     draw_roofline,
     draw_tensor_parallel_mlp,
     draw_two_tiers,
 )
-from minidist.costs.overlap import modelled_step  # noqa: E402
-from minidist.communication.mesh import group_ranks  # noqa: E402
-from minidist.communication.network import ALGORITHMS as TWO_TIER_ALGORITHMS  # noqa: E402
-from minidist.communication.network import TwoTier, hierarchical_bytes  # noqa: E402
-from minidist.parallel.param_server import stale_gradient_descent  # noqa: E402
-from minidist.costs.planner import MODELS, Cluster  # noqa: E402
-from minidist.jobs.profiling import ProfileTimeline  # noqa: E402
-from minidist.core.timeline import Event, plot_events  # noqa: E402
-from minidist.pictures.widgets import draw_memory, memory_by_zero_stage, memory_on_one_device  # noqa: E402
+from minidist.pictures.widgets import (  # noqa: E402
+    draw_memory,
+    memory_by_zero_stage,
+    memory_on_one_device,
+)
 
 GB = memory.GB
 H100 = Cluster.dgx_h100(64)
@@ -190,6 +197,12 @@ def send_recv() -> Figure:
 
 
 # --- Lab 01: collectives -----------------------------------------------------------------------
+
+
+def ring_phases() -> Figure:
+    """The ring and what each phase must leave on each rank, without the order of the chunks:
+    which chunk moves at which step is Lab 01's Exercise 2."""
+    return draw_ring(4)
 
 
 def ring_reduce_scatter_steps(n: int = 4) -> Figure:
@@ -1271,24 +1284,31 @@ def scaling_efficiency() -> Figure:
 # Assumptions the slides state: a multi-threaded CPU Adam's parameters/s; NVMe read, write B/s
 OFFLOAD_CPU_RATE = 2e9
 OFFLOAD_DISK = (3e9, 2e9)
+# The deck's offload scenario: 7B (Llama 2's shape) fine-tuned on one H100, 8 sequences of 4,096
+# tokens a step at 40% of 989 TFLOP/s (Lab 12's); 16Ψ does not fit its 80 GB without offload
+OFFLOAD_PSI = 6.7e9
+OFFLOAD_COMPUTE = 3.33
 
 
 def tiers_bytes() -> Figure:
-    """Where each byte of a 7B model's training state lives, per rank of 8 under ZeRO-2, for
-    each offload tier (minidist.costs.tiers)."""
+    """Where each byte of a 7B model's training state lives when it is fine-tuned on one 80 GB
+    GPU, for each offload tier (minidist.costs.tiers): without offload it does not fit."""
     fig, ax = plt.subplots(figsize=(10, 4))
     labels = {None: "no offload", "host": "offload to host", "nvme": "offload to NVMe"}
     for i, tier in enumerate(tiers.OFFLOAD):
-        state = tiers.model_state_by_tier(7e9, 2, 8, tier)
+        state = tiers.model_state_by_tier(OFFLOAD_PSI, 2, 1, tier)
         for j, part in enumerate(("device", "host", "nvme")):
             value = getattr(state, part) / GB
             ax.bar(i * 4 + j, value, color=COLORS(j), label=part if i == 0 else None)
             if value:
                 ax.text(i * 4 + j, value, f"{value:.1f}", ha="center", va="bottom", fontsize=10)
+    ax.axhline(80, color="0.3", linestyle="--", linewidth=1)
+    ax.text(2, 82, "one GPU: 80 GB", ha="center", va="bottom", fontsize=10, color="0.3")
     ax.set_xticks([i * 4 + 1 for i in range(3)], [labels[t] for t in tiers.OFFLOAD])
-    ax.set_ylabel("GB per rank")
-    ax.set_title("7B, mixed-precision Adam, ZeRO-2 on N = 8: what each tier holds per rank")
-    ax.legend(title="tier", fontsize=10)
+    ax.set_ylabel("GB")
+    ax.set_ylim(0, 125)
+    ax.set_title("7B (Ψ = 6.7e9), mixed-precision Adam, on one GPU: what each tier holds")
+    ax.legend(title="tier", fontsize=10, loc="upper right")
     fig.tight_layout()
     return fig
 
@@ -1296,8 +1316,8 @@ def tiers_bytes() -> Figure:
 def offload_transfer_timeline() -> Figure:
     """One offloaded step, schematic (not to scale): each layer's gradient slice leaves for the
     host as backward produces it, the CPU steps, the parameters come back; the durations for
-    7B on 8 H100s are written beside each lane (minidist.costs.tiers)."""
-    psi, n, compute = 6.7e9, 8, 3.33
+    7B on one H100 are written beside each lane (minidist.costs.tiers)."""
+    psi, n, compute = OFFLOAD_PSI, 1, OFFLOAD_COMPUTE
     moved = tiers.offload_transfer_bytes(psi, n)
     pcie = tiers.PCIE_BANDWIDTH["gen5"]
     fig, ax = _canvas(15, 3.8, (-2.6, 24), (0, 4.3))
@@ -1310,41 +1330,45 @@ def offload_transfer_timeline() -> Figure:
     for k in range(layers):  # backward runs the layers last to first
         _box(ax, 3 + k, lanes["GPU"], 1, 0.6, f"L{layers - k}", "#9dc3e6", size=9)
         _box(ax, 4 + k, lanes["PCIe → host"], 0.6, 0.6, "", "#f4b183")
-    _box(ax, 9.6, lanes["CPU"], 4, 0.6, "AdamW, Ψ/N params", "#a9d18e", size=10)
+    _box(ax, 9.6, lanes["CPU"], 4, 0.6, "AdamW, Ψ params", "#a9d18e", size=10)
     _box(ax, 13.6, lanes["PCIe → GPU"], 0.8, 0.6, "", "#f4b183")
     _box(ax, 14.4, lanes["GPU"], 2.6, 0.6, "next forward", "#dbe9f6", size=10)
-    notes = {"PCIe → host": f"2Ψ/N = {moved.to_host / GB:.2f} GB: "
-                            f"{moved.to_host / pcie * 1e3:.0f} ms, under backward",
-             "CPU": f"{psi / n / 1e6:.0f} M parameters at the CPU's rate",
-             "PCIe → GPU": f"2Ψ/N back: {moved.to_device / pcie * 1e3:.0f} ms"}
+    notes = {"PCIe → host": f"2Ψ = {moved.to_host / GB:.1f} GB: "
+                            f"{moved.to_host / pcie:.2f} s, under backward",
+             "CPU": f"{psi / n / 1e9:.1f} G parameters at the CPU's rate",
+             "PCIe → GPU": f"2Ψ back: {moved.to_device / pcie:.2f} s"}
     for lane, text in notes.items():
         ax.text(17.3, lanes[lane] + 0.3, text, ha="left", va="center", fontsize=10,
                 color="0.25")
-    ax.set_title(f"ZeRO-Offload step, schematic; 7B on 8 H100s (PCIe Gen5, 64 GB/s): compute "
+    ax.set_title(f"ZeRO-Offload step, schematic; 7B on one H100 (PCIe Gen5, 64 GB/s): compute "
                  f"{compute} s", fontsize=11)
     return fig
 
 
 def offload_step_time() -> Figure:
-    """The time model's parts for 7B on 8 H100s: no offload, host, NVMe."""
+    """The time model's parts for 7B fine-tuned on one H100: host and NVMe; without offload the
+    state does not fit, and the figure says so beside them."""
     fig, ax = plt.subplots(figsize=(10, 3.8))
     parts = ("compute", "to_host", "optimizer", "disk", "to_device")
-    rows = {"no offload": tiers.offload_step_time(6.7e9, 8, 3.33, None, 64e9, OFFLOAD_CPU_RATE),
-            "host": tiers.offload_step_time(6.7e9, 8, 3.33, "host", 64e9, OFFLOAD_CPU_RATE),
-            "NVMe": tiers.offload_step_time(6.7e9, 8, 3.33, "nvme", 64e9, OFFLOAD_CPU_RATE,
-                                            *OFFLOAD_DISK)}
-    for i, time in enumerate(rows.values()):
+    rows = {"host": tiers.offload_step_time(OFFLOAD_PSI, 1, OFFLOAD_COMPUTE, "host", 64e9,
+                                            OFFLOAD_CPU_RATE),
+            "NVMe": tiers.offload_step_time(OFFLOAD_PSI, 1, OFFLOAD_COMPUTE, "nvme", 64e9,
+                                            OFFLOAD_CPU_RATE, *OFFLOAD_DISK)}
+    state = tiers.model_state_by_tier(OFFLOAD_PSI, 2, 1).device / GB
+    ax.text(1.5, 0, f"does not fit: {state:.0f} GB of model state > 80 GB", va="center",
+            color="0.3")
+    for i, time in enumerate(rows.values(), start=1):
         left = 0.0
         for j, part in enumerate(parts):
             value = getattr(time, part)
-            ax.barh(i, value, left=left, color=COLORS(j), label=part if i == 0 else None)
+            ax.barh(i, value, left=left, color=COLORS(j), label=part if i == 1 else None)
             left += value
         ax.text(left, i, f" {left:.1f} s", va="center")
-    ax.set_yticks(range(len(rows)), list(rows))
-    ax.invert_yaxis()
+    ax.set_yticks(range(len(rows) + 1), ["no offload", *rows])
+    ax.set_ylim(len(rows) + 0.6, -0.6)  # top to bottom, room for the row without a bar
     ax.set_xlabel("seconds per step")
-    ax.set_title("7B on 8 H100s, ZeRO-2: what offload adds (CPU Adam 2 G param/s, NVMe read 3 "
-                 "GB/s, write 2 GB/s: assumed)", fontsize=11)
+    ax.set_title("7B on one H100: what offload costs (CPU Adam 2 G param/s, NVMe read 3 GB/s, "
+                 "write 2 GB/s: assumed)", fontsize=11)
     ax.legend(fontsize=9, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.22))
     fig.tight_layout()
     return fig
@@ -1464,23 +1488,24 @@ def ring_attention_steps(cp: int = 4) -> Figure:
 
 
 def online_softmax_merge() -> Figure:
-    """One query's softmax over 8 keys, computed as two blocks of 4 and merged."""
+    """One query's softmax over 8 keys: each of two blocks of 4 alone, and over all 8 (what a
+    merge of the two must give), with each block's share of the whole normaliser."""
     scores = [1.2, -0.3, 2.1, 0.4, 0.9, 2.6, -1.0, 0.2]
     exps = [2.718281828**x for x in scores]
     total, first, second = sum(exps), sum(exps[:4]), sum(exps[4:])
     fig, axes = plt.subplots(1, 3, figsize=(11, 3.2), sharey=True)
-    panels = [("block A alone: softmax over keys 0-3", [e / first for e in exps[:4]] + [0] * 4),
-              ("block B alone: softmax over keys 4-7", [0] * 4 + [e / second for e in exps[4:]]),
-              ("merged: A × e^(ℓA−ℓ) + B × e^(ℓB−ℓ)", [e / total for e in exps])]
+    panels = [("block A alone: softmax over keys 0–3", [e / first for e in exps[:4]] + [0] * 4),
+              ("block B alone: softmax over keys 4–7", [0] * 4 + [e / second for e in exps[4:]]),
+              ("all 8 keys: what merging A and B gives", [e / total for e in exps])]
     for ax, (title, weights) in zip(axes, panels, strict=True):
         ax.bar(range(8), weights, color=[CP_COLORS[0]] * 4 + [CP_COLORS[1]] * 4,
                edgecolor="0.3")
         ax.set_title(title, fontsize=11)
         ax.set_xticks(range(8))
-        ax.set_xlabel("key")
-    axes[0].set_ylabel("weight p_j")
-    axes[2].text(0.02, 0.93, f"e^(ℓA−ℓ) = {first / total:.2f}\ne^(ℓB−ℓ) = {second / total:.2f}",
-                 transform=axes[2].transAxes, va="top", fontsize=10)
+        ax.set_xlabel("key $j$")
+    axes[0].set_ylabel("weight $p_j$")
+    shares = rf"share of $\Sigma_j\, e^{{x_j}}$: A {first / total:.2f}, B {second / total:.2f}"
+    axes[2].text(0.02, 0.95, shares, transform=axes[2].transAxes, va="top", fontsize=10)
     fig.tight_layout()
     return fig
 
@@ -1607,22 +1632,25 @@ def hierarchical_phases() -> Figure:
 
 
 def inter_node_bytes() -> Figure:
-    """Bytes each GPU sends between nodes per byte of tensor: flat ring against hierarchical,
-    for n nodes of g = 8 GPUs."""
+    """Bytes through the busiest inter-node port per byte of tensor: the flat ring on one
+    channel and on g channels (NCCL's, a channel per NIC) against hierarchical, for n nodes of
+    g = 8 GPUs."""
     fig, ax = plt.subplots(figsize=(9, 3.8))
     nodes = [2, 4, 8, 16, 32, 64]
     g = 8
     flat = [ring_bytes_sent("all_reduce", 1.0, n * g) for n in nodes]
     hierarchical = [hierarchical_bytes(1.0, n, g)["inter"] for n in nodes]
-    ax.plot(nodes, flat, "o-", lw=2.5, label="flat ring: 2(ng-1)/(ng) · S, through the inter-node "
-            "link on every step")
+    ax.plot(nodes, flat, "o-", lw=2.5, label="flat ring, 1 channel: 2(ng-1)/(ng) · S through one "
+            "GPU's port")
+    ax.plot(nodes, [bytes_ / g for bytes_ in flat], "o--", lw=2.5,
+            label="flat ring, g channels (NCCL): 2(ng-1)/(ng) · S/g through every port")
     ax.plot(nodes, hierarchical, "o-", lw=2.5, label="hierarchical: 2(n-1)/n · S/g")
     ax.set_xscale("log", base=2)
     ax.set_xticks(nodes, [str(n) for n in nodes])
     ax.set_ylim(0, 2.2)
     ax.set_xlabel("nodes n (8 GPUs each)")
     ax.set_ylabel("bytes between nodes / S")
-    ax.set_title("What each GPU sends across nodes in one all-reduce of S bytes")
+    ax.set_title("Through the busiest inter-node port, in one all-reduce of S bytes")
     ax.legend(fontsize=10)
     fig.tight_layout()
     return fig
@@ -1636,6 +1664,8 @@ def two_tier_time_against_size() -> Figure:
     for algorithm in TWO_TIER_ALGORITHMS:
         ax.loglog(sizes, [LAB_NETWORK.all_reduce_time(algorithm, s, 4) * 1e3 for s in sizes],
                   lw=2.5 if algorithm in ("ring", "hierarchical") else 1.5, label=algorithm)
+    ax.loglog(sizes, [LAB_NETWORK.all_reduce_time("ring", s, 4, channels=2) * 1e3 for s in sizes],
+              "--", lw=2.5, color="0.4", label="ring on 2 channels (NCCL-like; not among auto's)")
     crossover = next(s for s in sizes if LAB_NETWORK.best_all_reduce(s, 4) == "hierarchical")
     ax.axvline(crossover, color="0.5", ls="--", lw=1)
     ax.text(crossover * 1.15, 2, "auto: hierarchical from here", fontsize=10, color="0.3")
@@ -1709,6 +1739,7 @@ FIGURES: dict[str, Callable[[], Figure]] = {
     "broadcast-reduce-all-reduce": collectives_part_one,
     "all-gather-reduce-scatter-send": collectives_part_two,
     "reduce-scatter-then-all-gather": reduce_scatter_then_all_gather,
+    "ring-phases": ring_phases,
     "ring-reduce-scatter-steps": ring_reduce_scatter_steps,
     "ring-bytes-against-n": ring_bytes_against_n,
     "alpha-beta-time": alpha_beta_time,

@@ -149,7 +149,13 @@ def test_student_release_has_no_solutions_and_make_lab_opens_the_labs(guided: di
     names = {path.name for path in release.iterdir()}
     assert not names & {"solutions", "tests", "nbgrader_config.py", "cluster_setup"}
     assert not (release / "tools" / "grading").exists(), "the grading tooling is instructors' only"
-    assert {"labs", "lib", "slides", "README.md", "requirements.txt", "Makefile"} <= names
+    assert {"labs", "lib", "slides", "bench", "README.md", "requirements.txt", "Makefile"} <= names
+    # The benchmarks the labs and README send students to ship; the scripts that drive the
+    # hidden tests and the fakes do not.
+    for shipped in ("gpu_check.py", "allreduce_busbw.py"):
+        assert (release / "bench" / shipped).exists(), f"bench/{shipped} is not in the release"
+    assert not (release / "bench" / "self_grade_every_lab.py").exists()
+    assert not (release / "bench" / "grading_on_any_machine.py").exists()
     assert not list(release.rglob("gradebook.db"))
     text = all_text(release)
     notebooks = sorted((clone / "solutions").glob("*/*.ipynb"))
@@ -247,6 +253,46 @@ def test_update_keeps_the_students_edits_and_brings_the_change(tmp_path: Path) -
     assert "Course fix" in nbformat.read(beside[0], as_version=4).cells[0].source
     assert (student / "my-labs" / new_lab / f"{new_lab}.ipynb").exists()
     assert "none of your labs changed" in sh("make update", student)
+
+
+def test_labs_reference_links_resolve_in_my_labs_and_updates_keep_an_edited_copy(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """JupyterLab serves my-labs/ and nothing above it, so the labs link the reference page as
+    ../REFERENCES.md: my_labs.py puts the course's page there, refreshes it when the course
+    changes it, and keeps a copy the student edited (the new one goes beside it)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("my_labs", REPO / "tools" / "my_labs.py")
+    my_labs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(my_labs)
+    course, mine = tmp_path / "labs", tmp_path / "my-labs"
+    (course / "13_long_context").mkdir(parents=True)
+    (course / "13_long_context" / "13_long_context.ipynb").write_text("{}")
+    references = tmp_path / "REFERENCES.md"
+    references.write_text('<a id="ring-attention"></a>\n')
+    for name, value in {"ROOT": tmp_path, "COURSE": course, "MINE": mine,
+                        "COPIED_FROM": mine / ".course", "REFERENCES": references}.items():
+        monkeypatch.setattr(my_labs, name, value)
+
+    my_labs.copy()
+    copied = mine / "REFERENCES.md"
+    assert copied.read_text() == references.read_text()
+    for notebook in sorted(REPO.glob("labs/*/*.ipynb")):
+        for target in re.findall(r"\]\(([^)#]*REFERENCES\.md)", notebook.read_text()):
+            reached = (mine / notebook.parent.name / target).resolve()
+            assert reached == copied.resolve(), (
+                f"{notebook.relative_to(REPO)} links {target}: from my-labs/ that is {reached}, "
+                f"not my-labs/REFERENCES.md (write ../REFERENCES.md)")
+
+    references.write_text('<a id="ring-attention"></a>\n<a id="gqa"></a>\n')
+    my_labs.update()
+    assert copied.read_text() == references.read_text(), "update left the old page"
+    copied.write_text("my notes\n")
+    references.write_text('<a id="gqa"></a>\n')
+    my_labs.update()
+    assert copied.read_text() == "my notes\n", "update overwrote the student's edited copy"
+    beside = list(mine.glob("REFERENCES.updated-*.md"))
+    assert len(beside) == 1 and beside[0].read_text() == references.read_text(), beside
 
 
 # --- Saved notebooks -----------------------------------------------------------------------

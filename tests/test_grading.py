@@ -756,6 +756,28 @@ def test_j_correct_alternatives_score_full(lab: str, course: Course, mistaken: M
 
 
 @pytest.mark.parametrize("lab", LABS)
+def test_every_stub_names_its_exercise_and_how_to_go_on(lab: str) -> None:
+    """Run All stops at the first check of an unwritten exercise: the student's stub says which
+    exercise it is and how to run the cells below it (tools/grading/stubs.py), never a bare
+    NotImplementedError."""
+    released = read_notebook(REPO / "labs" / lab / f"{lab}.ipynb")
+    for cell in released.cells:
+        grade_id = nbgrader_meta(cell).get("grade_id")
+        if cell.cell_type != "code" or "NotImplementedError" not in cell.source:
+            continue
+        raised = [node.exc for node in ast.walk(ast.parse(cell.source))
+                  if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)
+                  and getattr(node.exc.func, "id", "") == "NotImplementedError"]
+        assert raised, f"{lab}: {grade_id}'s stub raises a bare NotImplementedError"
+        for call in raised:
+            message = ast.literal_eval(call.args[0]) if call.args else ""
+            assert (f"(cell {grade_id})" in message
+                    and "Run Selected Cell and All Below" in message), (
+                f"{lab}: {grade_id}'s stub should name its cell and say how to run the cells "
+                f"below it; it says {message!r}")
+
+
+@pytest.mark.parametrize("lab", LABS)
 def test_every_exercise_has_two_fakes_and_every_graded_cell_hidden_tests(lab: str) -> None:
     """Read from the sources alone (test i grades the fakes): an implementation exercise (a
     solution cell that defines a function) needs at least two fakes, and a graded test cell

@@ -555,9 +555,11 @@ def test_an_in_place_job_frees_its_groups_before_python_shuts_down(tmp_path):
     script.write_text(textwrap.dedent("""
         import atexit, os
         # Registered first, so it runs after run()'s own exit handler has left the group.
-        atexit.register(lambda: print("threads at shutdown:", sorted(
-            open(f"/proc/self/task/{task}/comm").read().strip()
-            for task in os.listdir("/proc/self/task")), flush=True))
+        def threads():
+            return sorted(open(f"/proc/self/task/{task}/comm").read().strip()
+                          for task in os.listdir("/proc/self/task"))
+        # One write per line, so the two ranks' lines cannot interleave.
+        atexit.register(lambda: print(f"threads at shutdown: {threads()}", flush=True))
         import torch
         from minidist.communication import collectives
         from minidist.core.launch import run

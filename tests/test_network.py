@@ -1,10 +1,11 @@
 """minidist.communication.network: the emulated two-tier network, its alpha-beta model,
-hierarchical all-reduce against torch.distributed's all-reduce on 2 x 2, 2 x 3 and 3 x 2 ranks, and
-bad input.
+hierarchical all-reduce and the flat ring on g channels against torch.distributed's all-reduce on 2
+x 2, 2 x 3 and 3 x 2 ranks, and bad input.
 
 No test here reads a clock to judge speed: the emulation is checked on its mechanism (which port
 a message takes, when it is scheduled to leave and arrive, that a delayed isend returns at once
-and that what it sends arrives), hierarchical all-reduce on its results and its bytes per tier.
+and that what it sends arrives), hierarchical all-reduce on its results and its bytes per tier,
+the channel rings on their results, their messages' order and their bytes per peer and port.
 Measured ratios are bench/hierarchical_allreduce.py's job.
 """
 
@@ -19,7 +20,7 @@ import torch.distributed as dist
 from minidist.communication import collectives, comm, network
 from minidist.communication.counting import count_traffic
 from minidist.communication.mesh import Mesh
-from minidist.communication.network import TwoTier, hierarchical_bytes
+from minidist.communication.network import Network, TwoTier, hierarchical_bytes
 from minidist.core import interposer
 from minidist.core.launch import RankError, run
 from minidist.costs import cost
@@ -39,7 +40,7 @@ def _integers(numel: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
 # --- On ranks: one launch per layout -----------------------------------------------------------
 
 
-def _check_equal_to_torch(rank: int, tiers: TwoTier) -> list[str]:
+def _check_equal_to_torch(rank: int, net: Network) -> list[str]:
     failures = []
     for numel in SIZES:
         for dtype in DTYPES:
@@ -49,17 +50,17 @@ def _check_equal_to_torch(rank: int, tiers: TwoTier) -> list[str]:
                 dist.all_reduce(expected)
                 if op == "avg":
                     expected /= dist.get_world_size()
-                returned = collectives.all_reduce(ours, op, impl="hierarchical")
+                returned = collectives.all_reduce(ours, op, impl="hierarchical", network=net)
                 if returned is not ours or not torch.equal(ours, expected):
                     failures.append(f"numel={numel}, {dtype}, op={op}")
     return failures
 
 
-def _check_bytes_per_tier(rank: int, tiers: TwoTier) -> list[str]:
+def _check_bytes_per_tier(rank: int, net: Network) -> list[str]:
     """Each rank sends 2(g-1)/g * S inside its node and 2(n-1)/n * S/g across: exactly when
     n*g divides the tensor, within one element per step otherwise; inside the node to its
     right neighbour, across nodes only to its own local rank on the next node."""
-    failures = []
+    failures, tiers = [], net.tiers
     world, g = dist.get_world_size(), tiers.ranks_per_node
     n = world // g
     node, local = divmod(rank, g)
@@ -68,7 +69,7 @@ def _check_bytes_per_tier(rank: int, tiers: TwoTier) -> list[str]:
         for dtype in DTYPES:
             tensor = torch.ones(numel, dtype=dtype)
             with count_traffic() as log:
-                collectives.all_reduce(tensor, impl="hierarchical")
+                collectives.all_reduce(tensor, impl="hierarchical", network=net)
             counted = tiers.bytes_per_tier(log.sends, rank)
             formula = hierarchical_bytes(numel * tensor.element_size(), n, g)
             steps = {"intra": 2 * (g - 1), "inter": 2 * (n - 1)}
@@ -105,13 +106,15 @@ def _check_mesh(rank: int, tiers: TwoTier) -> list[str]:
     # impl="hierarchical" over the mesh's dp group (the whole job) works too; over part of the
     # job it refuses, before sending anything
     tensor = torch.ones(10)
-    collectives.all_reduce(tensor, group=mesh.group("dp"), impl="hierarchical")
+    collectives.all_reduce(tensor, group=mesh.group("dp"), impl="hierarchical",
+                           network=mesh.network)
     if not torch.equal(tensor, torch.full((10,), float(dist.get_world_size()))):
         failures.append(f"hierarchical on the dp group gave {tensor.tolist()}")
     part = dist.new_group(list(range(g)))
     if rank < g:
         try:
-            collectives.all_reduce(torch.ones(4), group=part, impl="hierarchical")
+            collectives.all_reduce(torch.ones(4), group=part, impl="hierarchical",
+                                   network=mesh.network)
             failures.append("hierarchical on part of the job did not raise")
         except ValueError as error:
             if "part of it" not in str(error):
@@ -119,20 +122,20 @@ def _check_mesh(rank: int, tiers: TwoTier) -> list[str]:
     return failures
 
 
-def _check_auto(rank: int, tiers: TwoTier) -> list[str]:
+def _check_auto(rank: int, net: Network) -> list[str]:
     """auto follows the two-tier model: large tensors go hierarchical (its bytes across
     nodes), the smallest ones the algorithm the model names."""
-    failures = []
+    failures, tiers = [], net.tiers
     world = dist.get_world_size()
     for numel in (4, 2**18):
         nbytes = numel * 4
         expected = tiers.best_all_reduce(nbytes, world)
         tensor = torch.ones(numel)
         with count_traffic() as log:
-            collectives.all_reduce(tensor, impl="auto")
+            collectives.all_reduce(tensor, impl="auto", network=net)
         reference = torch.ones(numel)
         with count_traffic() as reference_log:
-            collectives.all_reduce(reference, impl=expected)
+            collectives.all_reduce(reference, impl=expected, network=net)
         if log.bytes_to() != reference_log.bytes_to() or not torch.equal(tensor, reference):
             failures.append(f"auto at {nbytes} B did not run {expected}")
     if tiers.best_all_reduce(2**20, world) != "hierarchical":
@@ -140,18 +143,88 @@ def _check_auto(rank: int, tiers: TwoTier) -> list[str]:
     return failures
 
 
+def _check_channels(rank: int, net: Network) -> list[str]:
+    """The flat ring on c channels (network.channels_all_reduce): equal to torch's sum for
+    c = 1, g and g + 1 (two channels between the same two ranks); each step sends one message
+    per channel, to that channel's right neighbour, in channel order; per rank, channel c's
+    bytes 2(N-1)/N * S/c go to its right in ring c, so with c = g every rank's inter-node port
+    carries exactly one channel's S/g share and the plain ring's (c = 1) only the node's last
+    rank sends across."""
+    failures, tiers = [], net.tiers
+    world, g = dist.get_world_size(), tiers.ranks_per_node
+    for channels in (1, g, g + 1):
+        rights = [ring[(ring.index(rank) + 1) % world] for ring in tiers.rings(world, channels)]
+        for numel, dtype in ((world * channels * 1000, torch.float32), (1001, torch.bfloat16)):
+            for average in (False, True):
+                ours = _integers(numel, 10 * rank + channels, dtype)
+                expected = ours.clone()
+                dist.all_reduce(expected)
+                if average:
+                    expected /= world
+                with count_traffic() as log:
+                    returned = network.channels_all_reduce(ours, network=net, channels=channels,
+                                                           average=average)
+                if returned is not ours or not torch.equal(ours, expected):
+                    failures.append(f"channels={channels}, numel={numel}, {dtype}, "
+                                    f"average={average}: not torch's result")
+                if numel % (world * channels) or average:
+                    continue
+                # Mechanism: the order of the messages, then the bytes per peer and per port
+                steps = 2 * (world - 1)
+                if [peer for peer, _ in log.sends] != rights * steps:
+                    failures.append(f"channels={channels}: sent to {[p for p, _ in log.sends]}, "
+                                    f"expected each step {rights} (one message per channel)")
+                share = 2 * (world - 1) / world * numel * 4 / channels  # one channel's bytes
+                expected_to = {}
+                for right in rights:
+                    expected_to[right] = expected_to.get(right, 0) + share
+                if log.bytes_to() != expected_to:
+                    failures.append(f"channels={channels}: bytes to {log.bytes_to()}, "
+                                    f"expected {expected_to}")
+                crossing = sum(tiers.tier(rank, right) == "inter" for right in rights)
+                inter = tiers.bytes_per_tier(log.sends, rank)["inter"]
+                if channels == g and world > g and inter != share:
+                    failures.append(f"channels={g}: {inter} B across nodes, expected one "
+                                    f"channel's {share:.0f}")
+                if channels == 1 and inter != (share if rank % g == g - 1 and world > g else 0):
+                    failures.append(f"one channel: local rank {rank % g} sent {inter} B across")
+                if inter != crossing * share:
+                    failures.append(f"channels={channels}: {inter} B across, {crossing} "
+                                    f"crossing channel(s) of {share:.0f}")
+    return failures
+
+
 def _on_layout(rank: int, world_size: int, g: int) -> dict[str, list[str]]:
     tiers = TwoTier(ranks_per_node=g, emulated=False)  # the same sends, without the delays
-    Mesh(dp=world_size, network=tiers)
-    results = {check.__name__.removeprefix("_check_"): check(rank, tiers)
-               for check in (_check_equal_to_torch, _check_bytes_per_tier, _check_auto)}
+    net = Mesh(dp=world_size, network=tiers).network
+    results = {check.__name__.removeprefix("_check_"): check(rank, net)
+               for check in (_check_equal_to_torch, _check_bytes_per_tier, _check_auto,
+                             _check_channels)}
     results["mesh"] = _check_mesh(rank, tiers)
+    # hierarchical without the nodes: a clear error naming the fix, before anything is sent
+    try:
+        collectives.all_reduce(torch.ones(4), impl="hierarchical")
+        results["mesh"].append("hierarchical without a network did not raise")
+    except ValueError as error:
+        if "network=mesh.network" not in str(error):
+            results["mesh"].append(f"unclear error: {error}")
     # The same all-reduce under the emulation: equal results, every message delayed
     emulated = TwoTier(ranks_per_node=g, inter_bandwidth=1e9, intra_bandwidth=1e10,
                        inter_latency=1e-4, intra_latency=1e-5)
-    Mesh(dp=world_size, network=emulated)
-    results["emulated"] = _check_equal_to_torch(rank, emulated)[:1]
-    network.detach()
+    emulation = Mesh(dp=world_size, network=emulated).network
+    results["emulated"] = _check_equal_to_torch(rank, emulation)[:1]
+    tensor = _integers(999, rank, torch.float32)
+    expected = tensor.clone()
+    dist.all_reduce(expected)
+    if not torch.equal(network.channels_all_reduce(tensor, network=emulation), expected):
+        results["emulated"].append("channels_all_reduce under the emulation: not torch's sum")
+    emulation.close()
+    try:
+        network.channels_all_reduce(torch.ones(4), network=None)
+        results["channels"].append("channels_all_reduce without a network did not raise")
+    except ValueError as error:
+        if "network=mesh.network" not in str(error):
+            results["channels"].append(f"unclear error: {error}")
     return results
 
 
@@ -161,8 +234,8 @@ def _layout(nodes: int, g: int) -> list[dict[str, list[str]]]:
 
 
 @pytest.mark.parametrize(("nodes", "g"), LAYOUTS)
-@pytest.mark.parametrize("check", ["equal_to_torch", "bytes_per_tier", "auto", "mesh",
-                                   "emulated"])
+@pytest.mark.parametrize("check", ["equal_to_torch", "bytes_per_tier", "auto", "channels",
+                                   "mesh", "emulated"])
 def test_hierarchical_all_reduce(check: str, nodes: int, g: int) -> None:
     failures = {rank: r[check] for rank, r in enumerate(_layout(nodes, g)) if r[check]}
     assert not failures, f"{check} failed on {nodes} nodes x {g} ranks: {failures}"
@@ -174,7 +247,7 @@ def test_hierarchical_all_reduce(check: str, nodes: int, g: int) -> None:
 def _emulation_mechanism(rank: int, world_size: int) -> dict:
     tiers = TwoTier(ranks_per_node=2, intra_bandwidth=100e6, inter_bandwidth=10e6,
                     intra_latency=1e-3, inter_latency=5e-3)
-    Mesh(dp=4, network=tiers)
+    emulation = Mesh(dp=4, network=tiers).network
     found: dict = {}
     message = torch.full((2**18,), float(rank))  # 1 MiB: 10 ms inside, 100 ms across
     if rank == 0:
@@ -198,7 +271,7 @@ def _emulation_mechanism(rank: int, world_size: int) -> dict:
     with count_traffic() as log:
         dist.all_reduce(torch.ones(4))
     found["torch collective sends"] = log.messages
-    network.detach()
+    emulation.close()
     found["send restored"] = "route" not in interposer.subscribers("ProcessGroup.send")
     work = dist.isend(torch.ones(1), (rank + 1) % 4)
     found["after detach"] = type(work).__name__
@@ -343,6 +416,52 @@ def test_the_model_charges_each_step_on_its_slowest_link() -> None:
     assert set(network.ALGORITHMS) == set(cost.ALL_REDUCE_ALGORITHMS) | {"hierarchical"}
     with pytest.raises(ValueError, match="algorithm='nccl'"):
         tiers.all_reduce_time("nccl", s, 4)
+
+
+def test_channel_rings_leave_each_node_through_a_different_port() -> None:
+    tiers = TwoTier(ranks_per_node=2)
+    assert tiers.rings(4) == [(0, 1, 2, 3)]  # channel 0: the plain ring
+    assert tiers.rings(4, 2) == [(0, 1, 2, 3), (1, 0, 3, 2)]
+    for n, g in ((2, 2), (2, 4), (3, 2), (4, 8)):
+        layout = TwoTier(ranks_per_node=g)
+        rings = layout.rings(n * g, g)
+        # every ring visits every rank once and each node's ranks one after another
+        assert all(sorted(ring) == list(range(n * g)) for ring in rings)
+        assert all([rank // g for rank in ring] == sorted(rank // g for rank in ring)
+                   for ring in rings)
+        # with g channels each rank sends across nodes in exactly one of them: every port used
+        senders = sorted(ring[i] for ring in rings for i in range(n * g)
+                         if layout.tier(ring[i], ring[(i + 1) % (n * g)]) == "inter")
+        assert senders == list(range(n * g))
+
+
+def test_the_model_prices_a_ring_on_channels_by_its_busiest_port() -> None:
+    tiers = TwoTier(ranks_per_node=2)
+    s, inter = 16 * 2**20, tiers.inter
+    assert tiers.all_reduce_time("ring", s, 4, channels=1) == tiers.all_reduce_time("ring", s, 4)
+    # g = 2 channels on 2 x 2: each step one message of S/(gN) on every rank's inter-node port
+    # (and one on its intra-node port, faster): the ring on half the tensor
+    assert tiers.all_reduce_time("ring", s, 4, channels=2) == pytest.approx(
+        6 * (inter.alpha + s / 8 * inter.beta))
+    assert tiers.all_reduce_time("ring", s, 4, channels=2) == pytest.approx(
+        cost.all_reduce_time("ring", s / 2, 4, inter.alpha, inter.beta))
+    # more channels than ports: two of the three cross through one rank's port
+    assert tiers.all_reduce_time("ring", s, 4, channels=3) == pytest.approx(
+        6 * (inter.alpha + 2 * s / 12 * inter.beta))
+    # g = 8 with fast inter-node links: a rank's intra-node port carries g - 1 = 7 channels'
+    # messages each step and becomes the busiest
+    wide = TwoTier(ranks_per_node=8, intra_bandwidth=100e6, inter_bandwidth=50e6)
+    chunk = s / 8 / 16
+    assert wide.all_reduce_time("ring", s, 16, channels=8) == pytest.approx(
+        30 * (wide.intra_latency + 7 * chunk / 100e6))
+    # hierarchical against the flat ring: far ahead of one channel, a little ahead of g
+    hierarchical = tiers.all_reduce_time("hierarchical", s, 4)
+    assert hierarchical / tiers.all_reduce_time("ring", s, 4) == pytest.approx(0.40, abs=0.01)
+    assert hierarchical / tiers.all_reduce_time("ring", s, 4, 2) == pytest.approx(0.79, abs=0.01)
+    with pytest.raises(ValueError, match="channels=2: only the flat ring runs on channels"):
+        tiers.all_reduce_time("hierarchical", s, 4, channels=2)
+    with pytest.raises(ValueError, match="channels=0"):
+        tiers.all_reduce_time("ring", s, 4, channels=0)
 
 
 def test_hierarchical_bytes_is_the_reference_formula() -> None:

@@ -7,6 +7,10 @@
 labs/ is the course's, updated by `git pull`; my-labs/ (gitignored) is the student's. Each copy
 remembers the course version it came from (my-labs/.course/<lab>/), so an update can tell which
 labs the course changed since, and never needs to touch the student's files.
+
+Both also put the course's reference page in my-labs/REFERENCES.md, where the labs' links
+(../REFERENCES.md#...) find it: JupyterLab serves my-labs/ and nothing above it. A student who
+edited that copy keeps it; the new version goes beside it, as a changed lab's does.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 COURSE = ROOT / "labs"
 MINE = ROOT / "my-labs"
 COPIED_FROM = MINE / ".course"  # each lab as the course had it when last copied or updated
+REFERENCES = ROOT / "REFERENCES.md"  # the course's reference page, which every lab links
 IGNORED = {".ipynb_checkpoints", "__pycache__"}
 
 
@@ -85,14 +90,33 @@ def place_changes(lab: str) -> list[Path]:
     return placed
 
 
+def copy_references() -> Path | None:
+    """Put the course's REFERENCES.md in my-labs/ if it is new or changed; the path written, or
+    None. The student's copy is overwritten only if it is as last copied."""
+    mine, before = MINE / REFERENCES.name, COPIED_FROM / REFERENCES.name
+    if not REFERENCES.exists() or (
+            mine.exists() and filecmp.cmp(mine, REFERENCES, shallow=False)):
+        return None
+    edited = mine.exists() and not (before.exists() and filecmp.cmp(mine, before, shallow=False))
+    target = updated_name(mine) if edited else mine
+    shutil.copy2(REFERENCES, target)
+    COPIED_FROM.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(REFERENCES, before)
+    return target
+
+
 def copy() -> None:
     MINE.mkdir(exist_ok=True)
+    copy_references()
     for lab in copy_new_labs():
         print(f"my-labs/{lab}: copied from labs/{lab}; work here, updates never overwrite it")
 
 
 def update() -> None:
     MINE.mkdir(exist_ok=True)
+    if (placed := copy_references()) is not None and placed.name != REFERENCES.name:
+        print(f"REFERENCES.md changed in the course: the new version is in "
+              f"{placed.relative_to(ROOT)}; your copy is as you left it")
     changed = [
         lab for lab in labs(COURSE)
         if (MINE / lab).exists() and not (

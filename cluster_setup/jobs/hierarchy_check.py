@@ -55,9 +55,10 @@ def check(rank: int, world_size: int, nbytes: int, rounds: int) -> dict:
                                        or [float("inf")]) for tier in ("intra", "inter")}
     tiers = TwoTier(ranks_per_node=per_node, intra_bandwidth=medians["intra"],
                     inter_bandwidth=medians["inter"], emulated=False)
-    Mesh(dp=world_size, network=tiers)
+    net = Mesh(dp=world_size, network=tiers).network
     tensor = torch.zeros(nbytes // 4, device=device())
-    times = time_in_turns({impl: (lambda impl=impl: collectives.all_reduce(tensor, impl=impl))
+    times = time_in_turns({impl: (lambda impl=impl: collectives.all_reduce(tensor, impl=impl,
+                                                                           network=net))
                            for impl in ("ring", "hierarchical", "torch")}, rounds,
                           device=device())
     return {"tiers": tiers, "nodes": world_size // per_node, "medians": medians,

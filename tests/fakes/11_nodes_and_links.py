@@ -40,9 +40,14 @@ FAKES = {
 """),
     ],
     "impl-hierarchical": [
-        Fake("calls the library", "writes no hierarchy: delegates to collectives.all_reduce",
+        Fake("calls the library", "writes no hierarchy: delegates to collectives.all_reduce "
+             "over a network of its own",
              checked_by=("test-hierarchical",), source="""\
-    return collectives.all_reduce(tensor, impl="hierarchical")
+    from minidist.communication.mesh import Mesh
+    from minidist.communication.network import TwoTier
+    tiers = TwoTier(ranks_per_node=dist.get_world_size(node_group), emulated=False)
+    mesh = Mesh(dp=dist.get_world_size(), network=tiers)
+    return collectives.all_reduce(tensor, impl="hierarchical", network=mesh.network)
 """),
         Fake("flat ring", "no hierarchy: one ring over every rank, crossing nodes on every step",
              checked_by=("test-hierarchical",), source="""\
@@ -75,6 +80,22 @@ FAKES = {
         if shard.grad is not None:
             dist.all_reduce(shard.grad, group=cross_group)
             shard.grad /= dist.get_world_size(cross_group)
+"""),
+        Fake("sums instead of averaging",
+             "the ring across nodes, but summed: every gradient twice FSDP's, the step too long",
+             checked_by=("test-hsdp",), source="""\
+    for shard in model.parameters():
+        if shard.grad is not None:
+            collectives.all_reduce(shard.grad, group=cross_group, impl="ring")
+"""),
+        Fake("divides by the whole job",
+             "sums across nodes, then divides by all 4 ranks: the node's average was taken "
+             "already, so every gradient is half FSDP's",
+             checked_by=("test-hsdp",), source="""\
+    for shard in model.parameters():
+        if shard.grad is not None:
+            collectives.all_reduce(shard.grad, group=cross_group, impl="ring")
+            shard.grad /= dist.get_world_size()
 """),
     ],
     "impl-sweep": [

@@ -55,6 +55,92 @@ FAKES = {
              checked_by=("test-ring-forward",),
              source="""    out, lse = context_parallel.ring_forward(q, k, v, causal, group)"""),
     ],
+    "impl-ring-backward": [
+        Fake("autograd over all-gathered keys and values",
+             "the ring: all-gathers K and V, lets autograd differentiate attention of the "
+             "rank's queries over the whole sequence, and reduce-scatters the K and V "
+             "gradients to their owners (right numbers; nothing travels with its block)",
+             checked_by=("test-ring-backward",),
+             source="""    n = q.shape[2]
+    keys = collectives.all_gather_along(k.float(), 2, group).requires_grad_()
+    values = collectives.all_gather_along(v.float(), 2, group).requires_grad_()
+    queries = q.float().requires_grad_()
+    scores = queries @ keys.transpose(-2, -1) / q.shape[-1] ** 0.5
+    if causal:
+        mine = torch.arange(rank * n, (rank + 1) * n).unsqueeze(1)
+        scores = scores.masked_fill(torch.arange(size * n).unsqueeze(0) > mine, float("-inf"))
+    (scores.softmax(-1) @ values).backward(grad_out.float())
+    grad_k = collectives.reduce_scatter_along(keys.grad, 2, group)
+    grad_v = collectives.reduce_scatter_along(values.grad, 2, group)
+    return queries.grad.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype)"""),
+        Fake("brings the gradients home by an all-reduce",
+             "the gradients' journey with their blocks: the key/value blocks go around the "
+             "ring and each share is computed there, but into a buffer of the whole "
+             "sequence's K and V gradients, all-reduced at the end (right numbers, more bytes "
+             "than the ring from cp = 4 on)",
+             checked_by=("test-ring-backward",),
+             source="""    n, scale = q.shape[2], q.shape[-1] ** -0.5
+    queries, grad_out32 = q.float(), grad_out.float()
+    delta = (grad_out32 * out.float()).sum(-1, keepdim=True)
+    grad_q = torch.zeros_like(queries)
+    every = torch.zeros(2, *q.shape[:2], size * n, q.shape[3])  # all blocks' dK, dV
+    for step in range(size):
+        source = (rank - step) % size
+        if not causal or source <= rank:
+            keys, values = block[0].float(), block[1].float()
+            scores = queries @ keys.transpose(-2, -1) * scale
+            if causal and source == rank:
+                hidden = torch.ones(n, n, dtype=torch.bool).triu(1)
+                scores = scores.masked_fill(hidden, float("-inf"))
+            probs = (scores - lse.float().unsqueeze(-1)).exp()
+            grad_scores = probs * (grad_out32 @ values.transpose(-2, -1) - delta)
+            grad_q += grad_scores @ keys * scale
+            rows = slice(source * n, (source + 1) * n)
+            every[0][:, :, rows] += grad_scores.transpose(-2, -1) @ queries * scale
+            every[1][:, :, rows] += probs.transpose(-2, -1) @ grad_out32
+        if step < size - 1:
+            block = collectives.shift(block, group, "backward")
+    collectives.all_reduce(every, "sum", group)
+    home = every[:, :, :, rank * n:(rank + 1) * n]
+    return grad_q.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype)"""),
+        Fake("computes in the inputs' dtype",
+             "fp32 accumulation: the ring and the gradients' journey are right, but every "
+             "product and sum runs in the inputs' dtype (right in fp32, off by percents in "
+             "bf16)",
+             checked_by=("test-ring-backward",),
+             source="""    scale = q.shape[-1] ** -0.5
+    delta = (grad_out * out).sum(-1, keepdim=True)
+    grad_q = torch.zeros_like(q)
+    arriving = None
+    for step in range(size):
+        source = (rank - step) % size
+        travelling = None
+        if step < size - 1:
+            travelling = collectives.shift(block, group, "backward", async_op=True)
+        grads = torch.zeros_like(block)
+        if not causal or source <= rank:
+            scores = q @ block[0].transpose(-2, -1) * scale
+            if causal and source == rank:
+                hidden = torch.ones(q.shape[2], q.shape[2], dtype=torch.bool).triu(1)
+                scores = scores.masked_fill(hidden, float("-inf"))
+            probs = (scores - lse.to(q.dtype).unsqueeze(-1)).exp()
+            grads[1] = probs.transpose(-2, -1) @ grad_out
+            grad_scores = probs * (grad_out @ block[1].transpose(-2, -1) - delta)
+            grad_q += grad_scores @ block[0] * scale
+            grads[0] = grad_scores.transpose(-2, -1) @ q * scale
+        if arriving is not None:
+            grads += arriving.wait()
+        arriving = collectives.shift(grads, group, "backward", async_op=True)
+        if travelling is not None:
+            block = travelling.wait()
+    home = arriving.wait()
+    return grad_q, home[0], home[1]"""),
+        Fake("calls the library",
+             "writes no backward: delegates to context_parallel.ring_backward",
+             checked_by=("test-ring-backward",),
+             source="""    found = (q, k, v, out, lse, grad_out)
+    return context_parallel.ring_backward(*found, causal, group)"""),
+    ],
     "impl-zigzag": [
         Fake("keeps the plain split",
              "the zigzag pairing: cuts the sequence into cp contiguous parts, so causal work "
@@ -147,6 +233,42 @@ FAKES = {
 }
 
 ALTERNATIVES = {
+    "impl-ring-backward": [
+        Alternative("the gradients travel in the inputs' dtype",
+                    "sums in fp32 on each rank, as the spec asks, but the travelling gradient "
+                    "goes in the inputs' dtype, as the library sends it (half the bytes in bf16); "
+                    "the spec allows either", ("test-ring-backward",), """\
+    scale = q.shape[-1] ** -0.5
+    queries, grad_out32 = q.float(), grad_out.float()
+    delta = (grad_out32 * out.float()).sum(-1, keepdim=True)
+    grad_q = torch.zeros_like(queries)
+    arriving = None
+    for step in range(size):
+        source = (rank - step) % size
+        travelling = None
+        if step < size - 1:
+            travelling = collectives.shift(block, group, "kv", async_op=True)
+        grads = torch.zeros(block.shape)
+        if not causal or source <= rank:
+            keys, values = block[0].float(), block[1].float()
+            scores = queries @ keys.transpose(-2, -1) * scale
+            if causal and source == rank:
+                hidden = torch.ones(q.shape[2], q.shape[2], dtype=torch.bool).triu(1)
+                scores = scores.masked_fill(hidden, float("-inf"))
+            probs = (scores - lse.float().unsqueeze(-1)).exp()
+            grads[1] = probs.transpose(-2, -1) @ grad_out32
+            grad_scores = probs * (grad_out32 @ values.transpose(-2, -1) - delta)
+            grad_q += grad_scores @ keys * scale
+            grads[0] = grad_scores.transpose(-2, -1) @ queries * scale
+        if arriving is not None:
+            grads += arriving.wait().float()
+        arriving = collectives.shift(grads.to(block.dtype), group, "grads", async_op=True)
+        if travelling is not None:
+            block = travelling.wait()
+    home = arriving.wait()
+    return grad_q.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype)
+"""),
+    ],
     "impl-predict": [
         Alternative("the ring step by step", "walks the ring's cp steps one by one and sums them, "
                     "with s/cp as real division and the terms in another order: the same model, "

@@ -3,7 +3,7 @@
     collectives.all_reduce(t)                          # the backend's all-reduce (gloo, NCCL)
     collectives.all_reduce(t, impl="ring")             # minidist's ring, from send/recv
     collectives.all_reduce(t, impl="auto")             # the fastest of minidist's algorithms
-    collectives.all_reduce(t, impl="hierarchical")     # inside nodes, then across (network)
+    collectives.all_reduce(t, impl="hierarchical", network=mesh.network)  # nodes, then across
     shard = collectives.reduce_scatter(flat)           # this rank's shard of the sum
     full = collectives.all_gather(shard, flat.numel()) # the whole flat tensor again
 
@@ -17,9 +17,9 @@ Every module of minidist that communicates calls these functions and nothing els
   algorithm name runs minidist's own, built from point-to-point sends
   (`minidist.communication.streaming`), whose every byte a log counts: all_reduce "ring",
   "recursive_doubling", "tree", "rabenseifner", "hierarchical" (reduce-scatter inside each node,
-  all-reduce across nodes, all-gather inside: `minidist.communication.network`, on the nodes a
-  `Mesh(..., network=...)` declared) or "auto" (the one `streaming.fit_links` predicts fastest on
-  this group, or, where the job's network is known, the one its two-tier alpha-beta model does);
+  all-reduce across nodes, all-gather inside: `minidist.communication.network`, on the nodes of
+  the `network` given, `mesh.network`) or "auto" (the one `streaming.fit_links` predicts fastest
+  on this group, or, given the job's `network`, the one its two-tier alpha-beta model does);
   reduce_scatter and all_gather "ring"; broadcast "tree"; all_to_all "pairwise".
 - **`group` means one thing.** A process group (such as `mesh.group("dp")` of a
   `minidist.communication.mesh.Mesh`, the one place groups are made), or None: the default process
@@ -43,9 +43,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from minidist.communication import network, streaming
+from minidist.communication import streaming
 from minidist.communication.comm import Ring, binomial_broadcast, chunk_bounds, ring_of
 from minidist.communication.counting import record
+from minidist.communication.network import Network, hierarchical
 from minidist.core._checks import require_process_group
 from minidist.core._groups import per_group_cache
 from minidist.core.flat import copy_back, flatten
@@ -170,12 +171,14 @@ def shard_bounds(numel: int, group: dist.ProcessGroup | None = None) -> tuple[in
 
 def all_reduce(tensor: torch.Tensor, op: str | dist.ReduceOp.RedOpType = "sum",
                group: dist.ProcessGroup | None = None, impl: str = "torch", when: str = "",
-               async_op: bool = False, link: AlphaBeta | AlgorithmLinks | None = None) -> Any:
+               async_op: bool = False, link: AlphaBeta | AlgorithmLinks | None = None,
+               network: Network | None = None) -> Any:
     """Sum, average or (impl="torch" only) take the max of `tensor` over `group`, in place;
     returns it (a `Handle` with async_op=True). "auto" decides with `link`, by default the
-    links `streaming.fit_links(group)` measures on the first call and keeps, or, over a job
-    whose network a Mesh declared, with that network's two-tier model. "hierarchical" takes
-    its nodes from that Mesh (without one, every rank counts as one node's: the ring)."""
+    links `streaming.fit_links(group)` measures on the first call and keeps per group, or,
+    given the job's `network` (`mesh.network`) and a group spanning the job, with that
+    network's two-tier model: a pure function of the size, the group and those links.
+    "hierarchical" needs `network`: its nodes."""
     _check_impl("all_reduce", impl)
     flat = _flat(tensor, "all_reduce")
     name = _op_name(op, tensor, ("sum", "avg", "max") if impl == "torch" else ("sum", "avg"))
@@ -192,16 +195,17 @@ def all_reduce(tensor: torch.Tensor, op: str | dist.ReduceOp.RedOpType = "sum",
         return Handle(work, finish) if async_op else finish()
     if ring.size == 1:
         return Handle(None, finish) if async_op else finish()
-    known = network.job(group) if impl == "auto" and link is None else None
-    if known is not None:
-        impl = known.tiers.best_all_reduce(_nbytes(flat), ring.size)
+    if impl == "hierarchical" and network is None:
+        raise ValueError("impl='hierarchical' needs the nodes: pass network=mesh.network, the "
+                         "Network of a Mesh built with network=TwoTier(ranks_per_node=...)")
+    if impl == "auto" and link is None and network is not None and network.spans(group):
+        impl = network.tiers.best_all_reduce(_nbytes(flat), ring.size)
     elif impl == "auto":
         impl = streaming.best_algorithm(link or streaming.fit_links(group), _nbytes(flat),
                                         ring.size)
     if impl == "hierarchical":
-        node, across = network.node_rings(group)
-        return _run(lambda: network.hierarchical(flat, node, across, name == "avg"), async_op,
-                    finish)
+        node, across = network.rings(group)
+        return _run(lambda: hierarchical(flat, node, across, name == "avg"), async_op, finish)
     algorithm = streaming.ALGORITHMS[impl]
     return _run(lambda: algorithm(flat, ring, name == "avg"), async_op, finish)
 

@@ -90,7 +90,8 @@ class Mesh:
         if network is not None and not isinstance(network, TwoTier):
             raise ValueError(f"network={network!r}: give a minidist.communication.network.TwoTier, "
                              f"e.g. TwoTier(ranks_per_node=2)")
-        self.network = network
+        self.tiers = network
+        self.network: _network.Network | None = None  # the nodes, once the groups are made
         self.nodes = network.nodes(world) if network else 1  # checked before any group
         self.rank = dist.get_rank()
         self._groups: dict[str, dist.ProcessGroup] = {}
@@ -116,12 +117,13 @@ class Mesh:
                 if self.rank in ranks:
                     self._node_groups[kind] = group
         whole = [dist.group.WORLD, *(self._groups[d] for d in self.sizes if self.sizes[d] == world)]
-        _network.attach(network, self._node_groups["node"], self._node_groups["across"], whole)
+        self.network = _network.connect(network, self._node_groups["node"],
+                                        self._node_groups["across"], whole)
 
     def node_of(self, rank: int | None = None) -> int:
         """The node global rank `rank` (default: this one) runs on; 0 without a network."""
         rank = self.rank if rank is None else rank
-        return self.network.node_of(rank) if self.network else 0
+        return self.tiers.node_of(rank) if self.tiers else 0
 
     def node_group(self) -> dist.ProcessGroup:
         """The ranks of this rank's node (needs `network`)."""
@@ -133,7 +135,7 @@ class Mesh:
         return self._group_of("across")
 
     def _group_of(self, name: str) -> dist.ProcessGroup:
-        if self.network is None:
+        if self.tiers is None:
             raise ValueError("this Mesh was built without a network, so it does not know which "
                              "ranks share a node: build it with Mesh(..., network="
                              "TwoTier(ranks_per_node=...))")

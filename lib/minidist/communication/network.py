@@ -7,11 +7,16 @@ loopback, all equally fast. This module makes a laptop feel the difference:
 
     tiers = TwoTier(ranks_per_node=2)                # intra-node links 10x faster than inter
     mesh = Mesh(dp=4, network=tiers)                 # ranks 0,1 on node 0; ranks 2,3 on node 1
-    collectives.all_reduce(t, impl="hierarchical")   # reduce-scatter in the node, all-reduce
+    collectives.all_reduce(t, impl="hierarchical", network=mesh.network)
+                                                     # reduce-scatter in the node, all-reduce
                                                      # across nodes, all-gather in the node
 
-**It is an emulation.** Once a Mesh is built with an emulated `TwoTier` (until `detach()`, or
-the next Mesh built with a network), every point-to-point message this process sends
+The network is an argument: `mesh.network` (a `Network`) is what a collective that needs the
+nodes is given; nothing in the module remembers it.
+
+**It is an emulation.** Once a Mesh is built with an emulated `TwoTier` (until
+`mesh.network.close()`, the next Mesh built with one, or the job's end), every point-to-point
+message this process sends
 (minidist's algorithms, and a student's own dist.send / dist.isend, all of which end in torch's
 ProcessGroup.send) is held back for the time its link would take: it leaves when the sending
 rank's port for that tier is free, takes nbytes * beta on it, and arrives alpha later; only
@@ -30,9 +35,15 @@ bandwidth, both ways: the seeds' incident of an InfiniBand link silently running
 
 The alpha-beta model of the two tiers (`TwoTier.all_reduce_time`) charges each step of an
 algorithm on the slowest link it uses: the flat ring pays the inter-node link on every one of
-its 2(N-1) steps, hierarchical all-reduce sends 2(n-1)/n * S/g across nodes instead of the
-ring's 2(ng-1)/(ng) * S (n nodes of g ranks; REFERENCES.md#horovod). `collectives.all_reduce(t,
-impl="auto")` picks the algorithm this model predicts fastest whenever a network is known.
+its 2(N-1) steps. `collectives.all_reduce(t, impl="auto")` picks the algorithm this model
+predicts fastest whenever a network is known.
+
+The flat ring crosses between two nodes through ONE rank's port: the other g-1 inter-node ports
+of the node sit idle. NCCL does not: it runs several rings at once (its channels), each leaving
+the node through a different NIC (REFERENCES.md#nccl-channels). `channels_all_reduce(t,
+channels=g)` is that ring: the tensor cut into `channels` parts, part c around ring c of
+`TwoTier.rings`, which leaves each node from local rank g-1-c; `TwoTier.all_reduce_time("ring",
+S, N, channels=c)` is its cost, each step as long as its busiest port.
 """
 
 from __future__ import annotations
@@ -56,8 +67,8 @@ from minidist.core._checks import positive, positive_int
 from minidist.core._groups import members, on_forget_groups
 from minidist.costs.cost import ALL_REDUCE_ALGORITHMS, AlphaBeta
 
-__all__ = ["TwoTier", "ALGORITHMS", "hierarchical_bytes", "hierarchical", "attach", "detach",
-           "job", "node_rings", "pairwise_bandwidth", "slow_nodes"]
+__all__ = ["TwoTier", "ALGORITHMS", "hierarchical_bytes", "hierarchical", "channels_all_reduce",
+           "Network", "connect", "pairwise_bandwidth", "slow_nodes"]
 
 ALGORITHMS = (*ALL_REDUCE_ALGORITHMS, "hierarchical")
 """All-reduce algorithms the two-tier model predicts: the flat ones and the hierarchical one."""
@@ -150,20 +161,57 @@ class TwoTier:
 
     # --- The alpha-beta model of the two tiers ------------------------------------------------
 
-    def all_reduce_time(self, algorithm: str, nbytes: float, world_size: int) -> float:
+    def all_reduce_time(self, algorithm: str, nbytes: float, world_size: int,
+                        channels: int = 1) -> float:
         """Seconds the two-tier model predicts for all-reduce of `nbytes` over `world_size`
         ranks (the whole job) with `algorithm` (`ALGORITHMS`): each step costs alpha + bytes *
         beta on the slowest link any rank uses in it. The busiest rank's bytes are the
-        cost.all_reduce_coefficients ones; additions are left out."""
+        cost.all_reduce_coefficients ones; additions are left out.
+
+        "ring" with `channels` = c runs `channels_all_reduce`: c rings (`rings`) at once, each
+        on S/c; in each of its 2(N-1) steps every ring sends S/(cN) to its right, and a rank's
+        port for a tier carries its channels' messages one after another, so the step lasts as
+        long as the busiest port: alpha + (its messages) * S/(cN) * beta. With c = 1 that is
+        the plain ring on its slowest link."""
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm={algorithm!r}: choose one of {', '.join(ALGORITHMS)}")
+        positive_int(channels=channels)
+        if channels != 1 and algorithm != "ring":
+            raise ValueError(f"channels={channels}: only the flat ring runs on channels; "
+                             f"{algorithm!r} runs on one (leave channels=1)")
         n, g = self.nodes(world_size), self.ranks_per_node
+        if algorithm == "ring" and world_size > 1:
+            return 2 * (world_size - 1) * self._busiest_port(nbytes / channels / world_size,
+                                                             self.rings(world_size, channels))
         if algorithm == "hierarchical":
             inside = 2 * (g - 1) * (self.intra_latency + nbytes / g / self.intra_bandwidth)
             across = self.slowest_link([(r, r + g) for r in range(world_size - g)])
             return inside + 2 * (n - 1) * (across.alpha + nbytes / g / n * across.beta)
         return sum(link.alpha + fraction * nbytes * link.beta
                    for fraction, link in _flat_steps(self, algorithm, world_size))
+
+    def rings(self, world_size: int, channels: int = 1) -> list[tuple[int, ...]]:
+        """The global ranks of each channel's ring, in ring order, as NCCL lays its rings over
+        a node's NICs: ring c visits each node's ranks in turn and leaves the node from local
+        rank g-1-c (modulo g) for the next node, so with `channels` = g every rank's
+        inter-node port carries exactly one channel. Ring 0 is the plain ring 0, 1, ..., N-1."""
+        n, g = self.nodes(world_size), self.ranks_per_node
+        positive_int(channels=channels)
+        starts = [(g - c) % g for c in range(channels)]  # the node's last rank is start - 1
+        return [tuple(node * g + (start + i) % g for node in range(n) for i in range(g))
+                for start in starts]
+
+    def _busiest_port(self, chunk: float, rings: list[tuple[int, ...]]) -> float:
+        """Seconds one step of `rings` lasts when each sends `chunk` bytes to its right: the
+        busiest (rank, tier) port's alpha + chunk * the betas of what it carries."""
+        ports: dict[tuple[int, str], tuple[float, float]] = {}
+        for ring in rings:
+            for i, src in enumerate(ring):
+                dst = ring[(i + 1) % len(ring)]
+                link = self.link(src, dst)
+                alpha, beta = ports.get((src, self.tier(src, dst)), (0.0, 0.0))
+                ports[src, self.tier(src, dst)] = (max(alpha, link.alpha), beta + link.beta)
+        return max(alpha + chunk * beta for alpha, beta in ports.values())
 
     def best_all_reduce(self, nbytes: float, world_size: int) -> str:
         """The algorithm this model predicts fastest (first of `ALGORITHMS` on a tie)."""
@@ -210,71 +258,110 @@ def hierarchical(flat: torch.Tensor, node: Ring, across: Ring, average: bool) ->
     streaming.all_gather(flat, node)
 
 
+def channels_all_reduce(tensor: torch.Tensor, *, network: Network, channels: int | None = None,
+                        average: bool = False) -> torch.Tensor:
+    """Sum (or average) the contiguous `tensor` over every rank of the job with the flat ring
+    on `channels` channels (default: g, one per rank of a node, as NCCL runs a channel per
+    NIC), in place, and return it. `network` is the job's (`mesh.network`, of a Mesh built
+    with network=TwoTier(...)); channels=1 is the plain ring.
+
+    The tensor is cut into `channels` parts and part c goes round ring c of
+    `TwoTier.rings`: reduce-scatter, then all-gather, 2(N-1) steps in which every channel
+    sends one chunk (1/N of its part) to its right, whole, the channels side by side; a step
+    ends when all of its messages have arrived (comm.ring_all_reduce's schedule, per channel).
+    Each channel's messages carry its own tag, so two channels between the same two ranks
+    never take each other's."""
+    if not isinstance(network, Network):
+        raise ValueError(f"network={network!r}: channels_all_reduce runs over the job's nodes; "
+                         "pass network=mesh.network, the mesh built with one, e.g. "
+                         "Mesh(dp=4, network=TwoTier(ranks_per_node=2))")
+    if not tensor.is_contiguous():
+        raise ValueError("channels_all_reduce works in place on a contiguous tensor; pass "
+                         "tensor.contiguous() and copy the result back")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    channels = network.tiers.ranks_per_node if channels is None else channels
+    flat = tensor.view(-1)
+    parts = chunk_bounds(flat.numel(), channels)
+    lanes = []  # per channel: this rank's place in its ring and the chunks of its part
+    for (start, end), ring in zip(parts, network.tiers.rings(world, channels), strict=True):
+        place = ring.index(rank)
+        chunks = [(start + a, start + b) for a, b in chunk_bounds(end - start, world)]
+        buffer = flat.new_empty(chunks[0][1] - chunks[0][0])  # chunk 0 is the largest
+        lanes.append((ring[place - 1], ring[(place + 1) % world], place, chunks, buffer))
+    for step in range(2 * (world - 1)):
+        reduce = step < world - 1
+        receives, sends, adds = [], [], []
+        for tag, (left, _, place, chunks, buffer) in enumerate(lanes):
+            a, b = chunks[(place - 2 - step) % world]
+            if b > a:  # an empty chunk is sent by neither side
+                target = buffer[: b - a] if reduce else flat[a:b]
+                receives.append(dist.irecv(target, left, tag=tag))
+                adds.append((a, b, target))
+        for tag, (_, right, place, chunks, _) in enumerate(lanes):
+            a, b = chunks[(place - 1 - step) % world]
+            if b > a:
+                sends.append(dist.isend(flat[a:b], right, tag=tag))
+        for receive, (a, b, target) in zip(receives, adds, strict=True):
+            receive.wait()
+            if reduce:
+                flat[a:b].add_(target)
+        for send in sends:  # a chunk must not change before it has left
+            send.wait()
+    if average:
+        flat.div_(world)
+    return tensor
+
+
 # --- The job's network: which ranks share a node ----------------------------------------------
 
 
 @dataclass(frozen=True)
-class _Job:
+class Network:
+    """The network a job runs on, as the Mesh built with it knows it (`mesh.network`), passed
+    to what needs the nodes: `collectives.all_reduce(t, impl="hierarchical", network=...)`,
+    `channels_all_reduce`. With an emulated `tiers` it also owns the emulation that delays this
+    rank's sends, from `connect` until `close`."""
+
     tiers: TwoTier
     node: Ring  # this rank in its node
     across: Ring  # this rank among the ranks of the same local rank on every node
     groups: tuple[Any, ...]  # the process groups of every rank of the job
+    emulation: _Emulation | None = field(default=None, compare=False, repr=False)
+
+    def spans(self, group: dist.ProcessGroup | None) -> bool:
+        """Whether `group` (None: every rank) is the whole job, whose nodes this network knows."""
+        return (group or dist.group.WORLD) in self.groups
+
+    def rings(self, group: dist.ProcessGroup | None) -> tuple[Ring, Ring]:
+        """(this rank's node, its peers across nodes): the two rings of hierarchical all-reduce
+        over `group`, which must be the whole job."""
+        if not self.spans(group):
+            ring = comm.ring_of(group, "hierarchical all-reduce")
+            raise ValueError(
+                f"the network (TwoTier(ranks_per_node={self.tiers.ranks_per_node})) knows the "
+                f"nodes of the whole job, and group {list(ring.members)} is a part of it: run "
+                f"impl='hierarchical' over the whole job (group=None), or a flat impl such as "
+                f"'ring' on this group")
+        return self.node, self.across
+
+    def close(self) -> None:
+        """Stop emulating (after the sends in flight arrive); the network's groups stay."""
+        if self.emulation is not None:
+            self.emulation.close()
 
 
-_job: _Job | None = None
-_emulation: _Emulation | None = None
-
-
-def attach(tiers: TwoTier, node_group: dist.ProcessGroup, cross_group: dist.ProcessGroup,
-           whole_job: Iterable[dist.ProcessGroup]) -> None:
-    """Make `tiers` this job's network: `minidist.communication.mesh.Mesh(..., network=tiers)`
-    calls it on
-    every rank with the groups it made; an emulated one starts delaying this rank's sends."""
-    global _job, _emulation
-    detach()
+def connect(tiers: TwoTier, node_group: dist.ProcessGroup, cross_group: dist.ProcessGroup,
+            whole_job: Iterable[dist.ProcessGroup]) -> Network:
+    """The Network of `tiers` over the groups a Mesh made (`Mesh(..., network=tiers)` calls it
+    on every rank); an emulated one starts delaying this rank's sends, until its `close`, or
+    until the job's groups are destroyed."""
     node, across = comm.ring_of(node_group, "a node"), comm.ring_of(cross_group, "a node")
-    _job = _Job(tiers, node, across, tuple(whole_job))
-    if tiers.emulated:
-        _emulation = _Emulation(tiers, dist.get_rank())
-        _emulation.stop_routing = interposer.subscribe("route", "ProcessGroup.send",
-                                                       _emulation.route)
-
-
-def detach() -> None:
-    """Forget the job's network and stop emulating it (after the sends in flight arrive)."""
-    global _job, _emulation
-    if _emulation is not None:
-        _emulation.stop_routing()
-        _emulation.close()
-    _job = _emulation = None
-
-
-on_forget_groups(detach)  # the job's groups end with it: stop emulating, drop them
-
-
-def job(group: dist.ProcessGroup | None = None) -> _Job | None:
-    """The job's network, when a Mesh was built with one and `group` (None: every rank) is
-    the whole job; else None."""
-    if _job is not None and (group or dist.group.WORLD) in _job.groups:
-        return _job
-    return None
-
-
-def node_rings(group: dist.ProcessGroup | None = None) -> tuple[Ring, Ring]:
-    """(this rank's node, this rank's peers across nodes), the two rings of hierarchical
-    all-reduce over `group`. Without a known network every rank counts as one node's: the
-    hierarchy is then the plain ring."""
-    ring = comm.ring_of(group, "hierarchical all-reduce")
-    if _job is None:
-        return ring, Ring(0, 1, (ring.peer(ring.rank),), group)
-    known = job(group)
-    if known is None:
-        raise ValueError(
-            f"the job's network (TwoTier(ranks_per_node={_job.tiers.ranks_per_node})) knows "
-            f"the nodes of the whole job, and group {list(ring.members)} is a part of it: run "
-            f"impl='hierarchical' over the whole job (group=None), or a flat impl such as "
-            f"'ring' on this group")
-    return known.node, known.across
+    emulation = _Emulation(tiers, dist.get_rank()) if tiers.emulated else None
+    if emulation is not None:
+        # The job's groups end with it: stop emulating. (The emulation holds no group, so this
+        # keeps none alive; the Network, which holds them, goes with its Mesh.)
+        on_forget_groups(emulation.close)
+    return Network(tiers, node, across, tuple(whole_job), emulation)
 
 
 # --- The emulation ---------------------------------------------------------------------------
@@ -358,7 +445,11 @@ class _Emulation:
     def __init__(self, tiers: TwoTier, rank: int):
         self.tiers, self.rank = tiers, rank
         self.ports = {tier: _Port(f"{tier}-{rank}") for tier in ("intra", "inter")}
-        self.stop_routing: Callable[[], None] = lambda: None
+        self.closed = False
+        # The interposer's last layer: every send of this process now takes its port, in place
+        # of an earlier emulation's (whose messages in flight still arrive).
+        self.stop_routing = interposer.subscribe("route", "ProcessGroup.send", self.route,
+                                                 replace=True)
 
     def route(self, send: Callable[..., dist.Work], group: dist.ProcessGroup, tensors: list,
               dst: int, *args: Any, **kwargs: Any) -> dist.Work:
@@ -374,7 +465,12 @@ class _Emulation:
         return port.post(nbytes, self.tiers.link(self.rank, peer), start_send)
 
     def close(self) -> None:
-        """Wait until every message posted has been sent, then end the delivery threads."""
+        """Stop routing sends, wait until every message posted has been sent, then end the
+        delivery threads (again: nothing)."""
+        if self.closed:
+            return
+        self.closed = True
+        self.stop_routing()
         for port in self.ports.values():
             port.idle.wait()
             port.close()
@@ -480,13 +576,11 @@ def _check(network: TwoTier) -> None:
 
 
 def _flat_steps(network: TwoTier, algorithm: str, n: int) -> list[tuple[float, AlphaBeta]]:
-    """(bytes per byte of tensor, link) of each step of a flat algorithm on n ranks, in
-    the schedules of minidist.communication.comm."""
+    """(bytes per byte of tensor, link) of each step of a flat algorithm other than the ring
+    (`TwoTier._busiest_port` prices the ring's steps) on n ranks, in minidist.communication.comm's
+    schedules."""
     if n == 1:
         return []
-    if algorithm == "ring":
-        link = network.slowest_link([(r, (r + 1) % n) for r in range(n)])
-        return [(1 / n, link)] * (2 * (n - 1))
     if algorithm == "tree":  # edges (r, r + 2^k), r < 2^k: up the tree, then down
         rounds = [network.slowest_link([(r, r + 2**k) for r in range(min(2**k, n - 2**k))])
                   for k in range((n - 1).bit_length())]

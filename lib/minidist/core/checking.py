@@ -15,8 +15,9 @@
 `recording` sees the calls a function makes into torch.distributed (point-to-point and
 collectives alike, with the peer, the bytes and the shape of each), so a check can ask who was
 sent what and in which order, where `counting.count_traffic` counts only what left the rank.
-`unavailable` swaps functions for ones that raise while an exercise is checked: a student's
-version must not lean on the library's (or torch's) own version of the very thing it builds.
+`unavailable` makes functions refuse while an exercise is checked: a student's version must not
+lean on the library's (or torch's) own version of the very thing it builds. The function objects
+themselves refuse, so every name, alias and path that reaches them is caught.
 `messages_sent` keeps a copy of every message's payload, so a check can ask what travelled in
 each step (a partial sum, a finished chunk), not only how many bytes.
 
@@ -36,19 +37,24 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import inspect
+import sys
+import threading
+import types
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._ops import _OpNamespace
 
 from minidist.core import interposer
 
 __all__ = [
     "Call", "RECORDED", "recording", "unavailable", "LibraryVersionUsed", "Message",
-    "messages_sent", "Seen", "watching", "MATMULS", "FlightRecord", "in_flight",
-    "ran_while_in_flight", "Held", "holding",
+    "messages_sent", "tampered_receives", "Seen", "watching", "MATMULS", "FlightRecord",
+    "in_flight", "ran_while_in_flight", "Held", "holding",
 ]
 
 RECORDED = (
@@ -65,7 +71,10 @@ class Call:
     """One call into torch.distributed: its name, the peer (global rank) of a point-to-point
     call, and the bytes, shape and dtype of its first tensor; the reduction `op` ("SUM",
     "MAX", ...) of a reducing collective; for an all-to-all, the bytes it `sent` to each rank
-    of its group, in group order (its own piece included: it never leaves the rank)."""
+    of its group, in group order (its own piece included: it never leaves the rank).
+    `tensor` is that tensor itself (so a check can ask whether the tensor a function returns
+    is the one it reduced) and `before` a copy of what it held when the call began (what this
+    rank contributed)."""
 
     name: str
     peer: int | None
@@ -74,6 +83,8 @@ class Call:
     dtype: torch.dtype | None
     op: str | None = None
     sent: tuple[int, ...] | None = None
+    tensor: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    before: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
 
 _REDUCING = {"all_reduce": 1, "reduce": 2, "reduce_scatter": 2, "reduce_scatter_tensor": 2,
@@ -118,7 +129,7 @@ def _describe(name: str, args: tuple, kwargs: dict) -> Call:
     if not isinstance(tensor, torch.Tensor):
         return Call(name, peer, 0, (), None, op, sent)
     return Call(name, peer, tensor.numel() * tensor.element_size(), tuple(tensor.shape),
-                tensor.dtype, op, sent)
+                tensor.dtype, op, sent, tensor, tensor.detach().clone())
 
 
 @contextlib.contextmanager
@@ -139,38 +150,227 @@ def recording(names: tuple[str, ...] = RECORDED) -> Iterator[list[Call]]:
 
 
 class LibraryVersionUsed(RuntimeError):
-    """A checked function called the library's (or torch's) own version of the exercise."""
+    """A checked function called the library's (or torch's) own version of the exercise.
+    Each one is announced to the open `unavailable` blocks, so catching it does not hide it."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        interposer.announce("minidist.refusal", message)
+
+
+# What torch runs a torch.distributed collective through below its Python function: the process
+# group's own method, the functional collectives and the dispatcher's ops. Refusing the function
+# refuses these too, so no Python path reaches the collective unseen.
+_BELOW = {
+    "all_reduce": ("allreduce", "allreduce_coalesced"),
+    "all_gather": ("allgather", "_allgather_base", "allgather_coalesced",
+                   "allgather_into_tensor_coalesced", "all_gather_single",
+                   "all_gather_single_coalesced"),
+    "reduce_scatter": ("reduce_scatter", "_reduce_scatter_base", "reduce_scatter_tensor_coalesced",
+                       "reduce_scatter_single", "reduce_scatter_single_coalesced"),
+    "all_to_all": ("alltoall", "alltoall_base", "all_to_all_single"),
+    "broadcast": ("broadcast",), "reduce": ("reduce",), "gather": ("gather",),
+    "scatter": ("scatter",),
+}
+_FAMILY = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+           "all_to_all_single": "all_to_all", "all_reduce_coalesced": "all_reduce",
+           "all_gather_coalesced": "all_gather"}
+_FUNCTIONAL = {  # torch.distributed._functional_collectives, and the ops they and c10d run
+    "all_reduce": ("all_reduce", "all_reduce_inplace", "all_reduce_coalesced"),
+    "all_gather": ("all_gather_tensor", "all_gather_tensor_inplace", "all_gather_inplace",
+                   "all_gather_into_tensor_coalesced", "all_gather_tensor_autograd"),
+    "reduce_scatter": ("reduce_scatter_tensor", "reduce_scatter_inplace",
+                       "reduce_scatter_tensor_coalesced", "reduce_scatter_tensor_autograd"),
+    "all_to_all": ("all_to_all_single", "all_to_all_inplace", "all_to_all_single_autograd"),
+    "broadcast": ("broadcast",),
+}
+_OPS = {
+    "all_reduce": ("c10d.allreduce_", "c10d.allreduce_coalesced_", "_c10d_functional.all_reduce",
+                   "_c10d_functional.all_reduce_", "_c10d_functional.all_reduce_coalesced",
+                   "_c10d_functional.all_reduce_coalesced_"),
+    "all_gather": ("c10d.allgather_", "c10d._allgather_base_", "c10d.allgather_coalesced_",
+                   "c10d.allgather_into_tensor_coalesced_",
+                   "_c10d_functional.all_gather_into_tensor",
+                   "_c10d_functional.all_gather_into_tensor_out",
+                   "_c10d_functional.all_gather_into_tensor_coalesced"),
+    "reduce_scatter": ("c10d.reduce_scatter_", "c10d._reduce_scatter_base_",
+                       "c10d.reduce_scatter_tensor_coalesced_",
+                       "_c10d_functional.reduce_scatter_tensor",
+                       "_c10d_functional.reduce_scatter_tensor_coalesced"),
+    "all_to_all": ("c10d.alltoall_", "c10d.alltoall_base_", "_c10d_functional.all_to_all_single"),
+    "broadcast": ("c10d.broadcast_", "_c10d_functional.broadcast", "_c10d_functional.broadcast_"),
+    "reduce": ("c10d.reduce_",), "gather": ("c10d.gather_",), "scatter": ("c10d.scatter_",),
+}
+
+
+def _below(path: str) -> list[str]:
+    """The paths below torch.distributed's collective `path` (none for anything else)."""
+    prefix, _, name = path.rpartition(".")
+    if prefix not in ("torch.distributed", "torch.distributed.distributed_c10d"):
+        return []
+    family = _FAMILY.get(name, name)
+    return ([f"torch.distributed.ProcessGroup.{method}" for method in _BELOW.get(family, ())]
+            + [f"torch._C._distributed_c10d.Backend.{method}" for method in _BELOW.get(family, ())]
+            + [f"torch.distributed._functional_collectives.{function}"
+               for function in _FUNCTIONAL.get(family, ())]
+            + [f"torch.ops.{op}" for op in _OPS.get(family, ())])
 
 
 @contextlib.contextmanager
 def unavailable(*paths: str, reason: str = "") -> Iterator[None]:
     """Inside the block each function named by its dotted path (e.g.
-    "minidist.communication.comm.ring_all_reduce", "torch.distributed.all_reduce", or a class's
-    method: "minidist.parallel.tensor_parallel.CopyToParallel.apply") raises LibraryVersionUsed
-    when called; wherever it was imported from, a module that took the name by `from ... import`
-    keeps the
-    original (import the module instead)."""
-    swapped = []
-    for path in paths:
-        module, attribute = _owner(path)
-        # A class's own entry (a staticmethod, a classmethod), or nothing if it inherits one.
-        original = vars(module).get(attribute, _INHERITED)
+    "minidist.communication.comm.ring_all_reduce", "torch.distributed.all_reduce", a class's
+    method: "minidist.parallel.tensor_parallel.CopyToParallel.apply", or "module.*": every
+    function the module defines) raises LibraryVersionUsed when called, however it is reached.
 
-        def refuse(*args: Any, _path: str = path, **kwargs: Any) -> Any:
-            raise LibraryVersionUsed(
-                f"your function called {_path}: write your own; the library's version is "
-                f"what your function is compared with{': ' + reason if reason else ''}")
+    The function object itself refuses (its code is swapped for a refusal while the block
+    runs), so a name bound by `from ... import`, an alias, a functools.partial and the library's
+    own callers all meet the refusal; a C function (torch.chunk) is refused wherever it is
+    called from, by identity, through a profile hook. A torch.distributed collective is refused
+    with what torch runs it through: its process group's method, the functional collectives and
+    the dispatcher's ops."""
+    targets = [target for path in paths for target in _expand(path)]
+    targets += [below for path in paths for below in _below(path)
+                if _resolvable(below) and below not in targets]
+    undo: list[Callable[[], None]] = []
+    refused_builtins: dict[int, str] = {}
+    refused_code: dict[tuple[str, bytes], str] = {}
+    refusals: list[str] = []
 
-        setattr(module, attribute, refuse)
-        swapped.append((module, attribute, original))
+    def keep(_: Callable[..., None], message: str) -> None:
+        refusals.append(message)
+
+    try:
+        for path in targets:
+            undo.append(_refuse(path, reason, refused_builtins, refused_code))
+        with interposer.subscribed("recording", {"minidist.refusal": keep}), \
+                _refusing_copies(refused_builtins, refused_code, reason):
+            yield
+    finally:
+        for restore in reversed(undo):
+            restore()
+    if refusals:  # refused, and the function caught it and went on: still refused
+        raise LibraryVersionUsed(f"{refusals[0]} (your function caught the refusal and went on)")
+
+
+def _expand(path: str) -> list[str]:
+    """`path`, or for "module.*" the path of every function the module defines."""
+    if not path.endswith(".*"):
+        return [path]
+    module = importlib.import_module(path[:-2])
+    return [f"{path[:-2]}.{name}" for name, value in vars(module).items()
+            if inspect.isfunction(value) and value.__module__ == module.__name__]
+
+
+def _resolvable(path: str) -> bool:
+    try:
+        _owner(path)
+    except (AttributeError, ModuleNotFoundError, RuntimeError):
+        return False
+    return True
+
+
+def _refusal(path: str, reason: str) -> str:
+    return (f"your function called {path}: write your own; the library's version is what your "
+            f"function is compared with{': ' + reason if reason else ''}")
+
+
+def _refuse(path: str, reason: str, refused_builtins: dict[int, str],
+            refused_code: dict[tuple[str, bytes], str]) -> Callable[[], None]:
+    """Make the function at `path` refuse; returns what undoes it. Its code's fingerprint goes
+    into `refused_code`, so a copy of it (a reloaded module, exec of its source) refuses too."""
+    owner, attribute = _owner(path)
+    # A class's own entry (a staticmethod, a classmethod), or nothing if it inherits one.
+    entry = vars(owner).get(attribute, _INHERITED) if not isinstance(owner, _OpNamespace) \
+        else getattr(owner, attribute)
+    functions = _python_functions(getattr(owner, attribute))
+    if functions:  # swap the code of the function object (and what it wraps): every alias sees it
+        saved = [(function, function.__code__) for function in functions]
+        for function, code in saved:
+            refused_code[code.co_name, code.co_code] = path
+            function.__code__ = _refusing_code(code, _refusal(path, reason))
+
+        def restore_code() -> None:
+            for function, code in reversed(saved):
+                function.__code__ = code
+        return restore_code
+
+    value = getattr(owner, attribute)
+    if inspect.ismodule(owner) and not isinstance(owner, _OpNamespace):
+        refused_builtins[id(value)] = path  # a C function: refused by identity wherever called
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise LibraryVersionUsed(_refusal(path, reason))
+
+    setattr(owner, attribute, refuse)
+
+    def restore_attribute() -> None:
+        if entry is _INHERITED:
+            delattr(owner, attribute)
+        else:
+            setattr(owner, attribute, entry)
+        refused_builtins.pop(id(value), None)
+    return restore_attribute
+
+
+def _python_functions(value: Any) -> list[Any]:
+    """The Python function objects behind `value` (unwrapping methods, staticmethods and
+    functools.wraps chains), [] for a C function."""
+    functions = []
+    value = getattr(value, "__func__", value)
+    while inspect.isfunction(value) and value not in functions:
+        functions.append(value)
+        value = getattr(value, "__wrapped__", None)
+    return functions
+
+
+def _refusing_code(code: types.CodeType, message: str) -> types.CodeType:
+    """Code that raises LibraryVersionUsed(message), with as many free variables as `code` has
+    (a function's code can only be swapped for code with the same number)."""
+    free = [f"_free{i}" for i in range(len(code.co_freevars))]
+    source = ("def outer():\n" + "".join(f"    {name} = None\n" for name in free)
+              + "    def refused(*args, **kwargs):\n"
+              + (f"        ({', '.join(free)},)\n" if free else "")
+              # __import__, a builtin, works in whichever module's globals the function runs
+              + "        raise __import__('minidist.core.checking', fromlist=['_'])"
+              f".LibraryVersionUsed({message!r})\n"
+              + "    return refused\n")
+    namespace: dict[str, Any] = {}
+    exec(source, namespace)  # noqa: S102 - our own text: a refusal with a fixed message
+    refused = namespace["outer"]().__code__
+    return refused.replace(co_name=code.co_name, co_qualname=code.co_qualname,
+                           co_filename=code.co_filename, co_firstlineno=code.co_firstlineno)
+
+
+@contextlib.contextmanager
+def _refusing_copies(builtins: dict[int, str], code: dict[tuple[str, bytes], str],
+                     reason: str) -> Iterator[None]:
+    """While the block runs, a call of a refused C function, or of any Python function whose
+    code is a refused one's (same name, same bytecode: a module reloaded or loaded again from
+    its file, its source exec'd), raises, from any caller, in this thread and in threads it
+    starts."""
+    if not builtins and not code:
+        yield
+        return
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            refused = code.get((frame.f_code.co_name, frame.f_code.co_code))
+        elif event == "c_call":
+            refused = builtins.get(id(arg))
+        else:
+            return
+        if refused is not None:
+            raise LibraryVersionUsed(_refusal(refused, reason))
+
+    previous, previous_threads = sys.getprofile(), threading.getprofile()
+    sys.setprofile(profile)
+    threading.setprofile(profile)
     try:
         yield
     finally:
-        for module, attribute, original in reversed(swapped):
-            if original is _INHERITED:
-                delattr(module, attribute)
-            else:
-                setattr(module, attribute, original)
+        sys.setprofile(previous)
+        threading.setprofile(previous_threads)
 
 
 _INHERITED = object()
@@ -180,6 +380,10 @@ def _owner(path: str) -> tuple[Any, str]:
     """The object holding the last name of a dotted path, and that name: the longest prefix
     that imports as a module, then attributes (a class) down to the last."""
     parts = path.split(".")
+    if parts[:2] == ["torch", "ops"] and len(parts) == 4:  # a dispatcher op: torch.ops.ns.name
+        namespace = getattr(torch.ops, parts[2])
+        getattr(namespace, parts[3])  # raises AttributeError for an op this torch lacks
+        return namespace, parts[3]
     for split in range(len(parts) - 1, 0, -1):
         try:
             owner = importlib.import_module(".".join(parts[:split]))
@@ -222,6 +426,51 @@ def messages_sent() -> Iterator[list[Message]]:
 
     with interposer.subscribed("messages", {"ProcessGroup.send": send}):
         yield sent
+
+
+class _Tampered(dist.Work):
+    """A receive whose message, once it has arrived, gets `delta` added to every element."""
+
+    def __init__(self, work: dist.Work, tensors: list[torch.Tensor], delta: float) -> None:
+        super().__init__()
+        self.work, self.tensors, self.delta, self.done = work, tensors, delta, False
+
+    def wait(self, timeout: Any = None) -> bool:
+        arrived = self.work.wait() if timeout is None else self.work.wait(timeout)
+        if not self.done:
+            self.done = True
+            for tensor in self.tensors:
+                tensor.add_(self.delta if tensor.is_floating_point() else round(self.delta))
+        return arrived
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+
+@contextlib.contextmanager
+def tampered_receives(*, delta: float = 1.0, nth: int | None = None) -> Iterator[list[int]]:
+    """Inside the block the `nth` point-to-point message this rank receives (counting from 0;
+    every one with nth=None) arrives with `delta` added to each element, however it was
+    received (dist.recv, dist.irecv, batch_isend_irecv, minidist's rings). The list it
+    yields holds the source (global rank) of each message received, in order.
+
+    A check runs the student's function and the library's under the same tampering: a
+    function whose result really comes from what it received changes as the library's does;
+    one that computed its result another way (a formula, a side channel, a replay of data
+    gathered earlier) does not."""
+    from minidist.core._groups import members
+
+    sources: list[int] = []
+
+    def receive(proceed: Any, group: Any, tensors: list, src: int, *args: Any,
+                **kwargs: Any) -> Any:
+        work = proceed(group, tensors, src, *args, **kwargs)
+        index = len(sources)
+        sources.append(members(group)[src] if src >= 0 else src)
+        return _Tampered(work, tensors, delta) if nth is None or index == nth else work
+
+    with interposer.subscribed("tampering", {"ProcessGroup.recv": receive}):
+        yield sources
 
 
 # --- What happened, in order: other functions' calls, requests in flight, matmuls --------------

@@ -5,8 +5,9 @@ rank's latest call, the labs' checks, the byte counter and the emulated network.
 here to a *target*, a function of torch.distributed (`"dist.all_reduce"`) or one of the two
 methods every point-to-point message ends in (`"ProcessGroup.send"`, `"ProcessGroup.recv"`),
 and this module puts one wrapper in the target's place while anyone is subscribed, torch's own
-back when no one is. One more target is minidist's own: `"minidist.collective"`, which the
-collective layer (minidist.communication.collectives) `announce`s once per collective it runs.
+back when no one is. Two more targets are minidist's own: `"minidist.collective"`, which the
+collective layer (minidist.communication.collectives) `announce`s once per collective it runs,
+and `"minidist.event"`, each timeline Event noted (minidist.core.timeline).
 
 A subscriber is an *around* function, `around(proceed, *args, **kwargs)`: it sees the call's
 arguments, must call `proceed(*args, **kwargs)` once (or hand it to a thread that will, as the
@@ -17,6 +18,7 @@ earlier subscription is outside the later one (blocks nest as they read):
     calls      minidist.core._calls: each rank's latest call, for launch.run's reports
     recording  minidist.core.checking.recording: the torch.distributed calls a check watches
     messages   minidist.core.checking.messages_sent: each message's payload, copied
+    tampering  minidist.core.checking.tampered_receives: a received message changed on arrival
     counting   minidist.communication.counting: each message's bytes and peer
     route      minidist.communication.network: the emulated links' delays; it sends last
 
@@ -41,9 +43,12 @@ import torch.distributed as dist
 
 __all__ = ["LAYERS", "ANNOUNCED", "subscribe", "subscribed", "subscribers", "muted", "announce"]
 
-LAYERS = ("calls", "recording", "messages", "counting", "route")
+LAYERS = ("calls", "recording", "messages", "tampering", "counting", "route")
 
-ANNOUNCED = ("minidist.collective",)  # minidist's own targets: announced, not replaced
+# minidist's own targets, announced, not replaced: each collective the collective layer runs,
+# each timeline Event noted (minidist.core.timeline.note), each refusal of a checked function
+# (minidist.core.checking.LibraryVersionUsed)
+ANNOUNCED = ("minidist.collective", "minidist.event", "minidist.refusal")
 
 Around = Callable[..., Any]
 
@@ -102,13 +107,17 @@ def _install(target: str) -> None:
     setattr(owner, name, interposed)
 
 
-def subscribe(layer: str, target: str, around: Around) -> Callable[[], None]:
+def subscribe(layer: str, target: str, around: Around, *,
+              replace: bool = False) -> Callable[[], None]:
     """Have every call of `target` go through `around` from now on, at `layer`'s place in
-    LAYERS; returns the function that unsubscribes it."""
+    LAYERS (with `replace`, instead of that layer's earlier subscribers); returns the function
+    that unsubscribes it."""
     if layer not in LAYERS:
         raise ValueError(f"layer={layer!r}: choose one of {', '.join(LAYERS)}")
     _owner(target)
     entry = (LAYERS.index(layer), next(_order), around)
+    if replace:
+        _subscribers[target] = [e for e in _subscribers.get(target, []) if e[0] != entry[0]]
     _subscribers.setdefault(target, []).append(entry)
     _install(target)
 

@@ -25,6 +25,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from minidist.core import interposer
+
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
@@ -57,25 +59,23 @@ class Event:
         return 0.0 if self.end is None else self.end - self.start
 
 
-_collecting: list[list[Event]] = []
-
-
 @contextlib.contextmanager
 def collect() -> Iterator[list[Event]]:
     """Collect every Event `note`d in this process while the block runs, in the order noted.
-    Blocks nest: an outer one also gets what inner ones get."""
+    Blocks nest: an outer one also gets what inner ones get. (A subscription to the
+    interposer's "minidist.event" announcements, at its "recording" layer.)"""
     events: list[Event] = []
-    _collecting.append(events)
-    try:
+
+    def keep(_: Callable[..., None], event: Event) -> None:
+        events.append(event)
+
+    with interposer.subscribed("recording", {"minidist.event": keep}):
         yield events
-    finally:
-        _collecting.remove(events)
 
 
 def note(event: Event) -> None:
     """Add `event` to every open `collect()` (nothing happens when none is open)."""
-    for events in _collecting:
-        events.append(event)
+    interposer.announce("minidist.event", event)
 
 
 def plot_events(events: Sequence[Event],

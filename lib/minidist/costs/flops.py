@@ -2,7 +2,7 @@
 
 Sources:
   PaLM       Chowdhery et al., "PaLM", 2022 (Appendix B, MFU and HFU).
-  Narayanan  Narayanan et al., SC 2021 (52% on 3072 A100s, counting recompute: HFU).
+  Narayanan  Narayanan et al., SC 2021 (§5.1, Eq. 3: the FLOPs behind 52% on 3072 A100s).
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ def mfu(tokens_per_second: float, num_params: float, layers: int, hidden: int, s
 def hfu(tokens_per_second: float, num_params: float, layers: int, hidden: int, seq_len: int,
         peak_flops: float, num_gpus: int = 1, recompute: str | None = None) -> float:
     """Hardware FLOPs utilisation: like `mfu`, but counting recomputed FLOPs too (PaLM,
-    Appendix B). Megatron's 52% on 3072 A100s (Narayanan 2021) counts full recompute: HFU."""
+    Appendix B). Which of the two a published figure is depends on the FLOPs it counts
+    (Lab 02's S3 asks it of Megatron's 52% on 3072 A100s, Narayanan 2021 §5.1)."""
     positive(tokens_per_second=tokens_per_second, peak_flops=peak_flops)
     positive_int(num_gpus=num_gpus)
     flops = hardware_flops_per_token(num_params, layers, hidden, seq_len, recompute)

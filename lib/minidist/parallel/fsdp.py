@@ -35,11 +35,13 @@ comes last:
   unit's input gradient (as FSDP2 does), or when backward ends.
 - **Buffers** are not sharded: every rank keeps a whole copy (rank 0's, copied at wrap time).
 
-**Offload** (`offload="host"`, as FSDP2's `CPUOffloadPolicy`): each shard, the fp32 master
-the optimizer updates, lives on the host, so the optimizer and its state run there. Before a
-unit's first gather after a step, its updated shard goes to the device in `compute_dtype` and
-stays there until the next step changes it; each reduce-scattered gradient shard goes to the
-host as soon as backward produces it (`minidist.parallel.offload`): Ψ/N elements each way per step.
+**Offload** (`offload="host"`): each shard, the fp32 master the optimizer updates, lives on
+the host, so the optimizer and its state run there. Before a unit's first gather after a step,
+its updated shard goes to the device in `compute_dtype` and stays there until the next step
+changes it; each reduce-scattered gradient shard goes to the host as soon as backward produces
+it (`minidist.parallel.offload`): Ψ/N elements each way per step, ZeRO-Offload's traffic. FSDP2's
+`CPUOffloadPolicy` differs: it copies the shard in its own dtype to the device before every
+all-gather (twice a step when resharding after forward) and the gradient out in that dtype.
 
 Freeing works as in PyTorch's FSDP: the unit's layers see views of one gathered buffer, and
 autograd keeps those views for backward; we release the buffer's storage after forward
