@@ -8,7 +8,7 @@ simulator that turns a schedule into a timeline with its bubble and memory.
     print(s.table())                    # the same, placed in time (one column per time unit)
     pipeline.validate(s)                # raises ScheduleError naming the rank and action at fault
     t = pipeline.simulate(s)            # uniform costs: F = 1, B = 1, W = 1 (backward = 2F)
-    t.makespan, t.bubble_fraction, t.peak_inflight   # 33.0, 0.2727..., [4, 3, 2, 1]
+    t.makespan, t.bubble_fraction, t.peak_inflight   # the step, its idle share, memory per rank
 
 A stage is always a piece of the model: it is cut into `num_stages` = p·v consecutive stages
 over p pipeline ranks, v chunks per rank, and stage k lives on rank k mod p (Narayanan et al.
@@ -33,16 +33,13 @@ compute action 4"): the numbering the reader sees, whether or not sends are show
 The validator and the executor (`minidist.pipeline_exec`) both follow these rules, so a
 schedule the validator accepts cannot deadlock on real ranks.
 
-Formulas the simulator reproduces (uniform costs, no communication latency; tests/test_pipeline.py
-checks them for every p <= 8, m <= 32): GPipe and 1F1B idle (p-1)/(m+p-1) of total time, i.e.
-(p-1)/m relative to the ideal time (Huang et al. 2019; Narayanan et al. 2021 §2.2); 1F1B keeps
-min(p-i, m) microbatches in flight on rank i (§2.2.1); interleaved with v chunks idles
-(p-1)/(v*m + p - 1) of total time, (p-1)/(v*m) relative to ideal, with v*p + p - 1
-chunk-microbatches in flight on the first rank (at most v*m) (§2.2.2); ZB-H1 idles
-(p-1)(T_F + T_B - T_W) per rank, with p microbatches in flight on every rank (Qi et al. 2023
-§2), given m >= p and T_W <= T_F (with fewer microbatches the pipeline cannot fill).
-`bubble_fraction`, `bubble_relative_to_ideal` and `inflight_microbatches` give those formulas
-directly, also for ZB-H2 (Qi et al. §2.2), which has a formula here but no generator.
+The simulator reproduces the published bubbles and memory of every schedule (uniform costs, no
+communication latency; tests/test_pipeline.py checks them for every p <= 8, m <= 32): GPipe
+(Huang et al. 2019), 1F1B and interleaved (Narayanan et al. 2021 §2.2, §2.2.1, §2.2.2) and ZB-H1
+(Qi et al. 2023 §2, given m >= p and T_W <= T_F). Lab 06 has students derive them from the
+timelines, so they are not restated here; `bubble_fraction`, `bubble_relative_to_ideal` and
+`inflight_microbatches` compute them directly, also for ZB-H2 (Qi et al. §2.2), which has a
+formula here but no generator.
 """
 
 from __future__ import annotations
@@ -766,8 +763,7 @@ def bubble_fraction(schedule: str, ranks: int, microbatches: int, chunks: int = 
     """The bubble as a share of total time, bubble / (ideal + bubble).
 
     GPipe and 1F1B: (p-1)/(m+p-1); interleaved: (p-1)/(v·m + p-1); ZB-H1 with
-    T_F = T_B = T_W: (p-1)/(3m + p-1). Worked values: p=4, m=1: 75%; p=4, m=8: 3/11 ≈ 27.3%;
-    p=4, m=30: 3/33 ≈ 9.1%. For bubble / ideal, see `bubble_relative_to_ideal`.
+    T_F = T_B = T_W: (p-1)/(3m + p-1). For bubble / ideal, see `bubble_relative_to_ideal`.
     """
     bubble, ideal = bubble_time(schedule, ranks, microbatches, chunks, costs)
     return bubble / (ideal + bubble)
@@ -779,7 +775,7 @@ def bubble_relative_to_ideal(schedule: str, ranks: int, microbatches: int, chunk
     (1 + this) times as long as the pure compute.
 
     GPipe and 1F1B: (p-1)/m; interleaved: (p-1)/(v·m) (Narayanan §2.2). This is not the
-    share of total time (`bubble_fraction`): p=4, m=8 gives 3/8 here and 3/11 there.
+    share of total time (`bubble_fraction`).
     """
     bubble, ideal = bubble_time(schedule, ranks, microbatches, chunks, costs)
     return bubble / ideal
@@ -797,8 +793,7 @@ def inflight_microbatches(schedule: str, ranks: int, microbatches: int, rank: in
         zb-h1        min(p, m) on every rank    ZB §2.1 (W passes deferred, 1F1B's peak)
         zb-h2        min(2p - 1, m)             ZB §2.2
 
-    So under 1F1B the first rank holds p microbatches of its L/p layers, whatever p is:
-    pipelining does not cut the first rank's activation memory (Korthikanti §4.2.3).
+    (What that means for the first rank's activation memory is Lab 06's Q2; Korthikanti §4.2.3.)
     """
     _check_schedule(schedule, ranks, microbatches, chunks)
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < ranks:
