@@ -426,8 +426,8 @@ PATH = (
          needs=("Lab 03: DDP and `DistributedSampler`",
                 "Lab 04: optimizer state sharded over ranks"),
          objectives=(
-             "Size a checkpoint (12Ψ bytes of fp32 master weights and Adam state) and choose "
-             "its interval with Young and Daly's √(2δM).",
+             "Size a checkpoint from what the next step cannot recompute, and derive its "
+             "interval (Young, Daly) and the work failures cost.",
              "Write a sharded checkpoint that is atomic (per-rank files, metadata, a COMPLETE "
              "marker) and loads onto a different number of ranks.",
              "Restore RNG and sampler state so a resumed run is the same bit for bit, and make "

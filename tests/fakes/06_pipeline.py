@@ -34,6 +34,14 @@ FAKES = {
         for j in range(m - warmup):
             actions += [Action("F", rank, warmup + j), Action("B", rank, j)]
         actions += [Action("B", rank, j) for j in range(m - warmup, m)]"""),
+        Fake("a round trip of warm-up", "derives the warm-up from the first backward's round "
+             "trip, min(2(p-1-rank), m): legal, GPipe's bubble, but more in flight than 1F1B",
+             ("test-1f1b",), """\
+        warmup = min(2 * (p - 1 - rank), m)
+        actions = [Action("F", rank, j) for j in range(warmup)]
+        for j in range(m - warmup):
+            actions += [Action("F", rank, warmup + j), Action("B", rank, j)]
+        actions += [Action("B", rank, j) for j in range(m - warmup, m)]"""),
     ],
     "impl-executor": [
         Fake("the library's executor", "hands the rank's list to pipeline_exec.execute",
@@ -134,6 +142,36 @@ FAKES = {
 
         total = m * v
         warmup = min((v - 1) * m + 2 * (p - 1 - rank), total)
+        actions = [step(i, False) for i in range(warmup)]
+        for i in range(total - warmup):
+            actions += [step(warmup + i, False), step(i, True)]
+        actions += [step(i, True) for i in range(total - warmup, total)]"""),
+        Fake("1F1B's warm-up", "counts the warm-up as if there were one chunk, 2(p-1-rank), "
+             "forgetting the (v-1)p forwards of the other chunks",
+             ("test-interleaved",), """\
+        def step(i, backward):
+            group, within = divmod(i, p * v)
+            chunk, offset = divmod(within, p)
+            if backward:
+                chunk = v - 1 - chunk
+            return Action("B" if backward else "F", chunk * p + rank, group * p + offset)
+
+        total = m * v
+        warmup = min(2 * (p - 1 - rank), total)
+        actions = [step(i, False) for i in range(warmup)]
+        for i in range(total - warmup):
+            actions += [step(warmup + i, False), step(i, True)]
+        actions += [step(i, True) for i in range(total - warmup, total)]"""),
+        Fake("backwards in the forwards' chunk order", "runs the backwards through chunk 0 "
+             "first, as the forwards do, instead of from the last stage",
+             ("test-interleaved",), """\
+        def step(i, backward):
+            group, within = divmod(i, p * v)
+            chunk, offset = divmod(within, p)
+            return Action("B" if backward else "F", chunk * p + rank, group * p + offset)
+
+        total = m * v
+        warmup = min((v - 1) * p + 2 * (p - 1 - rank), total)
         actions = [step(i, False) for i in range(warmup)]
         for i in range(total - warmup):
             actions += [step(warmup + i, False), step(i, True)]

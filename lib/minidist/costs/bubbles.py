@@ -70,8 +70,7 @@ def bubble_fraction(schedule: str, ranks: int, microbatches: int, chunks: int = 
     """The bubble as a share of total time, bubble / (ideal + bubble).
 
     GPipe and 1F1B: (p-1)/(m+p-1); interleaved: (p-1)/(v·m + p-1); ZB-H1 with
-    T_F = T_B = T_W: (p-1)/(3m + p-1). Worked values: p=4, m=1: 75%; p=4, m=8: 3/11 ≈ 27.3%;
-    p=4, m=30: 3/33 ≈ 9.1%. For bubble / ideal, see `bubble_relative_to_ideal`.
+    T_F = T_B = T_W: (p-1)/(3m + p-1). For bubble / ideal, see `bubble_relative_to_ideal`.
     """
     bubble, ideal = bubble_time(schedule, ranks, microbatches, chunks, costs)
     return bubble / (ideal + bubble)
@@ -83,7 +82,7 @@ def bubble_relative_to_ideal(schedule: str, ranks: int, microbatches: int, chunk
     (1 + this) times as long as the pure compute.
 
     GPipe and 1F1B: (p-1)/m; interleaved: (p-1)/(v·m) (Narayanan §2.2). This is not the
-    share of total time (`bubble_fraction`): p=4, m=8 gives 3/8 here and 3/11 there.
+    share of total time (`bubble_fraction`).
     """
     bubble, ideal = bubble_time(schedule, ranks, microbatches, chunks, costs)
     return bubble / ideal
@@ -101,8 +100,7 @@ def inflight_microbatches(schedule: str, ranks: int, microbatches: int, rank: in
         zb-h1        min(p, m) on every rank    ZB §2.1 (W passes deferred, 1F1B's peak)
         zb-h2        min(2p - 1, m)             ZB §2.2
 
-    So under 1F1B the first rank holds p microbatches of its L/p layers, whatever p is:
-    pipelining does not cut the first rank's activation memory (Korthikanti §4.2.3).
+    (What that means for the first rank's activation memory is Lab 06's Q2; Korthikanti §4.2.3.)
     """
     _check_schedule(schedule, ranks, microbatches, chunks)
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < ranks:

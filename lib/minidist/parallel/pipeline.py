@@ -9,7 +9,7 @@ turns a schedule into a timeline with its bubble and memory (`pipeline_simulator
     pipeline_validator.validate(s)      # raises ScheduleError naming the rank and action at fault
     t = pipeline_simulator.simulate(s)  # uniform costs: F = 1, B = 1, W = 1 (backward = 2F)
     print(t.table())                    # the same, placed in time (one column per time unit)
-    t.makespan, t.bubble_fraction, t.peak_inflight   # 33.0, 0.2727..., [4, 3, 2, 1]
+    t.makespan, t.bubble_fraction, t.peak_inflight   # the step, its idle share, memory per rank
 
 A stage is always a piece of the model: it is cut into `num_stages` = p·v consecutive stages
 over p pipeline ranks, v chunks per rank, and stage k lives on rank k mod p (Narayanan et al.
@@ -34,16 +34,12 @@ compute action 4"): the numbering the reader sees, whether or not sends are show
 The validator and the executor (`minidist.parallel.pipeline_exec`) both follow these rules, so a
 schedule the validator accepts cannot deadlock on real ranks.
 
-Formulas the simulator reproduces (uniform costs, no communication latency; tests/test_pipeline.py
-checks them for every p <= 8, m <= 32): GPipe and 1F1B idle (p-1)/(m+p-1) of total time, i.e.
-(p-1)/m relative to the ideal time (Huang et al. 2019; Narayanan et al. 2021 §2.2); 1F1B keeps
-min(p-i, m) microbatches in flight on rank i (§2.2.1); interleaved with v chunks idles
-(p-1)/(v*m + p - 1) of total time, (p-1)/(v*m) relative to ideal, with v*p + p - 1
-chunk-microbatches in flight on the first rank (at most v*m) (§2.2.2); ZB-H1 idles
-(p-1)(T_F + T_B - T_W) per rank, with p microbatches in flight on every rank (Qi et al. 2023
-§2), given m >= p and T_W <= T_F (with fewer microbatches the pipeline cannot fill).
-`minidist.costs.bubbles` gives those formulas directly, also for ZB-H2 (Qi et al. §2.2), which has
-a formula there but no generator here.
+The simulator reproduces the published bubbles and memory of every schedule (uniform costs, no
+communication latency; tests/test_pipeline.py checks them for every p <= 8, m <= 32): GPipe
+(Huang et al. 2019), 1F1B and interleaved (Narayanan et al. 2021 §2.2, §2.2.1, §2.2.2) and ZB-H1
+(Qi et al. 2023 §2, given m >= p and T_W <= T_F). Lab 06 has students derive them from the
+timelines, so they are not restated here; `minidist.costs.bubbles` computes them
+directly, also for ZB-H2 (Qi et al. §2.2), which has a formula there but no generator here.
 """
 
 from __future__ import annotations
