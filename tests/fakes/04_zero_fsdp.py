@@ -251,7 +251,8 @@ FAKES = {
              ("test-zero2",), (indented(SETS_SHARD_GRAD, 4), indented(ZERO2_STEP, 4))),
         Fake("ZeRO-1 in disguise", "no hook does anything: the whole gradients stay in .grad "
              "through backward and the step reduce-scatters them", ("test-zero2",),
-             (indented("pass  # nothing to do during backward\n", 4), indented(STEP_REDUCE_SCATTERS, 4))),
+             (indented("pass  # nothing to do during backward\n", 4),
+              indented(STEP_REDUCE_SCATTERS, 4))),
     ],
     "impl-flat-shard": [
         Fake("a view of the flat vector", "returns a slice of the whole flat vector, which "
@@ -266,7 +267,8 @@ FAKES = {
     return nn.Parameter(flat[start:end].clone())"""),
         Fake("each tensor sharded apart", "ZeRO-1's layout: this rank's slice of every tensor, "
              "joined, instead of its slice of the one flat vector", ("test-flat-shard",), """\
-    pieces = [p.detach().reshape(-1).float()[slice(*collectives.shard_bounds(p.numel()))] for p in params]
+    pieces = [p.detach().reshape(-1).float()[slice(*collectives.shard_bounds(p.numel()))]
+              for p in params]
     return nn.Parameter(torch.cat(pieces).clone())"""),
     ],
     "impl-gather-free": [

@@ -4,7 +4,7 @@ the same fake source, so its fakes pick their branch by the method they run in; 
 has six (the two collectives, then the four methods), each fake giving one source per region.
 The first fake of each exercise breaks no other exercise's cells except those it lists."""
 
-from fakes import Fake
+from fakes import Alternative, Fake
 
 # impl-sp-operators' four methods as the solution writes them (its fakes change the collectives)
 SP_METHODS = tuple(" " * 8 + f"return {call}" for call in (
@@ -149,5 +149,24 @@ FAKES = {
     mine = torch.empty_like(pieces[0])
     dist.reduce_scatter(mine, pieces)
     return mine""") + SP_METHODS),
+    ],
+}
+
+ALTERNATIVES = {
+    "impl-vocab-ce": [
+        Alternative("Megatron-LM's three all-reduces", "sums the target logits and the sums of "
+                    "exponentials in two all-reduces, as megatron/core/tensor_parallel/"
+                    "cross_entropy.py does, where the solution stacks them into one (the fused "
+                    "variant): the spec allows up to three", ("test-vocab-ce",), """\
+    row_max = local_logits.max(dim=-1).values
+    dist.all_reduce(row_max, op=dist.ReduceOp.MAX)
+    shifted = local_logits - row_max.unsqueeze(-1)
+    mine = (targets >= start) & (targets < start + vocab_local)
+    local_targets = (targets - start).masked_fill(~mine, 0)
+    target_logit = shifted.gather(-1, local_targets.unsqueeze(-1)).squeeze(-1) * mine
+    dist.all_reduce(target_logit)
+    sum_exp = shifted.exp().sum(dim=-1)
+    dist.all_reduce(sum_exp)
+    return sum_exp.log() - target_logit"""),
     ],
 }
