@@ -92,13 +92,13 @@ def _check_layout(layout: str) -> None:
                          f"pass this rank's token positions as a 1-D tensor")
 
 
-def chunks_of(rank: int, cp: int, *, layout: str = "contiguous") -> tuple[int, ...]:
-    """Which chunks of the sequence rank `rank` of `cp` holds: ("contiguous") chunk r of cp,
-    ("zigzag") chunks r and 2cp-1-r of 2·cp."""
+def chunks_of(cp_rank: int, cp: int, *, layout: str = "contiguous") -> tuple[int, ...]:
+    """Which chunks of the sequence rank `cp_rank` of the cp group holds: ("contiguous") chunk
+    r of cp, ("zigzag") chunks r and 2cp-1-r of 2·cp."""
     _check_layout(layout)
-    if not 0 <= rank < cp:
-        raise ValueError(f"rank={rank}: must be in 0..{cp - 1}")
-    return (rank,) if layout == "contiguous" else (rank, 2 * cp - 1 - rank)
+    if not 0 <= cp_rank < cp:
+        raise ValueError(f"cp_rank={cp_rank}: must be in 0..{cp - 1}")
+    return (cp_rank,) if layout == "contiguous" else (cp_rank, 2 * cp - 1 - cp_rank)
 
 
 def _check_divisible(seq_len: int, cp: int, layout: str) -> None:
@@ -112,10 +112,12 @@ def _check_divisible(seq_len: int, cp: int, layout: str) -> None:
             + (", or use layout='contiguous' (a multiple of cp)" if layout == "zigzag" else ""))
 
 
-def positions(seq_len: int, rank: int, cp: int, *, layout: str = "contiguous") -> torch.Tensor:
-    """The positions in the whole sequence of rank `rank`'s tokens, in the order it holds them."""
+def positions(seq_len: int, cp_rank: int, cp: int, *,
+              layout: str = "contiguous") -> torch.Tensor:
+    """The positions in the whole sequence of the tokens of rank `cp_rank` of the cp group, in
+    the order it holds them."""
     _check_divisible(seq_len, cp, layout)
-    chunks = chunks_of(rank, cp, layout=layout)
+    chunks = chunks_of(cp_rank, cp, layout=layout)
     size = seq_len // (cp * len(chunks))
     return torch.cat([torch.arange(c * size, (c + 1) * size) for c in chunks])
 

@@ -109,8 +109,8 @@ class TinyGPTStage(nn.Module):
             if self.cp_group is None:
                 x = self.embeddings(x)
             else:  # this cp rank's tokens, with their positions in the whole sequence
-                cp, rank = dist.get_world_size(self.cp_group), dist.get_rank(self.cp_group)
-                where = positions(x.shape[1] * cp, rank, cp, layout=LAYOUT).to(x.device)
+                cp, cp_rank = dist.get_world_size(self.cp_group), dist.get_rank(self.cp_group)
+                where = positions(x.shape[1] * cp, cp_rank, cp, layout=LAYOUT).to(x.device)
                 x = self.embeddings.tok_emb(x) + self.embeddings.pos_emb(where)
             if self.sequence_parallel:
                 x = SplitAlong.apply(x, SEQUENCE_DIM, self.tp_group)
