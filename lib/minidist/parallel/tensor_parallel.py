@@ -198,7 +198,43 @@ def _sum_gradient_over_group(param: nn.Parameter, group) -> None:
 # --- Layers ---------------------------------------------------------------------------------------
 
 
-class ColumnParallelLinear(nn.Module):
+class _ShardedLinear(nn.Module):
+    """What column- and row-parallel linears share: this rank's shard of an nn.Linear, loaded
+    from the unsharded layer and gathered back. `split_dim` is the weight's dimension split
+    across the group: 0, the output features (column), or 1, the input features (row); the
+    bias is split with the outputs, and whole when the inputs are split."""
+
+    split_dim: int
+    group: dist.ProcessGroup | None
+    in_features: int
+    out_features: int
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+
+    @torch.no_grad()
+    def load_from(self, linear: nn.Linear) -> _ShardedLinear:
+        """Take this rank's shard of an unsharded layer's weight and bias."""
+        _check_shape(linear, self.out_features, self.in_features, type(self).__name__)
+        self.weight.copy_(_split(linear.weight, self.split_dim, self.group))
+        if self.bias is not None:
+            split = self.split_dim == 0
+            self.bias.copy_(_split(linear.bias, 0, self.group) if split else linear.bias)
+        return self
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The unsharded layer's weight (and bias), gathered on every rank."""
+        def gathered(tensor: torch.Tensor, dim: int) -> torch.Tensor:
+            return collectives.all_gather_along(tensor, dim, group=self.group, when="forward")
+
+        full = {"weight": gathered(self.weight, self.split_dim)}
+        if self.bias is not None:
+            full["bias"] = (gathered(self.bias, 0) if self.split_dim == 0
+                            else self.bias.detach().clone())
+        return full
+
+
+class ColumnParallelLinear(_ShardedLinear):
     """y = x Wᵀ + b with W's output rows split: this rank computes out_features/t outputs.
 
     The input is replicated on every rank and passes through `f` first, unless
@@ -206,6 +242,8 @@ class ColumnParallelLinear(nn.Module):
     `sequence_parallel` the input is this rank's slice of the sequence, all-gathered first
     (GatherSequenceThenLinears). With `gather_output` the full output is all-gathered.
     """
+
+    split_dim = 0
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = True,
                  gather_output: bool = False, group: dist.ProcessGroup | None = None,
@@ -228,25 +266,6 @@ class ColumnParallelLinear(nn.Module):
                 x = CopyToParallel.apply(x, self.group)
             y = F.linear(x, self.weight, self.bias)
         return GatherAlong.apply(y, -1, self.group) if self.gather_output else y
-
-    @torch.no_grad()
-    def load_from(self, linear: nn.Linear) -> ColumnParallelLinear:
-        """Take this rank's rows of an unsharded layer's weight and bias."""
-        _check_shape(linear, self.out_features, self.in_features, "ColumnParallelLinear")
-        self.weight.copy_(_split(linear.weight, 0, self.group))
-        if self.bias is not None:
-            self.bias.copy_(_split(linear.bias, 0, self.group))
-        return self
-
-    @torch.no_grad()
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The unsharded layer's weight (and bias), gathered on every rank."""
-        full = {"weight": collectives.all_gather_along(self.weight, 0, group=self.group,
-                                                       when="forward")}
-        if self.bias is not None:
-            full["bias"] = collectives.all_gather_along(self.bias, 0, group=self.group,
-                                                        when="forward")
-        return full
 
 
 class ChunkedGatherThenLinear(torch.autograd.Function):
@@ -294,15 +313,15 @@ class AsyncColumnParallelLinear(ColumnParallelLinear):
                 f"AsyncColumnParallelLinear overlaps the sequence all-gather, so it needs "
                 f"sequence_parallel=True and copy_input=True (got {sequence_parallel}, "
                 f"{copy_input}); use ColumnParallelLinear without sequence parallelism")
-        super().__init__(in_features, out_features, bias, gather_output, group,
-                         sequence_parallel=True)
+        super().__init__(in_features, out_features, bias=bias, gather_output=gather_output,
+                         group=group, sequence_parallel=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = ChunkedGatherThenLinear.apply(x, self.group, self.weight, self.bias)
         return GatherAlong.apply(y, -1, self.group) if self.gather_output else y
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ShardedLinear):
     """y = x Wᵀ + b with W's input columns split: this rank computes a partial sum of y.
 
     The input is this rank's slice of the features (`input_is_parallel`, typically a column
@@ -310,6 +329,8 @@ class RowParallelLinear(nn.Module):
     all-reduce), or with `sequence_parallel` reduce-scattered along the sequence. The bias is
     added once, after the sum.
     """
+
+    split_dim = 1
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = True,
                  input_is_parallel: bool = True, group: dist.ProcessGroup | None = None,
@@ -337,22 +358,6 @@ class RowParallelLinear(nn.Module):
         y = exit_parallel_region(F.linear(x, self.weight), self.group, self.sequence_parallel)
         return y if self.bias is None else y + self.bias
 
-    @torch.no_grad()
-    def load_from(self, linear: nn.Linear) -> RowParallelLinear:
-        """Take this rank's columns of an unsharded layer's weight, and the whole bias."""
-        _check_shape(linear, self.out_features, self.in_features, "RowParallelLinear")
-        self.weight.copy_(_split(linear.weight, 1, self.group))
-        if self.bias is not None:
-            self.bias.copy_(linear.bias)
-        return self
-
-    @torch.no_grad()
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        full = {"weight": collectives.all_gather_along(self.weight, 1, group=self.group,
-                                                       when="forward")}
-        if self.bias is not None:
-            full["bias"] = self.bias.detach().clone()
-        return full
 
 
 def exit_parallel_region(x: torch.Tensor, group, sequence_parallel: bool) -> torch.Tensor:
