@@ -157,7 +157,8 @@ def all_reduce(tensor: torch.Tensor, op: str | dist.ReduceOp.RedOpType = "sum",
     its nodes from that Mesh (without one, every rank counts as one node's: the ring)."""
     check_impl("all_reduce", impl)
     flat = flat_view(tensor, "all_reduce")
-    name = reduce_op(op, tensor, ("sum", "avg", "max") if impl == "torch" else ("sum", "avg"))
+    name = (reduce_op(op, tensor, ("sum", "avg", "max")) if impl == "torch" else
+            reduce_op(op, tensor, ("sum", "avg"), "; 'max' runs with impl='torch'"))
     ring = ring_of(group, "all_reduce")
     record("all_reduce", flat.nbytes, group, when)
 

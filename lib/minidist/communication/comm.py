@@ -157,6 +157,10 @@ class Messages:
 WHOLE = Messages()
 
 
+_OTHER_REDUCTIONS = ("; for other reductions use "
+                     "minidist.communication.collectives.all_reduce(..., impl='torch')")
+
+
 # --- The ring -----------------------------------------------------------------------------------
 
 
@@ -193,7 +197,7 @@ def ring_reduce_scatter(tensor: torch.Tensor, op: str = "sum",
     other chunks are left holding partial sums. N-1 steps, (N-1)/N * S bytes sent per rank.
     """
     flat = flat_view(tensor, "ring_reduce_scatter")
-    average = reduce_op(op, tensor, ("sum", "avg")) == "avg"
+    average = reduce_op(op, tensor, ("sum", "avg"), _OTHER_REDUCTIONS) == "avg"
     ring = ring_of(group, "ring_reduce_scatter")
     reduce_scatter_steps(flat, ring)
     start, end = chunk_bounds(flat.numel(), ring.size)[ring.rank]
@@ -221,7 +225,7 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum",
     order that differs from dist.all_reduce's, so results may differ in the last bits.
     """
     flat = flat_view(tensor, "ring_all_reduce")
-    average = reduce_op(op, tensor, ("sum", "avg")) == "avg"
+    average = reduce_op(op, tensor, ("sum", "avg"), _OTHER_REDUCTIONS) == "avg"
     _ring(flat, ring_of(group, "ring_all_reduce"), average)
     return tensor
 
