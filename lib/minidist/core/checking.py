@@ -287,8 +287,11 @@ def _refuse(path: str, reason: str, refused_builtins: dict[int, str],
     functions = _python_functions(getattr(owner, attribute))
     if functions:  # swap the code of the function object (and what it wraps): every alias sees it
         saved = [(function, function.__code__) for function in functions]
+        # Only the innermost function's code is the library's own: a decorator's wrapper
+        # (torch.no_grad's, c10d's logger) shares its code with every function it wraps.
+        innermost = functions[-1].__code__
+        refused_code[innermost.co_name, innermost.co_code] = path
         for function, code in saved:
-            refused_code[code.co_name, code.co_code] = path
             function.__code__ = _refusing_code(code, _refusal(path, reason))
 
         def restore_code() -> None:
