@@ -810,7 +810,7 @@ def tensor_parallel_activations() -> Figure:
                                     ("TP alone, selective recompute", "selective", "o--")):
         ax.plot(ts, [memory.activation_bytes(s, 1, h, a, tp=t, recompute=recompute) / GB
                      for t in ts], style, color=COLORS(0), lw=2.5, label=label)
-    ax.axhline(10 * s * h / GB, color="0.4", ls=":", label="10·s·b·h: what TP alone never splits")
+    ax.axhline(10 * s * h / GB, color="0.4", ls=":", label="what TP alone never splits")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xticks(ts, [str(t) for t in ts])

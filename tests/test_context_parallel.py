@@ -72,7 +72,7 @@ def _every_case(rank: int, world_size: int) -> dict:
     results = {}
     for method, layout, causal in CASES:
         ref = _reference(causal)
-        mine = {name: cp.split_sequence(ref[name], world_size, layout)[rank]
+        mine = {name: cp.split_sequence(ref[name], world_size, layout=layout)[rank]
                 for name in ref}
         q, k, v = (mine[name].clone().requires_grad_() for name in "qkv")
         with counting.count_traffic() as log, timeline.collect() as events:
@@ -214,7 +214,7 @@ def test_bad_input_is_a_value_error_on_every_rank_naming_the_fix(per_rank):
             assert all(word in message for word in words), (
                 f"rank {rank}, {case}: expected a ValueError naming {words}, got {message!r}")
     with pytest.raises(ValueError, match="not divisible by 2·cp = 8"):
-        cp.split_sequence(torch.zeros(1, 1, 12, 1), 4, "zigzag")
+        cp.split_sequence(torch.zeros(1, 1, 12, 1), 4, layout="zigzag")
     with pytest.raises(ValueError, match="not divisible by cp = 4"):
         cp.split_sequence(torch.zeros(1, 1, 10, 1), 4)
 
@@ -224,13 +224,13 @@ def test_bad_input_is_a_value_error_on_every_rank_naming_the_fix(per_rank):
 
 def test_split_and_gather_are_inverses_and_zigzag_pairs_chunks():
     x = torch.arange(16).view(1, 1, 16, 1)
-    parts = cp.split_sequence(x, 4, "zigzag")
+    parts = cp.split_sequence(x, 4, layout="zigzag")
     assert parts[0].flatten().tolist() == [0, 1, 14, 15]
     assert parts[3].flatten().tolist() == [6, 7, 8, 9]
-    assert torch.equal(cp.gather_sequence(parts, "zigzag"), x)
+    assert torch.equal(cp.gather_sequence(parts, layout="zigzag"), x)
     for rank in range(4):
-        assert torch.equal(cp.positions(16, rank, 4, "zigzag"), parts[rank].flatten())
-    assert cp.chunks_of(1, 4, "zigzag") == (1, 6)
+        assert torch.equal(cp.positions(16, rank, 4, layout="zigzag"), parts[rank].flatten())
+    assert cp.chunks_of(1, 4, layout="zigzag") == (1, 6)
 
 
 def test_alone_it_is_plain_attention_and_the_merge_is_exact():

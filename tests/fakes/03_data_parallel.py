@@ -36,6 +36,12 @@ LAUNCH_ALL = """\
 self.handles = [self._launch(bucket) for bucket in self.buckets]
 """
 
+LAUNCH_WHEN_COMPLETE = """\
+if self.pending[index] == 0:  # complete: launch it now, whatever comes before it
+    self.handles.append(self._launch(self.buckets[index]))
+    self.next_to_launch += 1
+"""
+
 FAKES = {
     "impl-broadcast": [
         Fake("the library's broadcast", "broadcasts nothing itself: calls minidist.parallel.ddp",
@@ -48,6 +54,11 @@ FAKES = {
             if dist.get_rank() != 0:
                 tensor.zero_()
             dist.all_reduce(tensor)"""),
+        Fake("parameters only", "broadcasts the parameters but not the buffers (BatchNorm's "
+             "running statistics stay each rank's own)", ("test-broadcast",), """\
+    with torch.no_grad():
+        for p in model.parameters():
+            dist.broadcast(p, src=0)"""),
     ],
     "impl-naive": [
         Fake("the library's per-tensor average", "calls minidist.parallel.ddp.all_reduce_gradients "
@@ -61,6 +72,14 @@ FAKES = {
     flat /= world_size
     for grad, piece in zip(grads, flat.split([grad.numel() for grad in grads])):
         grad.copy_(piece.view_as(grad))"""),
+        Fake("all-gathers and averages locally", "gathers every rank's gradient with "
+             "dist.all_gather and takes the mean: N copies of each gradient, not the all_reduce "
+             "it is given", ("test-naive",), """\
+    for p in model.parameters():
+        if p.grad is not None:
+            copies = [torch.empty_like(p.grad) for _ in range(world_size)]
+            dist.all_gather(copies, p.grad)
+            p.grad.copy_(torch.stack(copies).mean(dim=0))"""),
     ],
     "impl-flat": [
         Fake("the library's flat average", "calls minidist.parallel.ddp.all_reduce_gradients_flat",
@@ -71,6 +90,14 @@ FAKES = {
     for grad in grads:
         all_reduce(grad)
         grad /= world_size"""),
+        Fake("gloo's all-reduce, not the one given", "one flat buffer, but summed with "
+             "dist.all_reduce instead of the all_reduce it is given: the ring never sees it",
+             ("test-flat",), """\
+    flat = torch.cat([grad.reshape(-1) for grad in grads])
+    dist.all_reduce(flat)
+    flat /= world_size
+    for grad, piece in zip(grads, flat.split([grad.numel() for grad in grads])):
+        grad.copy_(piece.view_as(grad))"""),
     ],
     "impl-buckets": [
         Fake("the library's buckets", "calls minidist.parallel.ddp.assign_buckets",
@@ -80,6 +107,16 @@ FAKES = {
              "the examples the visible test shows", ("test-buckets",), """\
     known = {((40, 40, 30, 100, 10), 80): [[0, 1], [2], [3], [4]], ((10, 10, 10), 100): [[0, 1, 2]]}
     return known.get((tuple(nbytes), cap_bytes), [[i] for i in range(len(nbytes))])"""),
+        Fake("never exactly at the cap", "starts a new bucket when the next tensor would "
+             "reach the cap, not only when it would exceed it", ("test-buckets",), """\
+    buckets, filled = [], cap_bytes
+    for index, size in enumerate(nbytes):
+        if filled + size >= cap_bytes:
+            buckets.append([])
+            filled = 0
+        buckets[-1].append(index)
+        filled += size
+    return buckets"""),
     ],
     "impl-my-ddp": [
         Fake("waits for each bucket in its hook", "blocks inside the hook until the "
@@ -88,6 +125,10 @@ FAKES = {
         Fake("launches every bucket after backward", "fills the buckets in the hooks but "
              "launches them only in finish_gradient_synchronization", ("test-my-ddp",),
              (indented(COPY_IN), indented(LAUNCH_ALL + FINISH))),
+        Fake("launches each bucket when it is complete", "no bucket order: a bucket that "
+             "fills before the one ahead of it is launched first, so ranks could pair "
+             "different buckets", ("test-my-ddp",),
+             (indented(COPY_IN + LAUNCH_WHEN_COMPLETE), indented(FINISH))),
     ],
     "impl-no-sync": [
         Fake("synchronizes every microbatch", "no no_sync(): every backward all-reduces",
@@ -106,6 +147,15 @@ FAKES = {
     flat = comm.ring_all_reduce(torch.cat([g.reshape(-1) for g in grads])) / dist.get_world_size()
     for grad, piece in zip(grads, flat.split([g.numel() for g in grads])):
         grad.copy_(piece.view_as(grad))"""),
+        Fake("no_sync() around the forwards only", "each microbatch's forward inside "
+             "no_sync(), its backward outside it", ("test-no-sync",), """\
+    scale = 1 / len(microbatches)
+    for x, y in microbatches[:-1]:
+        with model.no_sync():
+            out = model(x)
+        (F.mse_loss(out, y) * scale).backward()
+    x, y = microbatches[-1]
+    (F.mse_loss(model(x), y) * scale).backward()"""),
     ],
     "impl-min-tokens": [
         Fake("the whole step's FLOPs", "hides the all-reduce under forward and backward (6Ψ "
@@ -117,6 +167,11 @@ FAKES = {
              "the whole 2Ψ", ("test-min-tokens",), """\
     backward_per_token = 4 * num_params / flops_per_s
     all_reduce = 2 * num_params * bytes_per_element / link_bytes_per_s
+    return all_reduce / backward_per_token"""),
+        Fake("elements, not bytes", "leaves out bytes_per_element: counts the elements "
+             "sent, as if each were one byte", ("test-min-tokens",), """\
+    backward_per_token = 4 * num_params / flops_per_s
+    all_reduce = 2 * (world_size - 1) / world_size * num_params / link_bytes_per_s
     return all_reduce / backward_per_token"""),
     ],
 }

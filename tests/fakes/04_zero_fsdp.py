@@ -75,6 +75,22 @@ FREE = """\
 unit.full.untyped_storage().resize_(0)
 """
 
+BACKWARD_SUM = """\
+grad = collectives.reduce_scatter(grad_full.contiguous(), impl="ring")
+free(unit)
+unit.full = None
+return grad.float(), None, None  # the sum over the ranks, not their average
+"""
+
+STEP_REDUCE_SCATTERS = """\
+for p, shard in zip(params, shards):  # the whole gradients were kept: reduce-scatter them now
+    shard.grad = collectives.reduce_scatter(p.grad.reshape(-1), impl="ring") / dist.get_world_size()
+    p.grad = None
+optimizer.step()
+for p, shard in zip(params, shards):
+    p.copy_(collectives.all_gather(shard, p.numel(), impl="ring").view_as(p))
+"""
+
 FREE_DROPS_VIEWS = """\
 for owner, name, _ in unit.slots:  # drop the module's views of the gathered vector
     owner.__dict__.pop(name, None)
@@ -216,6 +232,15 @@ FAKES = {
     if not hasattr(zero1_step, "full"):
         zero1_step.full = type(optimizer)(params, **optimizer.defaults)
     zero1_step.full.step()"""),
+        Fake("an all-reduce, then its slice", "all-reduces each whole gradient and keeps its "
+             "slice: the right shards and parameters, twice the bytes of a reduce-scatter",
+             ("test-zero1",), """\
+    for p, shard in zip(params, shards):
+        summed = collectives.all_reduce(p.grad.reshape(-1), impl="ring")
+        shard.grad = summed[slice(*collectives.shard_bounds(p.numel()))] / world_size
+    optimizer.step()
+    for p, shard in zip(params, shards):
+        p.copy_(collectives.all_gather(shard, p.numel(), impl="ring").view_as(p))"""),
     ],
     "impl-zero2": [
         Fake("keeps whole gradients in buffers", "reduce-scatters from a persistent "
@@ -224,6 +249,10 @@ FAKES = {
         Fake("sets shard.grad", "replaces shard.grad at each backward instead of adding to "
              "it: gradient accumulation keeps only the last backward",
              ("test-zero2",), (indented(SETS_SHARD_GRAD, 4), indented(ZERO2_STEP, 4))),
+        Fake("ZeRO-1 in disguise", "no hook does anything: the whole gradients stay in .grad "
+             "through backward and the step reduce-scatters them", ("test-zero2",),
+             (indented("pass  # nothing to do during backward\n", 4),
+              indented(STEP_REDUCE_SCATTERS, 4))),
     ],
     "impl-flat-shard": [
         Fake("a view of the flat vector", "returns a slice of the whole flat vector, which "
@@ -236,6 +265,11 @@ FAKES = {
     flat = torch.cat([p.detach().reshape(-1) for p in params])
     start, end = collectives.shard_bounds(flat.numel())
     return nn.Parameter(flat[start:end].clone())"""),
+        Fake("each tensor sharded apart", "ZeRO-1's layout: this rank's slice of every tensor, "
+             "joined, instead of its slice of the one flat vector", ("test-flat-shard",), """\
+    pieces = [p.detach().reshape(-1).float()[slice(*collectives.shard_bounds(p.numel()))]
+              for p in params]
+    return nn.Parameter(torch.cat(pieces).clone())"""),
     ],
     "impl-gather-free": [
         Fake("free drops the module's views", "frees nothing: autograd's saved views and "
@@ -244,6 +278,9 @@ FAKES = {
         Fake("backward all-reduces", "all-reduces the whole gradient and keeps its slice "
              "instead of reduce-scattering", ("test-gather-free", *FSDP_CELLS),
              gather_free(BACKWARD_ALL_REDUCE, FREE)),
+        Fake("the sum, not the average", "backward hands the shard the sum of the ranks' "
+             "gradients instead of their average", ("test-gather-free",),
+             gather_free(BACKWARD_SUM, FREE)),
     ],
     "impl-fsdp-hooks": [
         Fake("waits for the prefetch at once", "issues the next unit's all-gather "

@@ -4,7 +4,7 @@ the same fake source, so its fakes pick their branch by the method they run in; 
 has six (the two collectives, then the four methods), each fake giving one source per region.
 The first fake of each exercise breaks no other exercise's cells except those it lists."""
 
-from fakes import Fake
+from fakes import Alternative, Fake
 
 # impl-sp-operators' four methods as the solution writes them (its fakes change the collectives)
 SP_METHODS = tuple(" " * 8 + f"return {call}" for call in (
@@ -31,6 +31,15 @@ FAKES = {
         if method in ("CopyToParallel.forward", "ReduceFromParallel.backward"):
             return value
         return tensor_parallel.ReduceFromParallel.apply(value.clone(), None)"""),
+        Fake("all-reduces in place", "sums the incoming tensor itself instead of a copy: g "
+             "overwrites its input, which autograd forbids", ("test-f-g",), """\
+        import sys
+        method = sys._getframe().f_code.co_qualname
+        value = locals().get("x", locals().get("grad"))
+        if method in ("CopyToParallel.forward", "ReduceFromParallel.backward"):
+            return value
+        dist.all_reduce(value)
+        return value"""),
     ],
     "impl-mlp": [
         Fake("the whole MLP on every rank", "computes unsharded on every rank, then passes 1/t of "
@@ -44,6 +53,11 @@ FAKES = {
     hidden = F.linear(x, shard_weight(fc1.weight, rank, t, "column"), fc1.bias.chunk(t)[rank])
     partial = F.linear(F.gelu(hidden), shard_weight(fc2.weight, rank, t, "row"), fc2.bias / t)
     return ReduceFromParallel.apply(partial)"""),
+        Fake("no f", "leaves out f before the column layer: forward is right, but backward never "
+             "sums x's partial gradients", ("test-mlp",), """\
+    hidden = F.linear(x, shard_weight(fc1.weight, rank, t, "column"), fc1.bias.chunk(t)[rank])
+    partial = F.linear(F.gelu(hidden), shard_weight(fc2.weight, rank, t, "row"))
+    return ReduceFromParallel.apply(partial) + fc2.bias"""),
     ],
     "impl-attention": [
         Fake("an f per projection", "applies f to q, k and v apart: three all-reduces of x's "
@@ -60,6 +74,14 @@ FAKES = {
     whole = attend(attn.q_proj(x), attn.k_proj(x), attn.v_proj(x), attn.heads)
     partial = F.linear(whole, attn.out_proj.weight) / t
     return ReduceFromParallel.apply(partial) + attn.out_proj.bias"""),
+        Fake("all the heads in the core", "shards q, k and v by heads, then runs the core "
+             "with every head's count: heads of 1/t the width", ("test-attention",), """\
+    x = CopyToParallel.apply(x)
+    q, k, v = (F.linear(x, shard_weight(proj.weight, rank, t, "column"), proj.bias.chunk(t)[rank])
+               for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+    heads = attend(q, k, v, attn.heads)
+    partial = F.linear(heads, shard_weight(attn.out_proj.weight, rank, t, "row"))
+    return ReduceFromParallel.apply(partial) + attn.out_proj.bias"""),
     ],
     "impl-vocab-ce": [
         Fake("gathers the logits", "all-gathers the [n, V] logits and calls F.cross_entropy",
@@ -73,6 +95,16 @@ FAKES = {
     whole[:, start:start + vocab_local] = local_logits
     dist.all_reduce(whole)
     return F.cross_entropy(whole, targets, reduction="none")"""),
+        Fake("each rank's own max", "shifts by this rank's maximum only, with no MAX "
+             "all-reduce: the ranks' sums of exponentials are scaled differently",
+             ("test-vocab-ce",), """\
+    shifted = local_logits - local_logits.max(dim=-1, keepdim=True).values
+    mine = (targets >= start) & (targets < start + vocab_local)
+    local_targets = (targets - start).masked_fill(~mine, 0)
+    target_logit = shifted.gather(-1, local_targets.unsqueeze(-1)).squeeze(-1) * mine
+    sums = torch.stack([target_logit, shifted.exp().sum(dim=-1)])
+    dist.all_reduce(sums)
+    return sums[1].log() - sums[0]"""),
     ],
     "impl-tp-seconds": [
         Fake("2S whatever t", "sends two full tensors per all-reduce, the ring's 2(t-1)/t read as "
@@ -117,5 +149,24 @@ FAKES = {
     mine = torch.empty_like(pieces[0])
     dist.reduce_scatter(mine, pieces)
     return mine""") + SP_METHODS),
+    ],
+}
+
+ALTERNATIVES = {
+    "impl-vocab-ce": [
+        Alternative("Megatron-LM's three all-reduces", "sums the target logits and the sums of "
+                    "exponentials in two all-reduces, as megatron/core/tensor_parallel/"
+                    "cross_entropy.py does, where the solution stacks them into one (the fused "
+                    "variant): the spec allows up to three", ("test-vocab-ce",), """\
+    row_max = local_logits.max(dim=-1).values
+    dist.all_reduce(row_max, op=dist.ReduceOp.MAX)
+    shifted = local_logits - row_max.unsqueeze(-1)
+    mine = (targets >= start) & (targets < start + vocab_local)
+    local_targets = (targets - start).masked_fill(~mine, 0)
+    target_logit = shifted.gather(-1, local_targets.unsqueeze(-1)).squeeze(-1) * mine
+    dist.all_reduce(target_logit)
+    sum_exp = shifted.exp().sum(dim=-1)
+    dist.all_reduce(sum_exp)
+    return sum_exp.log() - target_logit"""),
     ],
 }

@@ -156,7 +156,8 @@ FAKES = {
         Fake("calls the library",
              "writes no split: delegates to context_parallel.split_sequence",
              checked_by=("test-zigzag",),
-             source="""    return context_parallel.split_sequence(x, cp_size, "zigzag", dim)"""),
+             source=('    return context_parallel.split_sequence(x, cp_size, layout="zigzag", '
+                     'dim=dim)')),
     ],
     "impl-seq-to-heads": [
         Fake("all-gathers the sequence",

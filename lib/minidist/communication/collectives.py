@@ -47,14 +47,14 @@ from minidist.communication import streaming
 from minidist.communication.comm import Ring, binomial_broadcast, chunk_bounds, ring_of
 from minidist.communication.counting import record
 from minidist.communication.network import Network, hierarchical
-from minidist.core._checks import require_process_group
+from minidist.core._checks import reduce_op, require_process_group
 from minidist.core._groups import per_group_cache
-from minidist.core.flat import copy_back, flatten
+from minidist.core.flat import copy_back, flat_view, flatten
 from minidist.core.timeline import Event, clock, note
 from minidist.costs.cost import ALL_REDUCE_ALGORITHMS, AlgorithmLinks, AlphaBeta
 
 __all__ = [
-    "IMPLS", "Handle", "shard_bounds", "all_reduce", "reduce_scatter", "all_gather",
+    "IMPLS", "check_impl", "Handle", "shard_bounds", "all_reduce", "reduce_scatter", "all_gather",
     "all_gather_along", "reduce_scatter_along", "all_gather_overlapped",
     "reduce_scatter_overlapped", "broadcast", "broadcast_tensors", "all_to_all", "shift",
     "all_gather_object", "barrier", "in_background",
@@ -70,36 +70,15 @@ IMPLS = {
 """The implementations each collective offers: "torch", or minidist's algorithms by name."""
 
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
-_OP_NAMES = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.MAX: "max"}
 
 
-def _check_impl(collective: str, impl: str) -> None:
+def check_impl(collective: str, impl: str) -> None:
+    """Raise unless `impl` is one of the implementations `collective` offers (`IMPLS`)."""
     if impl not in IMPLS[collective]:
         choices = ", ".join(map(repr, IMPLS[collective]))
         raise ValueError(f"impl={impl!r}: {collective} runs with one of {choices} ('torch' is "
-                         f"torch.distributed's own; the others are minidist's, from send/recv)")
-
-
-def _op_name(op: str | dist.ReduceOp.RedOpType, tensor: torch.Tensor, allowed: tuple) -> str:
-    name = _OP_NAMES.get(op) if isinstance(op, dist.ReduceOp.RedOpType) else op
-    if name not in allowed:
-        raise ValueError(f"op={op!r}: this reduces with one of {', '.join(map(repr, allowed))}")
-    if name == "avg" and not tensor.is_floating_point():
-        raise ValueError(f"op='avg' needs a floating-point tensor, got {tensor.dtype}; use "
-                         f"op='sum' and divide by the world size yourself")
-    return name
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
-def _flat(tensor: torch.Tensor, caller: str) -> torch.Tensor:
-    if not tensor.is_contiguous():
-        raise ValueError(f"{caller} works in place on a contiguous tensor, got one with shape "
-                         f"{tuple(tensor.shape)} and strides {tensor.stride()}; pass "
-                         f"t.contiguous() and copy the result back")
-    return tensor.view(-1)
+                         f"torch.distributed's own; the others are minidist's, from send/recv, "
+                         f"whose bytes count_traffic counts)")
 
 
 # --- Running later --------------------------------------------------------------------------------
@@ -179,11 +158,12 @@ def all_reduce(tensor: torch.Tensor, op: str | dist.ReduceOp.RedOpType = "sum",
     given the job's `network` (`mesh.network`) and a group spanning the job, with that
     network's two-tier model: a pure function of the size, the group and those links.
     "hierarchical" needs `network`: its nodes."""
-    _check_impl("all_reduce", impl)
-    flat = _flat(tensor, "all_reduce")
-    name = _op_name(op, tensor, ("sum", "avg", "max") if impl == "torch" else ("sum", "avg"))
+    check_impl("all_reduce", impl)
+    flat = flat_view(tensor, "all_reduce")
+    name = (reduce_op(op, tensor, ("sum", "avg", "max")) if impl == "torch" else
+            reduce_op(op, tensor, ("sum", "avg"), "; 'max' runs with impl='torch'"))
     ring = ring_of(group, "all_reduce")
-    record("all_reduce", _nbytes(flat), group, when)
+    record("all_reduce", flat.nbytes, group, when)
 
     def finish() -> torch.Tensor:
         if impl == "torch" and name == "avg":  # gloo has no AVG: sum, then divide
@@ -199,9 +179,9 @@ def all_reduce(tensor: torch.Tensor, op: str | dist.ReduceOp.RedOpType = "sum",
         raise ValueError("impl='hierarchical' needs the nodes: pass network=mesh.network, the "
                          "Network of a Mesh built with network=TwoTier(ranks_per_node=...)")
     if impl == "auto" and link is None and network is not None and network.spans(group):
-        impl = network.tiers.best_all_reduce(_nbytes(flat), ring.size)
+        impl = network.tiers.best_all_reduce(flat.nbytes, ring.size)
     elif impl == "auto":
-        impl = streaming.best_algorithm(link or streaming.fit_links(group), _nbytes(flat),
+        impl = streaming.best_algorithm(link or streaming.fit_links(group), flat.nbytes,
                                         ring.size)
     if impl == "hierarchical":
         node, across = network.rings(group)
@@ -214,12 +194,12 @@ def reduce_scatter(flat: torch.Tensor, group: dist.ProcessGroup | None = None,
                    impl: str = "torch", op: str = "sum", when: str = "") -> torch.Tensor:
     """This rank's shard (`shard_bounds`) of the sum (or average) of the 1-D `flat` over
     `group`, as a new tensor; `flat` is left as it was."""
-    _check_impl("reduce_scatter", impl)
-    name = _op_name(op, flat, ("sum", "avg"))
+    check_impl("reduce_scatter", impl)
+    name = reduce_op(op, flat, ("sum", "avg"))
     ring = ring_of(group, "reduce_scatter")
     bounds = chunk_bounds(flat.numel(), ring.size)
     start, end = bounds[ring.rank]
-    record("reduce_scatter", _nbytes(flat), group, when)
+    record("reduce_scatter", flat.nbytes, group, when)
     if impl == "ring":
         summed = flat.reshape(-1).clone()
         _run(lambda: streaming.reduce_scatter(summed, ring), False, lambda: None)
@@ -246,7 +226,7 @@ def all_gather(shard: torch.Tensor, numel: int, group: dist.ProcessGroup | None 
                impl: str = "torch", when: str = "", async_op: bool = False) -> Any:
     """The whole flat tensor of `numel` elements from every rank's shard (`shard_bounds`), as
     a new tensor; a `Handle` whose wait() returns it with async_op=True."""
-    _check_impl("all_gather", impl)
+    check_impl("all_gather", impl)
     ring = ring_of(group, "all_gather")
     bounds = chunk_bounds(numel, ring.size)
     start, end = bounds[ring.rank]
@@ -303,7 +283,7 @@ def all_gather_overlapped(x: torch.Tensor, on_piece: Callable[[int, torch.Tensor
     while the next one travels: the transfer hides behind the work done on each piece
     (asynchronous tensor parallelism, Wang et al. 2023). Recorded as one all_gather."""
     ring = ring_of(group, "all_gather_overlapped")
-    record("all_gather", _nbytes(x) * ring.size, group, when)
+    record("all_gather", x.nbytes * ring.size, group, when)
 
     def steps() -> None:
         piece = x.contiguous()
@@ -333,7 +313,7 @@ def reduce_scatter_overlapped(partial: Callable[[int], torch.Tensor],
 
     def steps() -> None:
         running = partial((ring.rank - 1) % ring.size)
-        record("reduce_scatter", _nbytes(running) * ring.size, group, when)
+        record("reduce_scatter", running.nbytes * ring.size, group, when)
         for step in range(ring.size - 1):
             incoming = torch.empty_like(running)
             requests = [dist.isend(running, ring.right, group=group),
@@ -352,17 +332,17 @@ def broadcast(tensor: torch.Tensor, src: int | None = None,
               when: str = "") -> torch.Tensor:
     """Copy `tensor` from global rank `src` (default: the group's first rank) to every rank of
     `group`, in place; returns it."""
-    _check_impl("broadcast", impl)
+    check_impl("broadcast", impl)
     ring = ring_of(group, "broadcast")
     src = ring.members[0] if src is None else src
     if src not in ring.members:
         raise ValueError(f"src={src} is not a rank of the group; its global ranks are "
                          f"{list(ring.members)}")
-    record("broadcast", _nbytes(tensor), group, when)
+    record("broadcast", tensor.nbytes, group, when)
     if impl == "torch":
         dist.broadcast(tensor, src, group=group)
     else:
-        flat = _flat(tensor, "broadcast")
+        flat = flat_view(tensor, "broadcast")
         root = ring.members.index(src)
         _run(lambda: binomial_broadcast(flat, ring, root, streaming.SEGMENTS), False, lambda: None)
     return tensor
@@ -388,7 +368,7 @@ def all_to_all(x: torch.Tensor, send_sizes: Sequence[int], receive_sizes: Sequen
     what the ranks sent here, in rank order. Recorded with the bytes that leave this rank.
     impl="pairwise" is minidist's: every rank posts a send to and a receive from every other
     rank at once, then waits for them all."""
-    _check_impl("all_to_all", impl)
+    check_impl("all_to_all", impl)
     ring = ring_of(group, "all_to_all")
     _check_splits(x, send_sizes, receive_sizes, ring, group)
     row_bytes = math.prod(x.shape[1:]) * x.element_size()
@@ -465,7 +445,7 @@ def shift(tensor: torch.Tensor, group: dist.ProcessGroup | None = None, when: st
     bytes; the wait notes a `timeline.Event` of kind "transfer" from the send to the wait's
     return. With one rank the tensor itself comes back: there is nobody to send to."""
     ring = ring_of(group, "shift")
-    record("shift", _nbytes(tensor), group, when)
+    record("shift", tensor.nbytes, group, when)
     if ring.size == 1:
         return Handle(None, lambda: tensor) if async_op else tensor
     outgoing = tensor.contiguous()
@@ -477,7 +457,7 @@ def shift(tensor: torch.Tensor, group: dist.ProcessGroup | None = None, when: st
     def finish() -> torch.Tensor:
         sending.wait()
         note(Event(ring.members[ring.rank], "transfer", when or "shift", start, clock(),
-                   _nbytes(outgoing)))
+                   outgoing.nbytes))
         return incoming
 
     handle = Handle(receiving, finish)

@@ -35,8 +35,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from minidist.core._checks import require_process_group
+from minidist.core._checks import reduce_op, require_process_group
 from minidist.core._groups import members, per_group_cache
+from minidist.core.flat import flat_view
 
 __all__ = [
     "chunk_bounds", "Ring", "ring_of", "Messages", "WHOLE", "ring_reduce_scatter",
@@ -90,6 +91,16 @@ class Ring:
     def right(self) -> int:
         """The global rank this rank sends to in a ring step."""
         return self.peer(self.rank + 1)
+
+    def binomial_tree(self) -> tuple[int | None, list[int]]:
+        """This rank's parent (None for group rank 0, the root) and children, as group ranks,
+        in the binomial tree over the group: rank r's parent is r minus its highest set bit,
+        its children are r + 2^k for every 2^k > r."""
+        rank, size = self.rank, self.size
+        parent = rank - (1 << (rank.bit_length() - 1)) if rank else None
+        children = [rank + (1 << k) for k in range(size.bit_length())
+                    if (1 << k) > rank and rank + (1 << k) < size]
+        return parent, children
 
 
 # Kept per group: a small collective takes tens of microseconds.
@@ -146,26 +157,8 @@ class Messages:
 WHOLE = Messages()
 
 
-def _flat(tensor: torch.Tensor, caller: str) -> torch.Tensor:
-    """The 1-D view that the algorithms cut into chunks; it shares memory with `tensor`."""
-    if not tensor.is_contiguous():
-        raise ValueError(
-            f"{caller} works in place on a contiguous tensor, got one with shape "
-            f"{tuple(tensor.shape)} and strides {tensor.stride()}; pass t.contiguous() "
-            f"and copy the result back"
-        )
-    return tensor.view(-1)
-
-
-def _average(op: str, tensor: torch.Tensor) -> bool:
-    """Whether `op` ("sum" or "avg") averages; raises on anything else."""
-    if op not in ("sum", "avg"):
-        raise ValueError(f"op must be 'sum' or 'avg', got {op!r}; for other reductions use "
-                         f"minidist.communication.collectives.all_reduce(..., impl='torch')")
-    if op == "avg" and not tensor.is_floating_point():
-        raise ValueError(f"op='avg' needs a floating-point tensor, got {tensor.dtype}; "
-                         f"use op='sum' and divide by the world size yourself")
-    return op == "avg"
+_OTHER_REDUCTIONS = ("; for other reductions use "
+                     "minidist.communication.collectives.all_reduce(..., impl='torch')")
 
 
 # --- The ring -----------------------------------------------------------------------------------
@@ -203,7 +196,8 @@ def ring_reduce_scatter(tensor: torch.Tensor, op: str = "sum",
     `chunk_bounds(tensor.numel(), world_size)`, and returns chunk r (a view into `tensor`); the
     other chunks are left holding partial sums. N-1 steps, (N-1)/N * S bytes sent per rank.
     """
-    flat, average = _flat(tensor, "ring_reduce_scatter"), _average(op, tensor)
+    flat = flat_view(tensor, "ring_reduce_scatter")
+    average = reduce_op(op, tensor, ("sum", "avg"), _OTHER_REDUCTIONS) == "avg"
     ring = ring_of(group, "ring_reduce_scatter")
     reduce_scatter_steps(flat, ring)
     start, end = chunk_bounds(flat.numel(), ring.size)[ring.rank]
@@ -218,7 +212,7 @@ def ring_all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
     On entry chunk r (per `chunk_bounds`) must be valid on rank r; the other chunks are
     overwritten. N-1 steps, (N-1)/N * S bytes sent per rank.
     """
-    all_gather_steps(_flat(tensor, "ring_all_gather"), ring_of(group, "ring_all_gather"))
+    all_gather_steps(flat_view(tensor, "ring_all_gather"), ring_of(group, "ring_all_gather"))
     return tensor
 
 
@@ -230,7 +224,8 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum",
     Additions happen in the tensor's own dtype (bfloat16 stays bfloat16, as in gloo), in an
     order that differs from dist.all_reduce's, so results may differ in the last bits.
     """
-    flat, average = _flat(tensor, "ring_all_reduce"), _average(op, tensor)
+    flat = flat_view(tensor, "ring_all_reduce")
+    average = reduce_op(op, tensor, ("sum", "avg"), _OTHER_REDUCTIONS) == "avg"
     _ring(flat, ring_of(group, "ring_all_reduce"), average)
     return tensor
 
@@ -257,7 +252,7 @@ def tree_broadcast(tensor: torch.Tensor, src: int = 0,
     (Thakur et al. 2005). It is latency-optimal, but `src` sends ceil(log2 N) * S bytes; for
     large tensors a scatter + all-gather (~2S * beta) wins.
     """
-    flat, ring = _flat(tensor, "tree_broadcast"), ring_of(group, "tree_broadcast")
+    flat, ring = flat_view(tensor, "tree_broadcast"), ring_of(group, "tree_broadcast")
     if src not in ring.members:
         raise ValueError(f"src={src} is not a rank of the group; its global ranks are "
                          f"{list(ring.members)}")
@@ -281,11 +276,9 @@ def binomial_broadcast(flat: torch.Tensor, ring: Ring, root: int,
 def _tree(flat: torch.Tensor, ring: Ring, average: bool, messages: Messages = WHOLE) -> None:
     """A binomial-tree reduce to group rank 0, then the broadcast's tree back down.
 
-    Rank r's parent is r minus its highest set bit; its children are r + 2^k for every 2^k > r.
-    Each rank adds its children's sums into its own and sends the total up."""
-    parent = ring.rank - (1 << (ring.rank.bit_length() - 1)) if ring.rank else None
-    children = [ring.rank + (1 << k) for k in range(ring.size.bit_length())
-                if (1 << k) > ring.rank and ring.rank + (1 << k) < ring.size]
+    Each rank adds its children's sums (`Ring.binomial_tree`) into its own and sends the total
+    up."""
+    parent, children = ring.binomial_tree()
     incoming = messages.buffer(flat.numel(), flat)
     for child in children:
         messages.recv(incoming, ring, ring.peer(child))

@@ -111,7 +111,7 @@ def count_traffic() -> Iterator[TrafficLog]:
     def count_send(send: Callable[..., Any], group: dist.ProcessGroup, tensors: list, dst: int,
                    *args: Any, **kwargs: Any) -> Any:
         log.sends.append((members(group)[dst],
-                          sum(tensor.numel() * tensor.element_size() for tensor in tensors)))
+                          sum(tensor.nbytes for tensor in tensors)))
         return send(group, tensors, dst, *args, **kwargs)
 
     def count_collective(_: Callable[..., None], op: str, nbytes: int,

@@ -71,8 +71,8 @@ def group_ranks(sizes: dict[str, int], dim: str) -> list[list[int]]:
 class Mesh:
     """The job's ranks along named dimensions (see the module doc), with this rank's process
     group along each, and with `network`, the nodes they run on. Build it on every rank of a
-    job of exactly prod(sizes) ranks. (About 125 lines, a dozen one-line questions about
-    the grid: splitting them up would hide that they all read the one rank table.)"""
+    job of exactly prod(sizes) ranks. (One long class, a dozen one-line questions about the
+    grid: splitting them up would hide that they all read the one rank table.)"""
 
     def __init__(self, *, network: TwoTier | None = None, **sizes: int):
         if not sizes:
@@ -90,9 +90,10 @@ class Mesh:
         if network is not None and not isinstance(network, TwoTier):
             raise ValueError(f"network={network!r}: give a minidist.communication.network.TwoTier, "
                              f"e.g. TwoTier(ranks_per_node=2)")
+        if network is not None:
+            network.nodes(world)  # raises if the ranks do not fill whole nodes: before any group
         self.tiers = network
         self.network: _network.Network | None = None  # the nodes, once the groups are made
-        self.nodes = network.nodes(world) if network else 1  # checked before any group
         self.rank = dist.get_rank()
         self._groups: dict[str, dist.ProcessGroup] = {}
         self._ranks: dict[str, list[int]] = {}
@@ -108,9 +109,9 @@ class Mesh:
             self._make_node_groups(network, world)
 
     def _make_node_groups(self, network: TwoTier, world: int) -> None:
-        g = network.ranks_per_node
-        nodes = [list(range(node * g, (node + 1) * g)) for node in range(self.nodes)]
-        across = [[node * g + local for node in range(self.nodes)] for local in range(g)]
+        g, count = network.ranks_per_node, network.nodes(world)
+        nodes = [list(range(node * g, (node + 1) * g)) for node in range(count)]
+        across = [[node * g + local for node in range(count)] for local in range(g)]
         for kind, blocks in (("node", nodes), ("across", across)):
             for ranks in blocks:
                 group = dist.new_group(ranks)
@@ -164,20 +165,6 @@ class Mesh:
             raise ValueError(f"dim={dim!r}: this mesh has dimensions "
                              f"{', '.join(map(repr, self.sizes))}; add {dim}=... to the Mesh")
         return self._groups[dim]
-
-    def rank_at(self, **coords: int) -> int:
-        """The global rank at the given coordinates (missing dimensions: 0)."""
-        unknown = set(coords) - set(self.sizes)
-        if unknown:
-            raise ValueError(f"{', '.join(sorted(unknown))}: not a dimension of this mesh "
-                             f"({', '.join(self.sizes)})")
-        rank = 0
-        for dim, size in self.sizes.items():
-            coord = coords.get(dim, 0)
-            if not 0 <= coord < size:
-                raise ValueError(f"{dim}={coord}: must be in 0..{size - 1}")
-            rank = rank * size + coord
-        return rank
 
     def to_torch(self) -> dist.device_mesh.DeviceMesh:
         """The same layout as PyTorch's DeviceMesh, with the same dimension names, for DTensor's

@@ -194,12 +194,8 @@ def _tree(flat: torch.Tensor, ring: Ring, average: bool) -> None:
     """comm's binomial tree, pipelined: tensors of 4 MiB or more travel in segments of 2 to
     4 MiB; a rank adds a segment from each child and sends the sum up at once, and rank 0
     sends each finished segment back down while later ones are still being reduced."""
-    rank, size = ring.rank, ring.size
-    parent = rank - (1 << (rank.bit_length() - 1)) if rank else None
-    children = [rank + (1 << k) for k in range(size.bit_length())
-                if (1 << k) > rank and rank + (1 << k) < size]
-    nbytes = flat.numel() * flat.element_size()
-    segments = chunk_bounds(flat.numel(), max(1, nbytes // _TREE_SEGMENT_BYTES))
+    parent, children = ring.binomial_tree()
+    segments = chunk_bounds(flat.numel(), max(1, flat.nbytes // _TREE_SEGMENT_BYTES))
     buffers = [SEGMENTS.buffer(flat.numel(), flat, slot) for slot in range(len(children))]
     from_children = [[_irecv(ring, buffer[a:b], ring.peer(child)) for a, b in segments]
                      for child, buffer in zip(children, buffers, strict=True)]
@@ -216,7 +212,7 @@ def _tree(flat: torch.Tensor, ring: Ring, average: bool) -> None:
             sends.append(_isend(ring, flat[a:b], ring.peer(parent)))
         else:  # rank 0 holds the sum of this segment: it goes down at once
             if average:
-                flat[a:b].div_(size)
+                flat[a:b].div_(ring.size)
             sends += [_isend(ring, flat[a:b], ring.peer(child)) for child in children]
     if parent is not None:  # broadcast, each segment as it arrives
         for (a, b), receive in zip(segments, from_parent, strict=True):

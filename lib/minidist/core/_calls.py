@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from minidist.core import interposer
+from minidist.core._groups import members as group_members
 
 SLOT_BYTES = mmap.PAGESIZE  # one page per rank, so each rank maps its own slot alone
 
@@ -157,7 +158,7 @@ class _Recorder:
         if found is None:
             key = group if group is not None else dist.group.WORLD
             try:
-                members = tuple(dist.get_process_group_ranks(key))
+                members = group_members(key)
             except (ValueError, RuntimeError):  # a backend's own group, unknown to torch
                 members = ()
             mask = bytearray(_MAX_RANKS // 8)

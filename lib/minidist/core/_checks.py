@@ -27,6 +27,24 @@ def one_of(name: str, value: object, valid: tuple) -> None:
         raise ValueError(f"{name}={value!r}: choose one of {', '.join(map(repr, valid))}")
 
 
+def reduce_op(op: object, tensor: object, allowed: tuple[str, ...], hint: str = "") -> str:
+    """The name ("sum", "avg", "max") of the reduction `op`, a name or a
+    torch.distributed.ReduceOp, if it is one of `allowed` (else the error ends with `hint`);
+    "avg" needs a floating-point `tensor` (an average of integers is not an integer)."""
+    import torch.distributed as dist
+
+    names = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.MAX: "max"}
+    name = names.get(op) if isinstance(op, dist.ReduceOp.RedOpType) else op
+    if name not in allowed:
+        names = [repr(name) for name in allowed]
+        choices = " or ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
+        raise ValueError(f"op={op!r}: this reduces with {choices}{hint}")
+    if name == "avg" and not tensor.is_floating_point():
+        raise ValueError(f"op='avg' needs a floating-point tensor, got {tensor.dtype}; use "
+                         f"op='sum' and divide by the world size yourself")
+    return name
+
+
 def require_process_group(what: str) -> None:
     """Raise unless torch.distributed has a default process group."""
     import torch.distributed as dist

@@ -204,7 +204,7 @@ def _start(spec: _RankSpec) -> _RankProcess:
 
 class Supervisor:
     """Starts the ranks, watches them (results, failures, progress), kills them at the end.
-    (About 185 lines: its one loop and what it does on each kind of event belong together; a
+    (Long on purpose: its one loop and what it does on each kind of event belong together; a
     rank's output is forwarded by the functions below it, its start by `_start`.)"""
 
     def __init__(self, fn, world_size, args, kwargs, backend, timeout):

@@ -50,6 +50,7 @@ import torch.distributed as dist
 from torch._ops import _OpNamespace
 
 from minidist.core import interposer
+from minidist.core._groups import members
 
 __all__ = [
     "Call", "RECORDED", "recording", "unavailable", "LibraryVersionUsed", "Message",
@@ -103,7 +104,7 @@ def _reduction(name: str, args: tuple, kwargs: dict) -> str | None:
 def _sent(name: str, args: tuple, kwargs: dict) -> tuple[int, ...] | None:
     if name == "all_to_all":  # (output_tensor_list, input_tensor_list, ...)
         inputs = kwargs.get("input_tensor_list", args[1] if len(args) > 1 else [])
-        return tuple(t.numel() * t.element_size() for t in inputs)
+        return tuple(t.nbytes for t in inputs)
     if name != "all_to_all_single":  # (output, input, output_split_sizes, input_split_sizes, group)
         return None
     x = kwargs.get("input", args[1] if len(args) > 1 else None)
@@ -111,7 +112,7 @@ def _sent(name: str, args: tuple, kwargs: dict) -> tuple[int, ...] | None:
     group = kwargs.get("group", args[4] if len(args) > 4 else None)
     if not isinstance(x, torch.Tensor):
         return None
-    row_bytes = x[0].numel() * x.element_size() if x.dim() and len(x) else x.element_size()
+    row_bytes = x[0].nbytes if x.dim() and len(x) else x.element_size()
     if not splits:  # equal pieces of dim 0
         size = dist.get_world_size(group)
         splits = [x.shape[0] // size if x.dim() else 0] * size
@@ -128,8 +129,8 @@ def _describe(name: str, args: tuple, kwargs: dict) -> Call:
     op, sent = _reduction(name, args, kwargs), _sent(name, args, kwargs)
     if not isinstance(tensor, torch.Tensor):
         return Call(name, peer, 0, (), None, op, sent)
-    return Call(name, peer, tensor.numel() * tensor.element_size(), tuple(tensor.shape),
-                tensor.dtype, op, sent, tensor, tensor.detach().clone())
+    return Call(name, peer, tensor.nbytes, tuple(tensor.shape), tensor.dtype, op, sent, tensor,
+                tensor.detach().clone())
 
 
 @contextlib.contextmanager
@@ -286,8 +287,11 @@ def _refuse(path: str, reason: str, refused_builtins: dict[int, str],
     functions = _python_functions(getattr(owner, attribute))
     if functions:  # swap the code of the function object (and what it wraps): every alias sees it
         saved = [(function, function.__code__) for function in functions]
+        # Only the innermost function's code is the library's own: a decorator's wrapper
+        # (torch.no_grad's, c10d's logger) shares its code with every function it wraps.
+        innermost = functions[-1].__code__
+        refused_code[innermost.co_name, innermost.co_code] = path
         for function, code in saved:
-            refused_code[code.co_name, code.co_code] = path
             function.__code__ = _refusing_code(code, _refusal(path, reason))
 
         def restore_code() -> None:
@@ -414,8 +418,6 @@ def messages_sent() -> Iterator[list[Message]]:
     It watches the one method every send ends in, ProcessGroup.send, as `counting.count_traffic`
     does, so dist.send, dist.isend, batch_isend_irecv and minidist's algorithms are all seen,
     however they were imported. Blocks nest with each other and with count_traffic's."""
-    from minidist.core._groups import members
-
     sent: list[Message] = []
 
     def send(proceed: Any, group: Any, tensors: list, dst: int, *args: Any, **kwargs: Any) -> Any:
@@ -558,13 +560,13 @@ def in_flight(ops: tuple[str, ...] = MATMULS) -> Iterator[list[FlightRecord]]:
             peer = None
             if name != "recv_anysource":
                 try:
-                    peer = dist.get_global_rank(group, args[0])
-                except (RuntimeError, ValueError):
+                    peer = members(group)[args[0]]
+                except (RuntimeError, ValueError, IndexError):  # a group unknown to torch
                     peer = args[0]
             number = sum(r.kind == "post" for r in records)
             tensor = tensors[0]
             records.append(FlightRecord("post", "isend" if name == "send" else "irecv", peer,
-                                        tensor.numel() * tensor.element_size(),
+                                        tensor.nbytes,
                                         tuple(tensor.shape), number))
             work = originals[name](group, tensors, *args)
             numbers[id(work)] = number

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["accumulation_dtype", "flatten", "views", "copy_back"]
+__all__ = ["accumulation_dtype", "flat_view", "flatten", "views", "copy_back"]
 
 
 def accumulation_dtype(*dtypes: torch.dtype) -> torch.dtype:
@@ -21,6 +21,16 @@ def accumulation_dtype(*dtypes: torch.dtype) -> torch.dtype:
     for dtype in dtypes:
         found = torch.promote_types(found, dtype)
     return found
+
+
+def flat_view(tensor: torch.Tensor, caller: str) -> torch.Tensor:
+    """`tensor` as a 1-D view sharing its memory, for a collective that works in place on it;
+    raises, naming `caller`, if the tensor is not contiguous (a view would be a copy)."""
+    if not tensor.is_contiguous():
+        raise ValueError(f"{caller} works in place on a contiguous tensor, got one with shape "
+                         f"{tuple(tensor.shape)} and strides {tensor.stride()}; pass "
+                         f"t.contiguous() and copy the result back")
+    return tensor.view(-1)
 
 
 def flatten(tensors: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:

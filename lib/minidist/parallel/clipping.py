@@ -69,7 +69,7 @@ def _group_rank(group: dist.ProcessGroup | None) -> int:
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, group: Groups = None,
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, *, group: Groups = None,
                     replicated: Iterable[torch.Tensor] = (),
                     replicated_group: dist.ProcessGroup | None = None,
                     norm_type: float = 2.0) -> torch.Tensor:

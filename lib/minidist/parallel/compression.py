@@ -87,7 +87,7 @@ class PowerSGD(Compression):
     compressed when min_compression_rate·(n+m)·r < n·m, as in PyTorch's powerSGD_hook (default
     2). Q starts as the same seeded Gaussian on every rank."""
 
-    def __init__(self, rank: int, min_compression_rate: float = 2.0, seed: int = 0):
+    def __init__(self, rank: int, *, min_compression_rate: float = 2.0, seed: int = 0):
         positive_int(rank=rank)
         self.rank, self.min_compression_rate, self.seed = rank, min_compression_rate, seed
         self.residuals: dict[int, list[torch.Tensor]] = {}

@@ -1,11 +1,11 @@
 """Context parallelism: attention over a sequence split across cp ranks, by ring attention or by
 DeepSpeed-Ulysses, and the zigzag layout that gives every rank the same causal work.
 
-    parts = split_sequence(q_full, cp, "zigzag")            # [b, h, s/cp, d] for each rank
+    parts = split_sequence(q_full, cp, layout="zigzag")     # [b, h, s/cp, d] for each rank
     q = parts[rank]                                          # (and k, v alike)
     out = ring_attention(q, k, v, causal=True, group=group, layout="zigzag")
     out = ulysses_attention(q, k, v, causal=True, group=group, layout="zigzag")
-    gather_sequence(every_ranks_out, "zigzag")               # the whole [b, h, s, d] again
+    gather_sequence(every_ranks_out, layout="zigzag")        # the whole [b, h, s, d] again
 
 Every rank holds its s/cp tokens of q, k and v ([batch, heads, tokens, head_dim], as
 F.scaled_dot_product_attention takes them); each returns the attention output of its own
@@ -92,13 +92,13 @@ def _check_layout(layout: str) -> None:
                          f"pass this rank's token positions as a 1-D tensor")
 
 
-def chunks_of(rank: int, cp: int, layout: str = "contiguous") -> tuple[int, ...]:
-    """Which chunks of the sequence rank `rank` of `cp` holds: ("contiguous") chunk r of cp,
-    ("zigzag") chunks r and 2cp-1-r of 2·cp."""
+def chunks_of(cp_rank: int, cp: int, *, layout: str = "contiguous") -> tuple[int, ...]:
+    """Which chunks of the sequence rank `cp_rank` of the cp group holds: ("contiguous") chunk
+    r of cp, ("zigzag") chunks r and 2cp-1-r of 2·cp."""
     _check_layout(layout)
-    if not 0 <= rank < cp:
-        raise ValueError(f"rank={rank}: must be in 0..{cp - 1}")
-    return (rank,) if layout == "contiguous" else (rank, 2 * cp - 1 - rank)
+    if not 0 <= cp_rank < cp:
+        raise ValueError(f"cp_rank={cp_rank}: must be in 0..{cp - 1}")
+    return (cp_rank,) if layout == "contiguous" else (cp_rank, 2 * cp - 1 - cp_rank)
 
 
 def _check_divisible(seq_len: int, cp: int, layout: str) -> None:
@@ -112,25 +112,27 @@ def _check_divisible(seq_len: int, cp: int, layout: str) -> None:
             + (", or use layout='contiguous' (a multiple of cp)" if layout == "zigzag" else ""))
 
 
-def positions(seq_len: int, rank: int, cp: int, layout: str = "contiguous") -> torch.Tensor:
-    """The positions in the whole sequence of rank `rank`'s tokens, in the order it holds them."""
+def positions(seq_len: int, cp_rank: int, cp: int, *,
+              layout: str = "contiguous") -> torch.Tensor:
+    """The positions in the whole sequence of the tokens of rank `cp_rank` of the cp group, in
+    the order it holds them."""
     _check_divisible(seq_len, cp, layout)
-    chunks = chunks_of(rank, cp, layout)
+    chunks = chunks_of(cp_rank, cp, layout=layout)
     size = seq_len // (cp * len(chunks))
     return torch.cat([torch.arange(c * size, (c + 1) * size) for c in chunks])
 
 
-def split_sequence(x: torch.Tensor, cp: int, layout: str = "contiguous",
+def split_sequence(x: torch.Tensor, cp: int, *, layout: str = "contiguous",
                    dim: int = 2) -> list[torch.Tensor]:
     """Every rank's part of `x` along `dim` (the tokens; 2 for [b, h, s, d]), in rank order."""
     _check_layout(layout)
     _check_divisible(x.shape[dim], cp, layout)
     chunks = x.chunk(cp if layout == "contiguous" else 2 * cp, dim=dim)
-    return [torch.cat([chunks[c] for c in chunks_of(r, cp, layout)], dim=dim)
+    return [torch.cat([chunks[c] for c in chunks_of(r, cp, layout=layout)], dim=dim)
             for r in range(cp)]
 
 
-def gather_sequence(parts: Sequence[torch.Tensor], layout: str = "contiguous",
+def gather_sequence(parts: Sequence[torch.Tensor], *, layout: str = "contiguous",
                     dim: int = 2) -> torch.Tensor:
     """The whole sequence from every rank's part (`split_sequence` undone)."""
     _check_layout(layout)
@@ -180,7 +182,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
 
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    diagonal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                    *, diagonal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of queries q [b, h, n, d] over one block of keys and values [b, h, m, d]:
     (output [b, h, n, d] in fp32 or wider, log-sum-exp of each query's scores [b, h, n]). With
     `diagonal` the queries and keys are the same tokens and the causal mask applies (query i
@@ -205,11 +207,6 @@ def merge_partials(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor
     renormalised by exp(lse_i - lse), where lse = log(e^lse1 + e^lse2), computed as
     max + log(e^(lse1-max) + e^(lse2-max)) so that nothing overflows. A log-sum-exp of -inf
     (no keys yet) contributes nothing."""
-    return _merge(out, lse, block_out, block_lse)
-
-
-def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
-           block_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     new_lse = torch.logaddexp(lse, block_lse)
     finite = torch.isfinite(new_lse)  # both -inf: no keys at all, keep zeros
     safe = torch.where(finite, new_lse, torch.zeros_like(new_lse))
@@ -245,13 +242,9 @@ class _Plan:
 
     group: Group
     cp: int
-    rank: int  # in the group
+    cp_rank: int  # this rank's place in the cp group
     runs: tuple[_Runs, ...]  # every rank's tokens
     order: torch.Tensor | None  # where each token of the rank-major sequence sits; None: in order
-
-    @property
-    def left(self) -> int:
-        return (self.rank - 1) % self.cp
 
 
 _LAYOUT_CODES = {"contiguous": 0, "zigzag": 1}
@@ -281,13 +274,13 @@ def _plan(tensors: dict[str, torch.Tensor], causal: bool, group: Group, layout: 
     header = _header(tensors, causal, layout)
     if dist.is_initialized():
         ring = ring_of(group, what)
-        cp, rank = ring.size, ring.rank
+        cp, cp_rank = ring.size, ring.rank
         mine = torch.tensor(header, dtype=torch.int64)
         with counting.uncounted():
             everyone = collectives.all_gather(mine, mine.numel() * cp, group,
                                               when="shapes").view(cp, -1).tolist()
     else:
-        cp, rank, everyone = 1, 0, [header]
+        cp, cp_rank, everyone = 1, 0, [header]
     names = list(tensors)
     for r, theirs in enumerate(everyone):  # the same checks, in the same order, on every rank
         if theirs[1] == -1:
@@ -314,13 +307,13 @@ def _plan(tensors: dict[str, torch.Tensor], causal: bool, group: Group, layout: 
         where = _gather_positions(layout, tokens, cp, group, what)
     else:
         _check_divisible(tokens * cp, cp, layout)
-        where = [positions(tokens * cp, r, cp, layout) for r in range(cp)]
+        where = [positions(tokens * cp, r, cp, layout=layout) for r in range(cp)]
     every = torch.cat(where)
     if not torch.equal(every.sort().values, torch.arange(tokens * cp)):
         raise ValueError(f"{what}: the ranks' positions must cover 0..{tokens * cp - 1} once "
                          f"each; got {[w.tolist() for w in where]}")
     in_order = torch.equal(every, torch.arange(tokens * cp))
-    return _Plan(group, cp, rank, tuple(_Runs.of(w) for w in where),
+    return _Plan(group, cp, cp_rank, tuple(_Runs.of(w) for w in where),
                  None if in_order else every)
 
 
@@ -349,7 +342,7 @@ def _pairs(plan: _Plan, source: int, causal: bool) -> Iterator[tuple[slice, slic
     """The (query rows, key rows, kind) to compute when this rank holds `source`'s block:
     kind "full", or "mask" where the causal mask cuts the pair; pairs the mask hides entirely
     are skipped."""
-    for q_start, q_len, q_first in plan.runs[plan.rank].runs:
+    for q_start, q_len, q_first in plan.runs[plan.cp_rank].runs:
         for k_start, k_len, k_first in plan.runs[source].runs:
             rows, cols = slice(q_start, q_start + q_len), slice(k_start, k_start + k_len)
             if not causal or k_first + k_len - 1 <= q_first:
@@ -359,7 +352,7 @@ def _pairs(plan: _Plan, source: int, causal: bool) -> Iterator[tuple[slice, slic
 
 
 def _mask(plan: _Plan, source: int, rows: slice, cols: slice, device: torch.device) -> torch.Tensor:
-    q_pos = _positions_of(plan, plan.rank)[rows]
+    q_pos = _positions_of(plan, plan.cp_rank)[rows]
     k_pos = _positions_of(plan, source)[cols]
     return (q_pos.unsqueeze(1) >= k_pos.unsqueeze(0)).to(device)
 
@@ -379,20 +372,21 @@ def _ring_forward(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
     block = torch.stack([k, v])  # one message per step: the key and value blocks together
     for step in range(plan.cp):
-        source = (plan.rank - step) % plan.cp
+        source = (plan.cp_rank - step) % plan.cp
         travelling = (collectives.shift(block, plan.group, "forward, key/value blocks",
                                         async_op=True) if step < plan.cp - 1 else None)
         for rows, cols, kind in _pairs(plan, source, causal):  # while the next block travels
             mask = _mask(plan, source, rows, cols, q.device) if kind == "mask" else None
             part = _attend(q[:, :, rows], block[0][:, :, cols], block[1][:, :, cols], mask,
                            "forward")
-            out[:, :, rows], lse[:, :, rows] = _merge(out[:, :, rows], lse[:, :, rows], *part)
+            out[:, :, rows], lse[:, :, rows] = merge_partials(out[:, :, rows], lse[:, :, rows],
+                                                         *part)
         if travelling is not None:
             block = travelling.wait()
     return out.to(q.dtype), lse
 
 
-def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
                  group: Group = None, layout: Layout = "contiguous"
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ring attention's forward without autograd: (this rank's output [b, h, s/cp, d], the
@@ -435,7 +429,7 @@ def _ring_backward(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     block = torch.stack([k, v])
     coming = None  # the gradient of the block held now, accumulated by the ranks before
     for step in range(plan.cp):
-        source = (plan.rank - step) % plan.cp
+        source = (plan.cp_rank - step) % plan.cp
         travelling = (collectives.shift(block, plan.group, "backward, key/value blocks",
                                         async_op=True) if step < plan.cp - 1 else None)
         grads = torch.zeros(block.shape, dtype=acc, device=block.device)
@@ -460,7 +454,7 @@ def _ring_backward(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 
 def ring_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                  lse: torch.Tensor, grad_out: torch.Tensor, causal: bool = True,
+                  lse: torch.Tensor, grad_out: torch.Tensor, *, causal: bool = True,
                   group: Group = None, layout: Layout = "contiguous"
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Ring attention's backward: the gradients of this rank's q, k and v from its output,
@@ -489,7 +483,7 @@ class _RingAttention(torch.autograd.Function):
         return *grads, None, None, None
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
                    group: Group = None, layout: Layout = "contiguous",
                    forward: RingForward | None = None) -> torch.Tensor:
     """Ring attention over `group` (None: every rank; one process alone without a process
@@ -546,7 +540,7 @@ class _Exchange(torch.autograd.Function):
         return ctx.back(grad.contiguous(), ctx.group, "backward"), None, None, None
 
 
-def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
                       group: Group = None, layout: Layout = "contiguous",
                       all_to_alls: tuple[AllToAll, AllToAll] | None = None) -> torch.Tensor:
     """DeepSpeed-Ulysses over `group`: q, k, v [b, h, s/cp, d] of this rank's tokens go
@@ -609,7 +603,7 @@ class ContextParallelCore:
     `ParallelAttention`, set as its `core`) over a cp group: q, k, v [b, s/cp, heads·d] of
     this rank's tokens in `layout`, causal, by "ring" or "ulysses"."""
 
-    def __init__(self, group: Group, layout: str = "zigzag", method: str = "ring"):
+    def __init__(self, group: Group, *, layout: str = "zigzag", method: str = "ring"):
         if method not in ("ring", "ulysses"):
             raise ValueError(f"method={method!r}: choose 'ring' or 'ulysses'")
         _check_layout(layout)

@@ -75,14 +75,6 @@ __all__ = [
 ]
 
 
-def _check_impl(impl: str) -> None:
-    if impl not in collectives.IMPLS["all_reduce"]:
-        raise ValueError(
-            f"impl={impl!r}: choose 'torch' (the backend's own all-reduce) or one of minidist's "
-            f"({', '.join(collectives.IMPLS['all_reduce'][1:])}), whose bytes count_traffic "
-            f"counts")
-
-
 # --- The same model on every rank ----------------------------------------------------------------
 
 
@@ -129,27 +121,27 @@ def broadcast_parameters(module: nn.Module, group: dist.ProcessGroup | None = No
 # --- The simple versions -------------------------------------------------------------------------
 
 
-def all_reduce_gradients(module: nn.Module, impl: str = "torch",
+def all_reduce_gradients(module: nn.Module, *, impl: str = "torch",
                          group: dist.ProcessGroup | None = None) -> None:
     """Average every parameter's gradient across ranks, one all-reduce per parameter.
 
     Call it after backward. Parameters without a gradient (frozen or unused) are skipped, so
     every rank must have the same ones."""
     require_process_group("all_reduce_gradients")
-    _check_impl(impl)
+    collectives.check_impl("all_reduce", impl)
     for param in module.parameters():
         if param.grad is not None:
             collectives.all_reduce(param.grad, "avg", group, impl, when="gradients")
 
 
-def all_reduce_gradients_flat(module: nn.Module, impl: str = "torch",
+def all_reduce_gradients_flat(module: nn.Module, *, impl: str = "torch",
                               group: dist.ProcessGroup | None = None) -> None:
     """Average every gradient across ranks with a single all-reduce of one flat buffer.
 
     All gradients must have one dtype. One collective pays the latency once, but it can only
     start when backward has finished."""
     require_process_group("all_reduce_gradients_flat")
-    _check_impl(impl)
+    collectives.check_impl("all_reduce", impl)
     grads = [param.grad for param in module.parameters() if param.grad is not None]
     if not grads:
         return
@@ -197,7 +189,7 @@ class Bucket:
 
     @property
     def nbytes(self) -> int:
-        return self.buffer.numel() * self.buffer.element_size()
+        return self.buffer.nbytes
 
     def copy_in(self, position: int, grad: torch.Tensor | None) -> None:
         """Copy parameter `position`'s gradient into its place in the buffer (None: zeros)."""
@@ -225,7 +217,7 @@ def make_buckets(module: nn.Module, cap_bytes: int) -> list[Bucket]:
     buckets: list[Bucket] = []
     for kind in dict.fromkeys((p.dtype, p.device) for _, p in trainable):
         of_kind = [(name, p) for name, p in trainable if (p.dtype, p.device) == kind]
-        sizes = [p.numel() * p.element_size() for _, p in of_kind]
+        sizes = [p.nbytes for _, p in of_kind]
         for indices in assign_buckets(sizes, cap_bytes):
             names = [of_kind[i][0] for i in indices]
             params = [of_kind[i][1] for i in indices]
@@ -262,7 +254,7 @@ class DistributedDataParallel(nn.Module):
     while backward goes on. When backward ends, `finish_gradient_synchronization` runs by
     itself: it waits for every all-reduce and writes the averages back into `.grad`, as
     PyTorch's DDP has them when `loss.backward()` returns. The module docstring lists the
-    options and how this differs from PyTorch's. (About 135 lines: set-up, forward and the
+    options and how this differs from PyTorch's. (Long on purpose: set-up, forward and the
     hooks of one backward read best in one place; PyTorch's checks are apart, below.)
     """
 
@@ -273,7 +265,6 @@ class DistributedDataParallel(nn.Module):
         super().__init__()
         _check_arguments(bucket_cap_mb, impl, compression)
         self.module, self.group = module, group
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size(group)
         self.impl, self.compression = impl, compression
         self.find_unused_parameters = find_unused_parameters
         self.broadcast_buffers = broadcast_buffers
@@ -295,7 +286,7 @@ class DistributedDataParallel(nn.Module):
         if torch.is_grad_enabled() and self._check_forwards:
             self._forward_synced = self._sync
             self._step = None  # left over only if the last backward raised before its end
-        if self.broadcast_buffers and self.world_size > 1:
+        if self.broadcast_buffers and dist.get_world_size(self.group) > 1:
             collectives.broadcast_tensors(list(self.module.buffers()), group=self.group,
                                           when="buffers")
         return self.module(*args, **kwargs)
@@ -330,7 +321,7 @@ class DistributedDataParallel(nn.Module):
             _raise_twice(name)
         step.arrived.add(id(param))
         now = clock()
-        self.events.append(Event(self.rank, "gradient", name, now, now))
+        self.events.append(Event(dist.get_rank(), "gradient", name, now, now))
         bucket.copy_in(position, param.grad)
         step.pending[bucket.index] -= 1
         self._launch_full_buckets()
@@ -349,7 +340,7 @@ class DistributedDataParallel(nn.Module):
 
     def _launch(self, bucket: Bucket) -> collectives.Handle:
         """Start the bucket's all-reduce (sum; the average is taken when it is written back)."""
-        event = Event(self.rank, "all_reduce", f"bucket {bucket.index}", clock())
+        event = Event(dist.get_rank(), "all_reduce", f"bucket {bucket.index}", clock())
         self.events.append(event)
         if self.compression is None:
             handle = collectives.all_reduce(bucket.buffer, "sum", self.group, self.impl,
@@ -368,7 +359,7 @@ class DistributedDataParallel(nn.Module):
                    if id(p) not in step.arrived]
         if missing and not self.find_unused_parameters:
             self._step = None
-            _raise_unused(self.rank, [bucket.names[i] for bucket, i in missing])
+            _raise_unused(dist.get_rank(), [bucket.names[i] for bucket, i in missing])
         for bucket, position in missing:  # count them as zero (or their accumulated gradient)
             bucket.copy_in(position, bucket.params[position].grad)
             step.pending[bucket.index] -= 1
@@ -385,7 +376,7 @@ class DistributedDataParallel(nn.Module):
             return
         for bucket, handle in zip(self.buckets, step.handles, strict=True):
             handle.wait()
-            bucket.buffer.div_(self.world_size)
+            bucket.buffer.div_(dist.get_world_size(self.group))
             bucket.copy_out()
 
 
@@ -394,7 +385,7 @@ class DistributedDataParallel(nn.Module):
 
 def _check_arguments(bucket_cap_mb: float, impl: str, compression: Compression | None) -> None:
     require_process_group("DistributedDataParallel")
-    _check_impl(impl)
+    collectives.check_impl("all_reduce", impl)
     if compression is not None and not isinstance(compression, Compression):
         raise ValueError(f"compression={compression!r}: pass a minidist.parallel.compression "
                          f"object (TopK(ratio), PowerSGD(rank), Int8()) or None")
@@ -441,7 +432,7 @@ def _check_finish(synced: bool, step: _Step | None, buckets: int) -> None:
 # --- Looking at it -------------------------------------------------------------------------------
 
 
-def plot_timeline(events: list[Event], ax: Any = None, title: str = "") -> Any:
+def plot_timeline(events: list[Event], *, ax: Any = None, title: str = "") -> Any:
     """Draw one backward's events, in milliseconds from the first: gradient arrivals as ticks
     on the top lane, and below it one lane per bucket with a bar from the launch of its
     all-reduce to its completion. A dashed line marks the last gradient, the end of

@@ -54,7 +54,7 @@ def strategy_name(strategy: object) -> str:
 
 
 def parameter_bytes_after_forward(strategy: object, unit_numels: Sequence[int], root_numel: int,
-                                  world_size: int, shard_size: int | None = None,
+                                  world_size: int, *, shard_size: int | None = None,
                                   bytes_per_element: int = 4) -> float:
     """Bytes of parameters a rank holds between the end of forward and the start of
     backward: its shards of every unit (Ψ/N) plus what is gathered.

@@ -161,7 +161,7 @@ class MoELayer(nn.Module):
     """
 
     def __init__(self, hidden: int, ffn_hidden: int, experts: int, top_k: int,
-                 group: dist.ProcessGroup | None = None, capacity_factor: float | None = None):
+                 *, group: dist.ProcessGroup | None = None, capacity_factor: float | None = None):
         super().__init__()
         positive_int(hidden=hidden, ffn_hidden=ffn_hidden, experts=experts, top_k=top_k)
         if top_k > experts:

@@ -95,21 +95,22 @@ class TinyGPTStage(nn.Module):
         self.blocks = nn.ModuleList(
             copy.deepcopy(block) if tp_group is None else ParallelTransformerBlock(
                 block.attn.q_proj.in_features, block.attn.heads, block.mlp.fc1.out_features,
-                tp_group, sequence_parallel).load_from(block)
+                group=tp_group, sequence_parallel=sequence_parallel).load_from(block)
             for block in model.blocks[first:end])
         self.norm = copy.deepcopy(model.norm) if is_last else None
         self.head = copy.deepcopy(model.head) if is_last else None
         if cp_group is not None:
             for block in self.blocks:
-                block.attn.core = ContextParallelCore(cp_group, LAYOUT, cp_attention)
+                block.attn.core = ContextParallelCore(cp_group, layout=LAYOUT,
+                                                      method=cp_attention)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_first:
             if self.cp_group is None:
                 x = self.embeddings(x)
             else:  # this cp rank's tokens, with their positions in the whole sequence
-                cp, rank = dist.get_world_size(self.cp_group), dist.get_rank(self.cp_group)
-                where = positions(x.shape[1] * cp, rank, cp, LAYOUT).to(x.device)
+                cp, cp_rank = dist.get_world_size(self.cp_group), dist.get_rank(self.cp_group)
+                where = positions(x.shape[1] * cp, cp_rank, cp, layout=LAYOUT).to(x.device)
                 x = self.embeddings.tok_emb(x) + self.embeddings.pos_emb(where)
             if self.sequence_parallel:
                 x = SplitAlong.apply(x, SEQUENCE_DIM, self.tp_group)
@@ -148,34 +149,34 @@ class Parallel3D:
     "cp" to what this rank sent along that dimension (a `minidist.costs.traffic.Traffic`: the
     collectives on the dimension's group; for "pp", the point-to-point sends to its ranks);
     `expected_traffic()` holds the formulas for it.
-    (About 125 lines: a step, and the formulas its traffic is checked against, read side by
+    (Long on purpose: a step, and the formulas its traffic is checked against, read side by
     side.)
     """
 
     def __init__(self, model: TinyGPT, mesh: Mesh, optimizer_factory: OptimizerFactory,
-                 microbatches: int, schedule: str, zero_stage: int, sequence_parallel: bool,
+                 microbatches: int, *, schedule: str, zero_stage: int, sequence_parallel: bool,
                  cp_attention: str = "ring"):
         self.mesh, self.microbatches, self.zero_stage = mesh, microbatches, zero_stage
-        self.dp, self.pp, self.tp = mesh.size("dp"), mesh.size("pp"), mesh.size("tp")
-        self.cp, self.cp_attention = mesh.size("cp"), cp_attention
-        self.sequence_parallel = sequence_parallel and self.tp > 1
+        self.cp_attention = cp_attention
+        dp, pp, tp, cp = (mesh.size(dim) for dim in ("dp", "pp", "tp", "cp"))
+        self.sequence_parallel = sequence_parallel and tp > 1
         self.hidden, self.max_seq = model.tok_emb.embedding_dim, model.max_seq
         self.stage_index = mesh.coord("pp")
-        self.schedule = pipeline.schedule(schedule, ranks=self.pp, microbatches=microbatches)
-        first, end = chunk_bounds(len(model.blocks), self.pp)[self.stage_index]
+        self.schedule = pipeline.schedule(schedule, ranks=pp, microbatches=microbatches)
+        first, end = chunk_bounds(len(model.blocks), pp)[self.stage_index]
         self.stage = TinyGPTStage(
             model, first, end, is_first=self.stage_index == 0,
-            is_last=self.stage_index == self.pp - 1,
-            tp_group=mesh.group("tp") if self.tp > 1 else None,
+            is_last=self.stage_index == pp - 1,
+            tp_group=mesh.group("tp") if tp > 1 else None,
             sequence_parallel=self.sequence_parallel,
-            cp_group=mesh.group("cp") if self.cp > 1 else None, cp_attention=cp_attention)
+            cp_group=mesh.group("cp") if cp > 1 else None, cp_attention=cp_attention)
         self.module: nn.Module = self.stage
         params = list(self.stage.parameters())
-        if self.dp > 1 and zero_stage == 0:  # DDP copies the first replica's weights to all
+        if dp > 1 and zero_stage == 0:  # DDP copies the first replica's weights to all
             self.module = DistributedDataParallel(self.stage, group=mesh.group("dp"),
                                                   broadcast_buffers=False)
             self.optimizer = optimizer_factory(params)
-        elif self.dp > 1:
+        elif dp > 1:
             broadcast_parameters(self.stage, mesh.group("dp"))
             self.optimizer = ZeroOptimizer(params, optimizer_factory, stage=1,
                                            group=mesh.group("dp"))
@@ -188,13 +189,13 @@ class Parallel3D:
         """One optimizer step on the global batch `ids`, `targets` [batch, seq] (the same on
         every rank): this rank trains on its DP slice, cut into microbatches. Returns the mean
         loss over the whole batch, the same number on every rank."""
-        batch, seq = _check_batch(ids, targets, self.dp, self.microbatches,
-                                  self.tp if self.sequence_parallel else 1, self.max_seq,
-                                  self.cp)
-        self._shape = (batch // (self.dp * self.microbatches), seq)
-        mine = slice(self.mesh.coord("dp") * batch // self.dp,
-                     (self.mesh.coord("dp") + 1) * batch // self.dp)
-        ours = positions(seq, self.mesh.coord("cp"), self.cp, LAYOUT)  # this cp rank's tokens
+        dp, cp = self.mesh.size("dp"), self.mesh.size("cp")
+        batch, seq = _check_batch(ids, targets, dp, self.microbatches,
+                                  self.mesh.size("tp") if self.sequence_parallel else 1,
+                                  self.max_seq, cp)
+        self._shape = (batch // (dp * self.microbatches), seq)
+        mine = slice(self.mesh.coord("dp") * batch // dp, (self.mesh.coord("dp") + 1) * batch // dp)
+        ours = positions(seq, self.mesh.coord("cp"), cp, layout=LAYOUT)  # this cp rank's tokens
         self.optimizer.zero_grad()
         with counting.count_traffic() as log:
             trace = pipeline_exec.execute(
@@ -203,7 +204,7 @@ class Parallel3D:
                 targets[mine][:, ours] if self.stage.is_last else None,
                 lm_loss, timeout=_PIPELINE_WAIT_S,
                 group=self.mesh.group("pp"))
-            if self.cp > 1:
+            if cp > 1:
                 self._average_gradients_over_cp()
             self.optimizer.step()
         self.traffic = self._per_dimension(log)
@@ -237,7 +238,7 @@ class Parallel3D:
         counts = self.stage.is_last and self.mesh.coord("tp") == 0
         total = torch.tensor([sum(losses) if counts else 0.0], dtype=torch.float64)
         collectives.all_reduce(total, when="loss, for reporting")
-        return total.item() / (self.dp * self.cp * self.microbatches)
+        return total.item() / (self.mesh.size("dp") * self.mesh.size("cp") * self.microbatches)
 
     def expected_traffic(self) -> dict[str, traffic.Traffic]:
         """`minidist.costs.traffic.mesh_traffic` for this rank and the last step's batch: what
@@ -247,19 +248,20 @@ class Parallel3D:
         params = list(self.stage.parameters())
         micro_batch, seq = self._shape
         element = params[0].element_size()
+        pp, dp, tp, cp = (self.mesh.size(dim) for dim in ("pp", "dp", "tp", "cp"))
         return traffic.mesh_traffic(
-            stage=self.stage_index, pp=self.pp, dp=self.dp, tp=self.tp,
+            stage=self.stage_index, pp=pp, dp=dp, tp=tp,
             blocks=len(self.stage.blocks), num_params=sum(p.numel() for p in params),
             param_tensors=len(params), seq_len=seq, micro_batch=micro_batch, hidden=self.hidden,
             microbatches=self.microbatches, zero_stage=self.zero_stage,
-            sequence_parallel=self.sequence_parallel, bytes_per_element=element, cp=self.cp,
+            sequence_parallel=self.sequence_parallel, bytes_per_element=element, cp=cp,
             cp_attention=self.cp_attention)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter of the model, unsharded, under the single model's state_dict keys,
         on every rank (gathered over the tp, then the pp group; cp ranks hold the same)."""
         mine = self.stage.full_state_dict()
-        if self.pp == 1:
+        if self.mesh.size("pp") == 1:
             return mine
         stages = collectives.all_gather_object(mine, self.mesh.group("pp"), "full state dict")
         return {key: value for stage in stages for key, value in stage.items()}
@@ -292,7 +294,7 @@ def _check_batch(ids: torch.Tensor, targets: torch.Tensor, dp: int, microbatches
 
 
 def parallelize(model: TinyGPT, mesh: Mesh, optimizer_factory: OptimizerFactory,
-                microbatches: int, schedule: str = "1f1b", zero_stage: int = 1,
+                microbatches: int, *, schedule: str = "1f1b", zero_stage: int = 1,
                 sequence_parallel: bool = False, cp_attention: str = "ring") -> Parallel3D:
     """Shard `model` (the same TinyGPT on every rank: seed it) over `mesh` and return this
     rank's `Parallel3D`. `optimizer_factory(params)` builds the optimizer, e.g.
@@ -327,5 +329,6 @@ def parallelize(model: TinyGPT, mesh: Mesh, optimizer_factory: OptimizerFactory,
     if len(model.blocks) < pp:
         raise ValueError(f"layers={len(model.blocks)} is fewer than pp={pp} stages: every "
                          f"stage needs a block; use pp <= {len(model.blocks)} or more layers")
-    return Parallel3D(model, mesh, optimizer_factory, microbatches, schedule, zero_stage,
-                      sequence_parallel, cp_attention)
+    return Parallel3D(model, mesh, optimizer_factory, microbatches, schedule=schedule,
+                      zero_stage=zero_stage, sequence_parallel=sequence_parallel,
+                      cp_attention=cp_attention)

@@ -62,7 +62,7 @@ class ParameterServer:
 
     def __init__(self, model: nn.Module, workers: Sequence[int], servers: Sequence[int],
                  optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-                 asynchronous: bool = False):
+                 *, asynchronous: bool = False):
         require_process_group("ParameterServer")
         self.workers, self.servers = list(workers), list(servers)
         if not self.workers or not self.servers or set(self.workers) & set(self.servers):

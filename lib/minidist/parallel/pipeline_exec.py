@@ -151,7 +151,7 @@ def exchange_shapes(schedule: Schedule, stages: dict[int, nn.Module],
     with uncounted():
         for k in sorted(stages):
             if k > 0 and k - 1 not in stages:
-                dist.recv(meta, _global(group, schedule.rank_of(k - 1)), group=group)
+                dist.recv(meta, members(group)[schedule.rank_of(k - 1)], group=group)
                 shape = torch.Size(meta[2:2 + int(meta[1])].tolist())
                 dtype = _DTYPES[int(meta[0])]
                 incoming[k] = (shape, dtype)
@@ -166,7 +166,7 @@ def exchange_shapes(schedule: Schedule, stages: dict[int, nn.Module],
                 meta.zero_()
                 meta[0], meta[1] = _DTYPES.index(dtype), len(shape)
                 meta[2:2 + len(shape)] = torch.tensor(shape)
-                dist.send(meta, _global(group, schedule.rank_of(k + 1)), group=group)
+                dist.send(meta, members(group)[schedule.rank_of(k + 1)], group=group)
     return outputs, incoming
 
 
@@ -183,11 +183,6 @@ def _warm_up(stage: nn.Module, k: int, x: torch.Tensor, target: torch.Tensor | N
     return out.detach()
 
 
-def _global(group: dist.ProcessGroup | None, pipeline_rank: int) -> int:
-    """The global rank of a pipeline rank, the address send and receive take."""
-    return members(group)[pipeline_rank]
-
-
 # --- When a wait never ends: the deadlock report -------------------------------------------------
 
 
@@ -195,13 +190,14 @@ class _Reporter:
     """Each rank's last words in the job's key-value store: what it finished, or what it is
     stuck on; a rank that runs out of time collects everyone's into one PipelineDeadlock."""
 
-    def __init__(self, rank: int, ranks: int, group: dist.ProcessGroup | None, timeout: float):
-        self.rank, self.ranks, self.timeout = rank, ranks, timeout
+    def __init__(self, pipeline_rank: int, ranks: int, group: dist.ProcessGroup | None,
+                 timeout: float):
+        self.pipeline_rank, self.ranks, self.timeout = pipeline_rank, ranks, timeout
         # one key per call and pipeline group: several pipelines may run side by side
         self.key = f"{_STORE_PREFIX}/{next(_calls)}/{members(group)[0]}"
 
     def publish(self, status: str) -> None:
-        _store().set(f"{self.key}/{self.rank}", f"rank {self.rank} {status}")
+        _store().set(f"{self.key}/{self.pipeline_rank}", f"rank {self.pipeline_rank} {status}")
 
     def deadlock(self) -> PipelineDeadlock:
         """Collect every rank's report (waiting at most one more timeout) into one error."""
@@ -237,10 +233,10 @@ def _store() -> dist.TCPStore:
 
 @dataclass
 class RankTrace:
-    """What one rank did: its compute actions as `timeline.Event`s and, on the last stage,
-    each microbatch's loss (not divided by m)."""
+    """What one rank did: its compute actions as `timeline.Event`s (whose `rank` is the
+    global rank) and, on the last stage, each microbatch's loss (not divided by m)."""
 
-    rank: int
+    pipeline_rank: int  # this rank's place in the pipeline group
     events: list[Event]
     losses: list[float]
 
@@ -249,19 +245,20 @@ class _Mailbox:
     """One rank's point-to-point messages: sends posted and kept until the end, receives posted
     ahead of their place, and every wait bounded, ending in the deadlock report."""
 
-    def __init__(self, schedule: Schedule, rank: int, group: dist.ProcessGroup | None,
-                 timeout: float):
-        self.schedule, self.rank, self.group = schedule, rank, group
-        self.actions = schedule.actions[rank]
+    def __init__(self, schedule: Schedule, pipeline_rank: int,
+                 group: dist.ProcessGroup | None, timeout: float):
+        self.schedule, self.pipeline_rank, self.group = schedule, pipeline_rank, group
+        self.actions = schedule.actions[pipeline_rank]
         self.timeout = datetime.timedelta(seconds=timeout)
-        self.reporter = _Reporter(rank, schedule.ranks, group, timeout)
+        self.reporter = _Reporter(pipeline_rank, schedule.ranks, group, timeout)
         self.sends: list[tuple[int, Action, dist.Work, torch.Tensor]] = []
         self.receives: dict[Action, tuple[dist.Work, torch.Tensor]] = {}  # posted, not waited
 
     def send(self, index: int, action: Action, tensor: torch.Tensor) -> None:
-        request = dist.isend(tensor.contiguous(),
-                             _global(self.group, peer(self.schedule, action)),
-                             group=self.group, tag=_tag(self.schedule, action))
+        # send and receive address the global rank of the peer's pipeline rank
+        to = members(self.group)[peer(self.schedule, action)]
+        request = dist.isend(tensor.contiguous(), to, group=self.group,
+                             tag=_tag(self.schedule, action))
         self.sends.append((index, action, request, tensor))  # keep it alive until sent
 
     # A receive is posted (irecv) ahead of its place in the list: when the rank starts the
@@ -273,8 +270,9 @@ class _Mailbox:
             if action.kind.startswith("RECV") and action not in self.receives:
                 shape, dtype = shape_of(action)
                 buffer = torch.empty(shape, dtype=dtype)
-                request = dist.irecv(buffer, _global(self.group, peer(self.schedule, action)),
-                                     group=self.group, tag=_tag(self.schedule, action))
+                source = members(self.group)[peer(self.schedule, action)]
+                request = dist.irecv(buffer, source, group=self.group,
+                                     tag=_tag(self.schedule, action))
                 self.receives[action] = (request, buffer)
 
     def receive(self, index: int, action: Action) -> torch.Tensor:
@@ -303,7 +301,7 @@ class _Mailbox:
                 why = " (until a peer gave up waiting and closed its connection)"
             else:
                 raise
-            where = position(self.schedule, self.rank, index)
+            where = position(self.schedule, self.pipeline_rank, index)
             self.reporter.publish(f"is stuck at {where}: waiting to {doing}{why}")
             raise self.reporter.deadlock() from None
 
@@ -311,7 +309,7 @@ class _Mailbox:
 class _Executor:
     """The state of one rank while it runs its action list: what each action computes, and
     the activations and gradients it keeps per (stage, microbatch) until the backward that
-    frees them. (About 140 lines: one short method per kind of action, in one place with the
+    frees them. (Long on purpose: one short method per kind of action, in one place with the
     table that dispatches them; the messages are `_Mailbox`'s.)"""
 
     def __init__(self, schedule: Schedule, stages: dict[int, nn.Module],
@@ -319,14 +317,14 @@ class _Executor:
                  costs: Costs, time_unit: float, timeout: float,
                  group: dist.ProcessGroup | None):
         self.schedule, self.group, self.stages = schedule, group, stages
-        self.rank = dist.get_rank(group)  # the pipeline rank: this rank's place in the group
-        self.actions = schedule.actions[self.rank]
+        self.pipeline_rank = dist.get_rank(group)  # this rank's place in the group
+        self.actions = schedule.actions[self.pipeline_rank]
         self.loss_fn, self.costs, self.time_unit = loss_fn, costs, time_unit
         self.last = schedule.num_stages - 1
         m = schedule.microbatches
         self.inputs = split_microbatches(inputs, m) if 0 in stages else []
         self.targets = split_microbatches(targets, m) if self.last in stages else []
-        self.mailbox = _Mailbox(schedule, self.rank, group, timeout)
+        self.mailbox = _Mailbox(schedule, self.pipeline_rank, group, timeout)
         # Per (stage, microbatch): the stage's input (a leaf that collects its gradient), its
         # output (the loss on the last stage), the gradient of its output, of its input.
         self.stage_input: dict[tuple[int, int], torch.Tensor] = {}
@@ -356,7 +354,7 @@ class _Executor:
                 self.mailbox.post_receives(index + 1, self.shape_of)
             self.ACTIONS[action.kind](self, action)
         self.mailbox.finish()
-        return RankTrace(self.rank, self.events, self.losses)
+        return RankTrace(self.pipeline_rank, self.events, self.losses)
 
     def shape_of(self, receive: Action) -> _Shape:
         """What a receive brings: the previous stage's output, or this stage's output grad."""
@@ -473,7 +471,8 @@ class _Timed:
         if left > 0:
             time.sleep(left)
         executor = self.executor
-        executor.events.append(action_event(executor.rank, self.action, self.start, clock()))
+        # the event's rank is the global rank, as every Event's is
+        executor.events.append(action_event(dist.get_rank(), self.action, self.start, clock()))
 
 
 def wait_limit(schedule: Schedule, costs: Costs, time_unit: float) -> float:
@@ -484,32 +483,35 @@ def wait_limit(schedule: Schedule, costs: Costs, time_unit: float) -> float:
 
 
 def execute(schedule: Schedule, stages: dict[int, nn.Module], inputs: torch.Tensor | None,
-            targets: torch.Tensor | None, loss_fn: LossFn, costs: Costs | None = None,
+            targets: torch.Tensor | None, loss_fn: LossFn, *, costs: Costs | None = None,
             time_unit: float = 0.0, timeout: float | None = None,
             group: dist.ProcessGroup | None = None) -> RankTrace:
     """Run this rank's part of `schedule`; call it on every rank of the process group, or of
     `group` (e.g. a mesh's "pp" group), whose ranks are then the schedule's pipeline ranks.
 
-    `stages` maps each stage this rank holds (`schedule.stages_of(rank)`) to its module.
-    `inputs` (the whole batch) is needed on the rank holding stage 0, `targets` on the rank
-    holding the last stage; both are cut into `schedule.microbatches` equal microbatches.
-    Gradients accumulate in the stages' parameters. With `time_unit` > 0 each compute action
-    lasts at least its cost in `costs` (default `Costs()`) times `time_unit` seconds. A wait
-    longer than `timeout` seconds raises `PipelineDeadlock`, with what every rank waits on;
-    the default, `DEFAULT_TIMEOUT_S` plus the emulated compute of the whole step, is longer
-    than any wait of a schedule that can finish.
+    `stages` maps each stage this rank holds (`schedule.stages_of(r)`, r its rank in the
+    pipeline group) to its module. `inputs` (the whole batch) is needed on the rank holding
+    stage 0, `targets` on the rank holding the last stage; both are cut into
+    `schedule.microbatches` equal microbatches. Gradients accumulate in the stages'
+    parameters. With `time_unit` > 0 each compute action lasts at least its cost in `costs`
+    (default `Costs()`) times `time_unit` seconds. A wait longer than `timeout` seconds raises
+    `PipelineDeadlock`, with what every rank waits on; the default, `DEFAULT_TIMEOUT_S` plus
+    the emulated compute of the whole step, is longer than any wait of a schedule that can
+    finish.
     """
-    rank = dist.get_rank(group)
+    pipeline_rank = dist.get_rank(group)
     if dist.get_world_size(group) != schedule.ranks:
         raise ValueError(f"the schedule has {schedule.ranks} ranks but the process group has "
                          f"{dist.get_world_size(group)}: start {schedule.ranks} ranks")
-    if sorted(stages) != schedule.stages_of(rank):
-        raise ValueError(f"rank {rank} holds stages {schedule.stages_of(rank)} in this schedule, "
-                         f"but got modules for stages {sorted(stages)}")
+    if sorted(stages) != schedule.stages_of(pipeline_rank):
+        raise ValueError(f"pipeline rank {pipeline_rank} holds stages "
+                         f"{schedule.stages_of(pipeline_rank)} in this schedule, but got "
+                         f"modules for stages {sorted(stages)}")
     if 0 in stages and inputs is None:
-        raise ValueError(f"rank {rank} holds stage 0 and needs the inputs")
+        raise ValueError(f"pipeline rank {pipeline_rank} holds stage 0 and needs the inputs")
     if schedule.num_stages - 1 in stages and targets is None:
-        raise ValueError(f"rank {rank} holds the last stage and needs the targets")
+        raise ValueError(f"pipeline rank {pipeline_rank} holds the last stage and needs the "
+                         f"targets")
     costs = costs or Costs()
     costs.check(schedule.num_stages)
     timeout = wait_limit(schedule, costs, time_unit) if timeout is None else timeout

@@ -69,13 +69,14 @@ def _pipeline_rank(rank: int, world_size: int, schedule: Schedule, build_stages,
                    loss_fn, costs, time_unit, timeout):
     stages = _build(build_stages, schedule.num_stages)
     mine = {k: stages[k] for k in schedule.stages_of(rank)}
-    trace = execute(schedule, mine, inputs, targets, loss_fn, costs, time_unit, timeout)
+    trace = execute(schedule, mine, inputs, targets, loss_fn, costs=costs, time_unit=time_unit,
+                    timeout=timeout)
     return _named_grads(mine), trace
 
 
 def run_pipeline(schedule: Schedule, build_stages: Callable[[], Sequence[nn.Module]],
                  inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn,
-                 costs: Costs | None = None, time_unit: float = 0.0,
+                 *, costs: Costs | None = None, time_unit: float = 0.0,
                  timeout: float | None = None, check: bool = True) -> PipelineRun:
     """Start `schedule.ranks` ranks with `minidist.core.launch.run` and run one training step.
 

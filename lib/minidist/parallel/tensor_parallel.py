@@ -60,18 +60,6 @@ def _group_size(group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(group)
 
 
-def _all_reduce(x: torch.Tensor, group, phase: str, op: str = "sum") -> torch.Tensor:
-    return collectives.all_reduce(x.contiguous(), op, group, when=phase)
-
-
-def _gather_along(x: torch.Tensor, dim: int, group, phase: str) -> torch.Tensor:
-    return collectives.all_gather_along(x, dim, group, when=phase)
-
-
-def _reduce_scatter_along(x: torch.Tensor, dim: int, group, phase: str) -> torch.Tensor:
-    return collectives.reduce_scatter_along(x, dim, group, when=phase)
-
-
 def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     t, rank = dist.get_world_size(group), dist.get_rank(group)
     if x.shape[dim] % t:
@@ -92,7 +80,7 @@ class CopyToParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group, "backward"), None
+        return collectives.all_reduce(grad.contiguous(), group=ctx.group, when="backward"), None
 
 
 class ReduceFromParallel(torch.autograd.Function):
@@ -100,7 +88,7 @@ class ReduceFromParallel(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        return _all_reduce(x, group, "forward")
+        return collectives.all_reduce(x.contiguous(), group=group, when="forward")
 
     @staticmethod
     def backward(ctx, grad):
@@ -113,11 +101,12 @@ class ReduceScatterToSequenceParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _reduce_scatter_along(x, SEQUENCE_DIM, group, "forward")
+        return collectives.reduce_scatter_along(x, SEQUENCE_DIM, group=group, when="forward")
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_along(grad, SEQUENCE_DIM, ctx.group, "backward"), None
+        return collectives.all_gather_along(grad, SEQUENCE_DIM, group=ctx.group,
+                                            when="backward"), None
 
 
 class GatherAlong(torch.autograd.Function):
@@ -129,7 +118,7 @@ class GatherAlong(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group):
         ctx.dim, ctx.group = dim, group
-        return _gather_along(x, dim, group, "forward")
+        return collectives.all_gather_along(x, dim, group=group, when="forward")
 
     @staticmethod
     def backward(ctx, grad):
@@ -148,7 +137,8 @@ class SplitAlong(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_along(grad, ctx.dim, ctx.group, "backward"), None, None
+        return collectives.all_gather_along(grad, ctx.dim, group=ctx.group,
+                                            when="backward"), None, None
 
 
 class GatherSequenceThenLinears(torch.autograd.Function):
@@ -162,7 +152,7 @@ class GatherSequenceThenLinears(torch.autograd.Function):
     def forward(ctx, x, group, *weights_and_biases):
         ctx.group = group
         weights, biases = weights_and_biases[0::2], weights_and_biases[1::2]
-        full = _gather_along(x, SEQUENCE_DIM, group, "forward")
+        full = collectives.all_gather_along(x, SEQUENCE_DIM, group=group, when="forward")
         ctx.save_for_backward(x, *weights)
         ctx.has_bias = [bias is not None for bias in biases]
         return tuple(F.linear(full, w, b) for w, b in zip(weights, biases, strict=True))
@@ -170,9 +160,11 @@ class GatherSequenceThenLinears(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         x, *weights = ctx.saved_tensors
-        full = _gather_along(x, SEQUENCE_DIM, ctx.group, "backward").flatten(0, -2)
+        full = collectives.all_gather_along(x, SEQUENCE_DIM, group=ctx.group,
+                                            when="backward").flatten(0, -2)
         grad_full = sum(grad @ w for grad, w in zip(grads, weights, strict=True))
-        grad_x = _reduce_scatter_along(grad_full, SEQUENCE_DIM, ctx.group, "backward")
+        grad_x = collectives.reduce_scatter_along(grad_full, SEQUENCE_DIM, group=ctx.group,
+                                                  when="backward")
         param_grads = []
         for grad, has_bias in zip(grads, ctx.has_bias, strict=True):
             grad = grad.flatten(0, -2)
@@ -199,13 +191,50 @@ def _init_like_linear(weight: torch.Tensor, bias: torch.Tensor | None, fan_in: i
 
 def _sum_gradient_over_group(param: nn.Parameter, group) -> None:
     """Parameters applied to only this rank's part of the sequence get a partial gradient."""
-    param.register_hook(lambda grad: _all_reduce(grad.clone(), group, "backward"))
+    param.register_hook(lambda grad: collectives.all_reduce(
+        grad.clone(memory_format=torch.contiguous_format), group=group, when="backward"))
 
 
 # --- Layers ---------------------------------------------------------------------------------------
 
 
-class ColumnParallelLinear(nn.Module):
+class _ShardedLinear(nn.Module):
+    """What column- and row-parallel linears share: this rank's shard of an nn.Linear, loaded
+    from the unsharded layer and gathered back. `split_dim` is the weight's dimension split
+    across the group: 0, the output features (column), or 1, the input features (row); the
+    bias is split with the outputs, and whole when the inputs are split."""
+
+    split_dim: int
+    group: dist.ProcessGroup | None
+    in_features: int
+    out_features: int
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+
+    @torch.no_grad()
+    def load_from(self, linear: nn.Linear) -> _ShardedLinear:
+        """Take this rank's shard of an unsharded layer's weight and bias."""
+        _check_shape(linear, self.out_features, self.in_features, type(self).__name__)
+        self.weight.copy_(_split(linear.weight, self.split_dim, self.group))
+        if self.bias is not None:
+            split = self.split_dim == 0
+            self.bias.copy_(_split(linear.bias, 0, self.group) if split else linear.bias)
+        return self
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The unsharded layer's weight (and bias), gathered on every rank."""
+        def gathered(tensor: torch.Tensor, dim: int) -> torch.Tensor:
+            return collectives.all_gather_along(tensor, dim, group=self.group, when="forward")
+
+        full = {"weight": gathered(self.weight, self.split_dim)}
+        if self.bias is not None:
+            full["bias"] = (gathered(self.bias, 0) if self.split_dim == 0
+                            else self.bias.detach().clone())
+        return full
+
+
+class ColumnParallelLinear(_ShardedLinear):
     """y = x Wᵀ + b with W's output rows split: this rank computes out_features/t outputs.
 
     The input is replicated on every rank and passes through `f` first, unless
@@ -214,7 +243,9 @@ class ColumnParallelLinear(nn.Module):
     (GatherSequenceThenLinears). With `gather_output` the full output is all-gathered.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+    split_dim = 0
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool = True,
                  gather_output: bool = False, group: dist.ProcessGroup | None = None,
                  sequence_parallel: bool = False, copy_input: bool = True):
         super().__init__()
@@ -235,23 +266,6 @@ class ColumnParallelLinear(nn.Module):
                 x = CopyToParallel.apply(x, self.group)
             y = F.linear(x, self.weight, self.bias)
         return GatherAlong.apply(y, -1, self.group) if self.gather_output else y
-
-    @torch.no_grad()
-    def load_from(self, linear: nn.Linear) -> ColumnParallelLinear:
-        """Take this rank's rows of an unsharded layer's weight and bias."""
-        _check_shape(linear, self.out_features, self.in_features, "ColumnParallelLinear")
-        self.weight.copy_(_split(linear.weight, 0, self.group))
-        if self.bias is not None:
-            self.bias.copy_(_split(linear.bias, 0, self.group))
-        return self
-
-    @torch.no_grad()
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The unsharded layer's weight (and bias), gathered on every rank."""
-        full = {"weight": _gather_along(self.weight, 0, self.group, "forward")}
-        if self.bias is not None:
-            full["bias"] = _gather_along(self.bias, 0, self.group, "forward")
-        return full
 
 
 class ChunkedGatherThenLinear(torch.autograd.Function):
@@ -291,7 +305,7 @@ class AsyncColumnParallelLinear(ColumnParallelLinear):
     while the next travels (ChunkedGatherThenLinear). Equal to ColumnParallelLinear(...,
     sequence_parallel=True) up to the order of floating-point additions."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+    def __init__(self, in_features: int, out_features: int, *, bias: bool = True,
                  gather_output: bool = False, group: dist.ProcessGroup | None = None,
                  sequence_parallel: bool = True, copy_input: bool = True):
         if not (sequence_parallel and copy_input):
@@ -299,15 +313,15 @@ class AsyncColumnParallelLinear(ColumnParallelLinear):
                 f"AsyncColumnParallelLinear overlaps the sequence all-gather, so it needs "
                 f"sequence_parallel=True and copy_input=True (got {sequence_parallel}, "
                 f"{copy_input}); use ColumnParallelLinear without sequence parallelism")
-        super().__init__(in_features, out_features, bias, gather_output, group,
-                         sequence_parallel=True)
+        super().__init__(in_features, out_features, bias=bias, gather_output=gather_output,
+                         group=group, sequence_parallel=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = ChunkedGatherThenLinear.apply(x, self.group, self.weight, self.bias)
         return GatherAlong.apply(y, -1, self.group) if self.gather_output else y
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ShardedLinear):
     """y = x Wᵀ + b with W's input columns split: this rank computes a partial sum of y.
 
     The input is this rank's slice of the features (`input_is_parallel`, typically a column
@@ -316,7 +330,9 @@ class RowParallelLinear(nn.Module):
     added once, after the sum.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+    split_dim = 1
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool = True,
                  input_is_parallel: bool = True, group: dist.ProcessGroup | None = None,
                  sequence_parallel: bool = False):
         super().__init__()
@@ -342,21 +358,6 @@ class RowParallelLinear(nn.Module):
         y = exit_parallel_region(F.linear(x, self.weight), self.group, self.sequence_parallel)
         return y if self.bias is None else y + self.bias
 
-    @torch.no_grad()
-    def load_from(self, linear: nn.Linear) -> RowParallelLinear:
-        """Take this rank's columns of an unsharded layer's weight, and the whole bias."""
-        _check_shape(linear, self.out_features, self.in_features, "RowParallelLinear")
-        self.weight.copy_(_split(linear.weight, 1, self.group))
-        if self.bias is not None:
-            self.bias.copy_(linear.bias)
-        return self
-
-    @torch.no_grad()
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        full = {"weight": _gather_along(self.weight, 1, self.group, "forward")}
-        if self.bias is not None:
-            full["bias"] = self.bias.detach().clone()
-        return full
 
 
 def exit_parallel_region(x: torch.Tensor, group, sequence_parallel: bool) -> torch.Tensor:
@@ -375,7 +376,7 @@ def _check_shape(linear: nn.Linear, out_features: int, in_features: int, name: s
 class ParallelMLP(nn.Module):
     """fc1 column-parallel, GELU (elementwise: no communication), fc2 row-parallel."""
 
-    def __init__(self, hidden: int, ffn_hidden: int, group: dist.ProcessGroup | None = None,
+    def __init__(self, hidden: int, ffn_hidden: int, *, group: dist.ProcessGroup | None = None,
                  sequence_parallel: bool = False):
         super().__init__()
         self.fc1 = ColumnParallelLinear(hidden, ffn_hidden, group=group,
@@ -394,7 +395,7 @@ class ParallelAttention(nn.Module):
     output projection is row-parallel. `core` is the attention itself, as in
     `minidist.parallel.models.Attention`."""
 
-    def __init__(self, hidden: int, heads: int, group: dist.ProcessGroup | None = None,
+    def __init__(self, hidden: int, heads: int, *, group: dist.ProcessGroup | None = None,
                  sequence_parallel: bool = False):
         super().__init__()
         t = _group_size(group)
@@ -429,13 +430,14 @@ class ParallelTransformerBlock(nn.Module):
     LayerNorms run on that slice only."""
 
     def __init__(self, hidden: int, heads: int, ffn_hidden: int,
-                 group: dist.ProcessGroup | None = None, sequence_parallel: bool = False):
+                 *, group: dist.ProcessGroup | None = None, sequence_parallel: bool = False):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
         self.norm1 = nn.LayerNorm(hidden)
-        self.attn = ParallelAttention(hidden, heads, group, sequence_parallel)
+        self.attn = ParallelAttention(hidden, heads, group=group,
+                                      sequence_parallel=sequence_parallel)
         self.norm2 = nn.LayerNorm(hidden)
-        self.mlp = ParallelMLP(hidden, ffn_hidden, group, sequence_parallel)
+        self.mlp = ParallelMLP(hidden, ffn_hidden, group=group, sequence_parallel=sequence_parallel)
         if sequence_parallel:
             for norm in (self.norm1, self.norm2):
                 for param in norm.parameters():
@@ -474,7 +476,7 @@ class VocabParallelEmbedding(nn.Module):
 
     Ids outside this rank's range look up zeros; `g` sums the ranks' lookups."""
 
-    def __init__(self, vocab: int, hidden: int, group: dist.ProcessGroup | None = None):
+    def __init__(self, vocab: int, hidden: int, *, group: dist.ProcessGroup | None = None):
         super().__init__()
         t, rank = _group_size(group), dist.get_rank(group)
         self.group, self.vocab = group, vocab
@@ -503,14 +505,16 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         vocab_local = logits.shape[-1]
         start = dist.get_rank(group) * vocab_local
         # A numerically stable softmax needs the max over the whole vocabulary.
-        logits_max = _all_reduce(logits.max(dim=-1).values, group, "forward", "max")
+        logits_max = collectives.all_reduce(logits.max(dim=-1).values.contiguous(), "max",
+                                            group=group, when="forward")
         shifted = logits - logits_max.unsqueeze(-1)
         mine = (targets >= start) & (targets < start + vocab_local)
         local_targets = (targets - start).masked_fill(~mine, 0)
         target_logit = shifted.gather(-1, local_targets.unsqueeze(-1)).squeeze(-1)
         target_logit = target_logit.masked_fill(~mine, 0.0)
         exp = shifted.exp()
-        sums = _all_reduce(torch.stack([target_logit, exp.sum(dim=-1)]), group, "forward")
+        sums = collectives.all_reduce(torch.stack([target_logit, exp.sum(dim=-1)]), group=group,
+                                      when="forward")
         target_logit, sum_exp = sums
         ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), local_targets, mine)
         return sum_exp.log() - target_logit
@@ -524,7 +528,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
-                                 group: dist.ProcessGroup | None = None) -> torch.Tensor:
+                                 *, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Per-token cross-entropy from this rank's vocab slice of the logits [..., V/t].
 
     Never gathers the V-wide logits: an all-reduce MAX of the row maxima, then one all-reduce
