@@ -27,10 +27,6 @@ __all__ = ["NvmeStore", "measure_disk"]
 MiB = 2**20
 
 
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
 class NvmeStore:
     """Tensors in files, one per name, in `folder`: written and read for real.
 
@@ -63,7 +59,7 @@ class NvmeStore:
             os.fsync(file.fileno())
             _drop_from_cache(file.fileno())
         self.layout[name] = (tensor.shape, tensor.dtype)
-        self._count("disk_write", _nbytes(data), name, start)
+        self._count("disk_write", data.nbytes, name, start)
 
     def read(self, name: str) -> torch.Tensor:
         """A new host tensor holding what was last written as `name`."""
@@ -73,7 +69,7 @@ class NvmeStore:
         start = clock()
         shape, dtype = self.layout[name]
         tensor = torch.empty(shape, dtype=dtype)
-        nbytes = _nbytes(tensor)
+        nbytes = tensor.nbytes
         with open(self.path(name), "rb", buffering=0) as file:
             got = file.readinto(_buffer(tensor))
             _drop_from_cache(file.fileno())
@@ -100,7 +96,7 @@ class NvmeStore:
 def _buffer(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous host tensor, without numpy (which would pin its storage's
     size for good)."""
-    return memoryview((ctypes.c_char * _nbytes(tensor)).from_address(tensor.data_ptr())).cast("B")
+    return memoryview((ctypes.c_char * tensor.nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
 def _drop_from_cache(fd: int) -> None:

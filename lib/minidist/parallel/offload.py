@@ -178,10 +178,6 @@ def transfers() -> Iterator[TransferLog]:
         _open_logs.remove(log)
 
 
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
@@ -215,7 +211,7 @@ def to_host(tensor: torch.Tensor, when: str = "", async_op: bool = False):
         moving = _Moving(host, stream.record_event())
     else:
         moving = _Moving(source.clone(), None)
-    record("to_host", _nbytes(source), when, start)
+    record("to_host", source.nbytes, when, start)
     return moving if async_op else moving.wait()
 
 
@@ -227,5 +223,5 @@ def to_device(tensor: torch.Tensor, device: torch.device | str | None = None,
     device = torch.device(device) if device is not None else compute_device()
     copy = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
     copy.copy_(tensor.detach())
-    record("to_device", _nbytes(tensor), when, start)
+    record("to_device", tensor.nbytes, when, start)
     return copy

@@ -66,11 +66,11 @@ class ZeroOffloadOptimizer(ZeroOptimizer):
             shard_numel = sum(end - start for start, end in
                               (collectives.shard_bounds(p.numel(), group) for p in params))
             _check_offload(self.offload, optimizer_cls, optimizer_kwargs, shard_numel)
-        self.device_memory.place("parameters", sum(_nbytes(p) for p in params))
+        self.device_memory.place("parameters", sum(p.nbytes for p in params))
         self._arriving: list[tuple[int, Any]] = []  # gradient slices on their way to the host
         super().__init__(params, optimizer_cls, stage, group, impl, **optimizer_kwargs)
         if self.offload is None:
-            self.device_memory.place("master weights", sum(_nbytes(s) for s in self.shards))
+            self.device_memory.place("master weights", sum(s.nbytes for s in self.shards))
             self.optimizer.register_step_post_hook(self._place_optimizer_state)
         self.nvme = (_NvmeSlices(self.offload.folder, self.shards)
                      if self.offload is not None and self.offload.tier == "nvme" else None)
@@ -88,7 +88,7 @@ class ZeroOffloadOptimizer(ZeroOptimizer):
     def _reduce_scatter(self, index: int, grad: torch.Tensor) -> None:
         """The whole gradient is held on the device while it is reduce-scattered; offloaded,
         its slice leaves for the host at once (in flight until `reduce_gradients`)."""
-        with self.device_memory.holding("gradient", _nbytes(grad)):
+        with self.device_memory.holding("gradient", grad.nbytes):
             mine = collectives.reduce_scatter(grad.reshape(-1), self.group, self.impl,
                                               when="gradients")
         if self.offload is not None:
@@ -102,7 +102,7 @@ class ZeroOffloadOptimizer(ZeroOptimizer):
         super()._accumulate(index, mine)
 
     def _reduce_scatter_gradients(self) -> None:
-        self.device_memory.place("gradients", sum(_nbytes(p.grad) for p in self.params
+        self.device_memory.place("gradients", sum(p.grad.nbytes for p in self.params
                                                   if p.grad is not None))
         super()._reduce_scatter_gradients()
 
@@ -117,7 +117,7 @@ class ZeroOffloadOptimizer(ZeroOptimizer):
 
     def _place_optimizer_state(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         self.device_memory.place("optimizer state", sum(
-            _nbytes(value) for state in optimizer.state.values()
+            value.nbytes for state in optimizer.state.values()
             for value in state.values() if isinstance(value, torch.Tensor)))
 
     @torch.no_grad()
@@ -135,7 +135,7 @@ class ZeroOffloadOptimizer(ZeroOptimizer):
         parameter held on the device while it is gathered."""
         if self.offload is not None:
             shard = to_device(shard, param.device, "parameter shard")
-        with self.device_memory.holding("gathered parameter", _nbytes(param)):
+        with self.device_memory.holding("gathered parameter", param.nbytes):
             super()._gather_into(param, shard)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -176,10 +176,6 @@ class _NvmeSlices:
                 self.store.write(name, tensor)
             gather_into(param, master.to(param.dtype))
             del master, moments, tensor  # freed before the next slice is read
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
 
 
 def _check_offload(target: Offload, optimizer_cls: type, kwargs: dict[str, Any],
