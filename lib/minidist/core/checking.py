@@ -241,6 +241,8 @@ def unavailable(*paths: str, reason: str = "") -> Iterator[None]:
     def keep(_: Callable[..., None], message: str) -> None:
         refusals.append(message)
 
+    for path in targets:  # import every module first: one may subclass what another refuses
+        _owner(path)
     try:
         for path in targets:
             undo.append(_refuse(path, reason, refused_builtins, refused_code))
