@@ -9,7 +9,7 @@ Four ranks on one machine, grouped as 2 nodes of g = 2 by `minidist.communicatio
 point-to-point message delayed by its link, each rank with one port per tier. At each size it
 times, in the same ranks, taking turns (`timing.time_in_turns`, median of --rounds):
 
-    flat ring, 1 channel    `network.channels_all_reduce(t, network=..., channels=1)`: the
+    flat ring, 1 channel    `hierarchical.channels_all_reduce(t, network=..., channels=1)`: the
                             plain ring; it leaves each node through one rank's port, the
                             other g-1 sit idle
     flat ring, g channels   `channels=2`: the tensor in g parts, each around its own ring that
@@ -21,7 +21,7 @@ and prints hierarchical / flat for both flat rings beside the ratio the two-tier
 predicts (`TwoTier.all_reduce_time`, the intra-node phases of hierarchical included). It then
 checks the course's target at 16 MiB: both measured ratios within 20% of the predicted ones.
 Last, it degrades one node's link to half bandwidth on 4 nodes of 1 rank, runs the pairwise
-sweep (`network.pairwise_bandwidth`) and names the node `network.slow_nodes` finds.
+sweep (`link_sweep.pairwise_bandwidth`) and names the node `link_sweep.slow_nodes` finds.
 
 What it shows: against the single-channel ring hierarchical all-reduce wins big (0.40 predicted
 at 16 MiB: it sends S/2 across per rank where the ring's edge ranks send 3S/2, and the ring uses
@@ -50,7 +50,7 @@ import statistics
 
 import torch
 
-from minidist.communication import collectives, network
+from minidist.communication import collectives, emulation, hierarchical, link_sweep
 from minidist.communication.mesh import Mesh
 from minidist.communication.network import TwoTier
 from minidist.communication.timing import time_in_turns
@@ -62,11 +62,11 @@ RANKS_PER_NODE = 2
 WORLD_SIZE = 4
 
 
-def _calls(tensor: torch.Tensor, net: network.Network) -> dict:
+def _calls(tensor: torch.Tensor, net: emulation.Network) -> dict:
     g = net.tiers.ranks_per_node
-    return {"flat, 1 channel": lambda: network.channels_all_reduce(tensor, network=net,
+    return {"flat, 1 channel": lambda: hierarchical.channels_all_reduce(tensor, network=net,
                                                                    channels=1),
-            f"flat, {g} channels": lambda: network.channels_all_reduce(tensor, network=net,
+            f"flat, {g} channels": lambda: hierarchical.channels_all_reduce(tensor, network=net,
                                                                        channels=g),
             "hierarchical": lambda: collectives.all_reduce(tensor, impl="hierarchical",
                                                            network=net)}
@@ -84,7 +84,7 @@ def _time(rank: int, world_size: int, tiers: TwoTier, sizes: list[int],
 
 def _sweep(rank: int, world_size: int, tiers: TwoTier) -> list[int]:
     Mesh(dp=world_size, network=tiers)
-    return network.slow_nodes(network.pairwise_bandwidth(1 << 20), tiers)
+    return link_sweep.slow_nodes(link_sweep.pairwise_bandwidth(1 << 20), tiers)
 
 
 def _predicted(tiers: TwoTier, nbytes: int) -> dict[str, float]:

@@ -17,10 +17,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minidist.communication import collectives, comm, network
+from minidist.communication import collectives, comm, emulation, hierarchical, link_sweep, network
 from minidist.communication.counting import count_traffic
+from minidist.communication.emulation import Network
 from minidist.communication.mesh import Mesh
-from minidist.communication.network import Network, TwoTier, hierarchical_bytes
+from minidist.communication.network import TwoTier, hierarchical_bytes
 from minidist.core import interposer
 from minidist.core.launch import RankError, run
 from minidist.costs import cost
@@ -144,7 +145,7 @@ def _check_auto(rank: int, net: Network) -> list[str]:
 
 
 def _check_channels(rank: int, net: Network) -> list[str]:
-    """The flat ring on c channels (network.channels_all_reduce): equal to torch's sum for
+    """The flat ring on c channels (hierarchical.channels_all_reduce): equal to torch's sum for
     c = 1, g and g + 1 (two channels between the same two ranks); each step sends one message
     per channel, to that channel's right neighbour, in channel order; per rank, channel c's
     bytes 2(N-1)/N * S/c go to its right in ring c, so with c = g every rank's inter-node port
@@ -162,8 +163,8 @@ def _check_channels(rank: int, net: Network) -> list[str]:
                 if average:
                     expected /= world
                 with count_traffic() as log:
-                    returned = network.channels_all_reduce(ours, network=net, channels=channels,
-                                                           average=average)
+                    returned = hierarchical.channels_all_reduce(
+                        ours, network=net, channels=channels, average=average)
                 if returned is not ours or not torch.equal(ours, expected):
                     failures.append(f"channels={channels}, numel={numel}, {dtype}, "
                                     f"average={average}: not torch's result")
@@ -211,16 +212,16 @@ def _on_layout(rank: int, world_size: int, g: int) -> dict[str, list[str]]:
     # The same all-reduce under the emulation: equal results, every message delayed
     emulated = TwoTier(ranks_per_node=g, inter_bandwidth=1e9, intra_bandwidth=1e10,
                        inter_latency=1e-4, intra_latency=1e-5)
-    emulation = Mesh(dp=world_size, network=emulated).network
-    results["emulated"] = _check_equal_to_torch(rank, emulation)[:1]
+    slow = Mesh(dp=world_size, network=emulated).network
+    results["emulated"] = _check_equal_to_torch(rank, slow)[:1]
     tensor = _integers(999, rank, torch.float32)
     expected = tensor.clone()
     dist.all_reduce(expected)
-    if not torch.equal(network.channels_all_reduce(tensor, network=emulation), expected):
+    if not torch.equal(hierarchical.channels_all_reduce(tensor, network=slow), expected):
         results["emulated"].append("channels_all_reduce under the emulation: not torch's sum")
-    emulation.close()
+    slow.close()
     try:
-        network.channels_all_reduce(torch.ones(4), network=None)
+        hierarchical.channels_all_reduce(torch.ones(4), network=None)
         results["channels"].append("channels_all_reduce without a network did not raise")
     except ValueError as error:
         if "network=mesh.network" not in str(error):
@@ -247,7 +248,7 @@ def test_hierarchical_all_reduce(check: str, nodes: int, g: int) -> None:
 def _emulation_mechanism(rank: int, world_size: int) -> dict:
     tiers = TwoTier(ranks_per_node=2, intra_bandwidth=100e6, inter_bandwidth=10e6,
                     intra_latency=1e-3, inter_latency=5e-3)
-    emulation = Mesh(dp=4, network=tiers).network
+    slow = Mesh(dp=4, network=tiers).network
     found: dict = {}
     message = torch.full((2**18,), float(rank))  # 1 MiB: 10 ms inside, 100 ms across
     if rank == 0:
@@ -255,7 +256,7 @@ def _emulation_mechanism(rank: int, world_size: int) -> dict:
         # on the inter-node port; the intra-node one does not wait behind them.
         works = [dist.isend(message, 2), dist.isend(message, 3), dist.isend(message, 1)]
         found["returned at once"] = [not work.is_completed() for work in works]
-        found["delayed"] = all(isinstance(work, network._DelayedSend) for work in works)
+        found["delayed"] = all(isinstance(work, emulation._DelayedSend) for work in works)
         found["schedule"] = [(work.leaves, work.arrives) for work in works]
         for work in works:
             work.wait()
@@ -271,7 +272,7 @@ def _emulation_mechanism(rank: int, world_size: int) -> dict:
     with count_traffic() as log:
         dist.all_reduce(torch.ones(4))
     found["torch collective sends"] = log.messages
-    emulation.close()
+    slow.close()
     found["send restored"] = "route" not in interposer.subscribers("ProcessGroup.send")
     work = dist.isend(torch.ones(1), (rank + 1) % 4)
     found["after detach"] = type(work).__name__
@@ -481,7 +482,7 @@ def test_bytes_per_tier_and_links() -> None:
 
 def test_pair_rounds_meet_every_pair_once() -> None:
     for n in range(2, 9):
-        rounds = network._rounds(n)
+        rounds = link_sweep._rounds(n)
         pairs = [pair for round_ in rounds for pair in round_]
         assert sorted(pairs) == [(a, b) for a in range(n) for b in range(a + 1, n)]
         for round_ in rounds:
@@ -493,9 +494,9 @@ def test_slow_nodes_names_the_node_in_every_slow_pair() -> None:
     tiers = TwoTier(ranks_per_node=1)
     healthy, slow = 25e6, 12.5e6
     sweep = {(a, b): slow if 2 in (a, b) else healthy for a in range(4) for b in range(a + 1, 4)}
-    assert network.slow_nodes(sweep, tiers) == [2]
-    assert network.slow_nodes({pair: healthy for pair in sweep}, tiers) == []
+    assert link_sweep.slow_nodes(sweep, tiers) == [2]
+    assert link_sweep.slow_nodes({pair: healthy for pair in sweep}, tiers) == []
     two_nodes = TwoTier(ranks_per_node=2)
     across = {(0, 2): slow, (0, 3): slow, (1, 2): slow, (1, 3): slow, (0, 1): 1e9, (2, 3): 1e9}
-    assert network.slow_nodes(across, two_nodes) == []  # no healthy pair to compare with
-    assert network.slow_nodes(across, two_nodes, expected=healthy) == [0, 1]
+    assert link_sweep.slow_nodes(across, two_nodes) == []  # no healthy pair to compare with
+    assert link_sweep.slow_nodes(across, two_nodes, expected=healthy) == [0, 1]

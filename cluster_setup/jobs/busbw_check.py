@@ -11,7 +11,7 @@ below --min-busbw.
 
 An all-reduce goes at the speed of its slowest link, so one degraded link shows only as a lower
 busbw. --pairwise times each pair of ranks alone (a 1 MiB ping-pong, pairs in rounds of
-disjoint pairs: minidist.communication.network.pairwise_bandwidth), prints every pair with its
+disjoint pairs: minidist.communication.link_sweep.pairwise_bandwidth), prints every pair with its
 nodes and GB/s, and fails when a pair is below --min-pair-gbps; it names the slow pairs and the
 nodes that are in every one of them: with three nodes or more, the node whose link is bad.
 """
@@ -27,7 +27,7 @@ os.environ.setdefault("TQDM_DISABLE", "1")  # one progress bar per rank is noise
 
 import torch.distributed as dist  # noqa: E402
 
-from minidist.communication import collectives, network  # noqa: E402
+from minidist.communication import collectives, link_sweep  # noqa: E402
 from minidist.communication.bandwidth import format_table, measure  # noqa: E402
 from minidist.core.launch import run  # noqa: E402
 
@@ -38,7 +38,7 @@ def _joined(rank: int, world_size: int) -> None:
 
 def _pairs(rank: int, world_size: int) -> tuple[list[str], dict[tuple[int, int], float]]:
     nodes = collectives.all_gather_object(os.environ.get("SLURMD_NODENAME", socket.gethostname()))
-    return nodes, network.pairwise_bandwidth(1 << 20)
+    return nodes, link_sweep.pairwise_bandwidth(1 << 20)
 
 
 def check_pairs(world_size: int, min_gbps: float) -> bool:

@@ -5,7 +5,7 @@
 Lab 11 runs this comparison on an emulated network; here the links are the cluster's own (on
 the local cluster, the links between nodes shaped with `cluster.sh shape`). Every rank finds
 which ranks share its node (SLURMD_NODENAME), the ranks time every pair's link on its own
-(`minidist.communication.network.pairwise_bandwidth`), and the median pair inside a node and
+(`minidist.communication.link_sweep.pairwise_bandwidth`), and the median pair inside a node and
 between nodes give the two-tier model (`TwoTier(..., emulated=False)`: it delays nothing, it only
 says where the nodes are). Then all-reduce of --mib MiB runs in turns (`timing.time_in_turns`) with
 minidist's ring, minidist's hierarchical all-reduce and the backend's `dist.all_reduce`
@@ -28,7 +28,7 @@ import sys
 
 import torch
 
-from minidist.communication import collectives, network
+from minidist.communication import collectives, link_sweep
 from minidist.communication.mesh import Mesh
 from minidist.communication.network import TwoTier
 from minidist.communication.timing import time_in_turns
@@ -49,7 +49,7 @@ def _placement() -> int:
 
 def check(rank: int, world_size: int, nbytes: int, rounds: int) -> dict:
     per_node = _placement()
-    pairs = network.pairwise_bandwidth(1 << 20)
+    pairs = link_sweep.pairwise_bandwidth(1 << 20)
     tier_of = TwoTier(ranks_per_node=per_node, emulated=False).tier
     medians = {tier: statistics.median([bw for pair, bw in pairs.items() if tier_of(*pair) == tier]
                                        or [float("inf")]) for tier in ("intra", "inter")}

@@ -122,9 +122,9 @@ FAKES = {
             table[a, b] = min(star[0, a], star[0, b])
     return table
 """),
-        Fake("calls the library", "delegates to network.pairwise_bandwidth",
+        Fake("calls the library", "delegates to link_sweep.pairwise_bandwidth",
              checked_by=("test-sweep",), source="""\
-    return network.pairwise_bandwidth(nbytes, repeat)
+    return link_sweep.pairwise_bandwidth(nbytes, repeat)
 """),
     ],
 }

@@ -46,7 +46,8 @@ import torch.nn.functional as F
 from minidist.communication import streaming
 from minidist.communication.comm import Ring, binomial_broadcast, chunk_bounds, ring_of
 from minidist.communication.counting import record
-from minidist.communication.network import Network, hierarchical
+from minidist.communication.emulation import Network
+from minidist.communication.hierarchical import hierarchical
 from minidist.core._checks import reduce_op, require_process_group
 from minidist.core._groups import per_group_cache
 from minidist.core.flat import copy_back, flat_view, flatten

@@ -35,7 +35,7 @@ import math
 
 import torch.distributed as dist
 
-from minidist.communication import network as _network
+from minidist.communication import emulation
 from minidist.communication.network import TwoTier
 from minidist.core._checks import positive_int, require_process_group
 
@@ -93,7 +93,7 @@ class Mesh:
         if network is not None:
             network.nodes(world)  # raises if the ranks do not fill whole nodes: before any group
         self.tiers = network
-        self.network: _network.Network | None = None  # the nodes, once the groups are made
+        self.network: emulation.Network | None = None  # the nodes, once the groups are made
         self.rank = dist.get_rank()
         self._groups: dict[str, dist.ProcessGroup] = {}
         self._ranks: dict[str, list[int]] = {}
@@ -118,7 +118,7 @@ class Mesh:
                 if self.rank in ranks:
                     self._node_groups[kind] = group
         whole = [dist.group.WORLD, *(self._groups[d] for d in self.sizes if self.sizes[d] == world)]
-        self.network = _network.connect(network, self._node_groups["node"],
+        self.network = emulation.connect(network, self._node_groups["node"],
                                         self._node_groups["across"], whole)
 
     def node_of(self, rank: int | None = None) -> int:

@@ -1,9 +1,9 @@
-"""Nodes and links: an EMULATED two-tier network, its alpha-beta model, hierarchical all-reduce.
+"""Nodes and links: the two-tier network a job runs on, and its alpha-beta model.
 
 A GPU cluster has two kinds of links. Inside a node, GPUs talk over NVLink (H100: 450 GB/s each
 way); between nodes, over one InfiniBand port per GPU (NDR: 50 GB/s each way), about 9x slower
-(REFERENCES.md#nvidia-h100, REFERENCES.md#infiniband-ndr). Processes on one laptop talk over
-loopback, all equally fast. This module makes a laptop feel the difference:
+(REFERENCES.md#nvidia-h100, REFERENCES.md#infiniband-ndr). `TwoTier` says which ranks share a
+node and what each tier's links cost:
 
     tiers = TwoTier(ranks_per_node=2)                # intra-node links 10x faster than inter
     mesh = Mesh(dp=4, network=tiers)                 # ranks 0,1 on node 0; ranks 2,3 on node 1
@@ -11,64 +11,36 @@ loopback, all equally fast. This module makes a laptop feel the difference:
                                                      # reduce-scatter in the node, all-reduce
                                                      # across nodes, all-gather in the node
 
-The network is an argument: `mesh.network` (a `Network`) is what a collective that needs the
-nodes is given; nothing in the module remembers it.
-
-**It is an emulation.** Once a Mesh is built with an emulated `TwoTier` (until
-`mesh.network.close()`, the next Mesh built with one, or the job's end), every point-to-point
-message this process sends
-(minidist's algorithms, and a student's own dist.send / dist.isend, all of which end in torch's
-ProcessGroup.send) is held back for the time its link would take: it leaves when the sending
-rank's port for that tier is free, takes nbytes * beta on it, and arrives alpha later; only
-then does the real send start. Messages on one port queue behind each other (a port per rank
-and tier, as a GPU has its NVLinks and its own network port); a delayed isend returns at once,
-so overlap still overlaps. The emulated links are scaled down (25 MB/s between nodes, not 50
-GB/s) so that the real loopback transfer underneath is small beside them and a laptop measures
-them in milliseconds; ratios, not absolute times, carry over to a cluster. torch's own
-collectives (dist.all_reduce, gloo's and NCCL's) run in C++ and bypass the emulation: compare
-minidist's algorithms with each other under it, never with torch's. On a real cluster the links
-are real: build the mesh with `TwoTier(..., emulated=False)` to tell minidist where the nodes
-are without delaying anything.
+The network is an argument: `mesh.network` (a `minidist.communication.emulation.Network`) is
+what a collective that needs the nodes is given; nothing in minidist remembers it. On a laptop
+the links are EMULATED (minidist.communication.emulation); the hierarchical algorithms are in
+minidist.communication.hierarchical and the link sweep that finds a slow node in
+minidist.communication.link_sweep.
 
 A degraded link (`degraded={node: fraction}`) keeps only that fraction of its inter-node
 bandwidth, both ways: the seeds' incident of an InfiniBand link silently running at half speed.
 
 The alpha-beta model of the two tiers (`TwoTier.all_reduce_time`) charges each step of an
 algorithm on the slowest link it uses: the flat ring pays the inter-node link on every one of
-its 2(N-1) steps. `collectives.all_reduce(t, impl="auto")` picks the algorithm this model
-predicts fastest whenever a network is known.
+its 2(N-1) steps. `collectives.all_reduce(t, impl="auto", network=mesh.network)` picks the
+algorithm this model predicts fastest.
 
 The flat ring crosses between two nodes through ONE rank's port: the other g-1 inter-node ports
 of the node sit idle. NCCL does not: it runs several rings at once (its channels), each leaving
-the node through a different NIC (REFERENCES.md#nccl-channels). `channels_all_reduce(t,
-channels=g)` is that ring: the tensor cut into `channels` parts, part c around ring c of
-`TwoTier.rings`, which leaves each node from local rank g-1-c; `TwoTier.all_reduce_time("ring",
-S, N, channels=c)` is its cost, each step as long as its busiest port.
+the node through a different NIC (REFERENCES.md#nccl-channels). `TwoTier.rings` lays out those
+rings and `TwoTier.all_reduce_time("ring", S, N, channels=c)` prices them, each step as long as
+its busiest port; `hierarchical.channels_all_reduce` runs them.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
-import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
-import torch
-import torch.distributed as dist
-
-from minidist.communication import comm, streaming
-from minidist.communication.comm import Ring, chunk_bounds
-from minidist.communication.counting import uncounted
-from minidist.communication.timing import barrier
-from minidist.core import interposer
 from minidist.core._checks import positive, positive_int
-from minidist.core._groups import members, on_forget_groups
 from minidist.costs.cost import ALL_REDUCE_ALGORITHMS, AlphaBeta
 
-__all__ = ["TwoTier", "ALGORITHMS", "hierarchical_bytes", "hierarchical", "channels_all_reduce",
-           "Network", "connect", "pairwise_bandwidth", "slow_nodes"]
+__all__ = ["TwoTier", "ALGORITHMS", "hierarchical_bytes"]
 
 ALGORITHMS = (*ALL_REDUCE_ALGORITHMS, "hierarchical")
 """All-reduce algorithms the two-tier model predicts: the flat ones and the hierarchical one."""
@@ -228,9 +200,6 @@ def _speed(link: AlphaBeta) -> str:
     return f"{link.bandwidth / 1e6:g} MB/s, {link.alpha * 1e6:g} us"
 
 
-# --- Hierarchical all-reduce -----------------------------------------------------------------
-
-
 def hierarchical_bytes(nbytes: float, nodes: int, ranks_per_node: int) -> dict[str, float]:
     """Bytes each rank sends in hierarchical all-reduce of an `nbytes` tensor, per tier:
     intra 2(g-1)/g * S (the reduce-scatter and the all-gather inside the node), inter
@@ -241,311 +210,6 @@ def hierarchical_bytes(nbytes: float, nodes: int, ranks_per_node: int) -> dict[s
     positive_int(nodes=nodes, ranks_per_node=ranks_per_node)
     n, g = nodes, ranks_per_node
     return {"intra": 2 * (g - 1) / g * nbytes, "inter": 2 * (n - 1) / n * nbytes / g}
-
-
-def hierarchical(flat: torch.Tensor, node: Ring, across: Ring, average: bool) -> None:
-    """Sum (or average) the 1-D `flat` over every rank, in place, in three phases built from
-    minidist.communication.streaming's ring: reduce-scatter over `node` (the ranks of this node;
-    rank l ends holding chunk l summed over the node), ring all-reduce of that chunk over `across`
-    (the
-    ranks holding chunk l on every node), all-gather over `node`."""
-    streaming.reduce_scatter(flat, node)
-    start, end = chunk_bounds(flat.numel(), node.size)[node.rank]
-    shard = flat[start:end]
-    streaming.ALGORITHMS["ring"](shard, across, False)
-    if average:
-        shard.div_(node.size * across.size)
-    streaming.all_gather(flat, node)
-
-
-def channels_all_reduce(tensor: torch.Tensor, *, network: Network, channels: int | None = None,
-                        average: bool = False) -> torch.Tensor:
-    """Sum (or average) the contiguous `tensor` over every rank of the job with the flat ring
-    on `channels` channels (default: g, one per rank of a node, as NCCL runs a channel per
-    NIC), in place, and return it. `network` is the job's (`mesh.network`, of a Mesh built
-    with network=TwoTier(...)); channels=1 is the plain ring.
-
-    The tensor is cut into `channels` parts and part c goes round ring c of
-    `TwoTier.rings`: reduce-scatter, then all-gather, 2(N-1) steps in which every channel
-    sends one chunk (1/N of its part) to its right, whole, the channels side by side; a step
-    ends when all of its messages have arrived (comm.ring_all_reduce's schedule, per channel).
-    Each channel's messages carry its own tag, so two channels between the same two ranks
-    never take each other's."""
-    if not isinstance(network, Network):
-        raise ValueError(f"network={network!r}: channels_all_reduce runs over the job's nodes; "
-                         "pass network=mesh.network, the mesh built with one, e.g. "
-                         "Mesh(dp=4, network=TwoTier(ranks_per_node=2))")
-    if not tensor.is_contiguous():
-        raise ValueError("channels_all_reduce works in place on a contiguous tensor; pass "
-                         "tensor.contiguous() and copy the result back")
-    world, rank = dist.get_world_size(), dist.get_rank()
-    channels = network.tiers.ranks_per_node if channels is None else channels
-    flat = tensor.view(-1)
-    parts = chunk_bounds(flat.numel(), channels)
-    lanes = []  # per channel: this rank's place in its ring and the chunks of its part
-    for (start, end), ring in zip(parts, network.tiers.rings(world, channels), strict=True):
-        place = ring.index(rank)
-        chunks = [(start + a, start + b) for a, b in chunk_bounds(end - start, world)]
-        buffer = flat.new_empty(chunks[0][1] - chunks[0][0])  # chunk 0 is the largest
-        lanes.append((ring[place - 1], ring[(place + 1) % world], place, chunks, buffer))
-    for step in range(2 * (world - 1)):
-        reduce = step < world - 1
-        receives, sends, adds = [], [], []
-        for tag, (left, _, place, chunks, buffer) in enumerate(lanes):
-            a, b = chunks[(place - 2 - step) % world]
-            if b > a:  # an empty chunk is sent by neither side
-                target = buffer[: b - a] if reduce else flat[a:b]
-                receives.append(dist.irecv(target, left, tag=tag))
-                adds.append((a, b, target))
-        for tag, (_, right, place, chunks, _) in enumerate(lanes):
-            a, b = chunks[(place - 1 - step) % world]
-            if b > a:
-                sends.append(dist.isend(flat[a:b], right, tag=tag))
-        for receive, (a, b, target) in zip(receives, adds, strict=True):
-            receive.wait()
-            if reduce:
-                flat[a:b].add_(target)
-        for send in sends:  # a chunk must not change before it has left
-            send.wait()
-    if average:
-        flat.div_(world)
-    return tensor
-
-
-# --- The job's network: which ranks share a node ----------------------------------------------
-
-
-@dataclass(frozen=True)
-class Network:
-    """The network a job runs on, as the Mesh built with it knows it (`mesh.network`), passed
-    to what needs the nodes: `collectives.all_reduce(t, impl="hierarchical", network=...)`,
-    `channels_all_reduce`. With an emulated `tiers` it also owns the emulation that delays this
-    rank's sends, from `connect` until `close`."""
-
-    tiers: TwoTier
-    node: Ring  # this rank in its node
-    across: Ring  # this rank among the ranks of the same local rank on every node
-    groups: tuple[Any, ...]  # the process groups of every rank of the job
-    emulation: _Emulation | None = field(default=None, compare=False, repr=False)
-
-    def spans(self, group: dist.ProcessGroup | None) -> bool:
-        """Whether `group` (None: every rank) is the whole job, whose nodes this network knows."""
-        return (group or dist.group.WORLD) in self.groups
-
-    def rings(self, group: dist.ProcessGroup | None) -> tuple[Ring, Ring]:
-        """(this rank's node, its peers across nodes): the two rings of hierarchical all-reduce
-        over `group`, which must be the whole job."""
-        if not self.spans(group):
-            ring = comm.ring_of(group, "hierarchical all-reduce")
-            raise ValueError(
-                f"the network (TwoTier(ranks_per_node={self.tiers.ranks_per_node})) knows the "
-                f"nodes of the whole job, and group {list(ring.members)} is a part of it: run "
-                f"impl='hierarchical' over the whole job (group=None), or a flat impl such as "
-                f"'ring' on this group")
-        return self.node, self.across
-
-    def close(self) -> None:
-        """Stop emulating (after the sends in flight arrive); the network's groups stay."""
-        if self.emulation is not None:
-            self.emulation.close()
-
-
-def connect(tiers: TwoTier, node_group: dist.ProcessGroup, cross_group: dist.ProcessGroup,
-            whole_job: Iterable[dist.ProcessGroup]) -> Network:
-    """The Network of `tiers` over the groups a Mesh made (`Mesh(..., network=tiers)` calls it
-    on every rank); an emulated one starts delaying this rank's sends, until its `close`, or
-    until the job's groups are destroyed."""
-    node, across = comm.ring_of(node_group, "a node"), comm.ring_of(cross_group, "a node")
-    emulation = _Emulation(tiers, dist.get_rank()) if tiers.emulated else None
-    if emulation is not None:
-        # The job's groups end with it: stop emulating. (The emulation holds no group, so this
-        # keeps none alive; the Network, which holds them, goes with its Mesh.)
-        on_forget_groups(emulation.close)
-    return Network(tiers, node, across, tuple(whole_job), emulation)
-
-
-# --- The emulation ---------------------------------------------------------------------------
-
-
-class _DelayedSend(dist.Work):
-    """A send in flight on an emulated link: wait() returns once the real send, started when
-    the emulated message arrived, has completed."""
-
-    def __init__(self, leaves: float, arrives: float) -> None:
-        super().__init__()
-        self.leaves, self.arrives = leaves, arrives  # on time.monotonic()
-        self.posted = threading.Event()
-        self.real: dist.Work | None = None
-        self.error: BaseException | None = None
-        self._done = False
-
-    def wait(self, timeout: Any = None) -> bool:
-        self.posted.wait()
-        if self.error is not None:
-            raise self.error
-        if not self._done:  # a gloo send waited on twice waits for a send that never comes
-            self.real.wait()
-            self._done = True
-        return True
-
-    def is_completed(self) -> bool:
-        return self._done or (self.posted.is_set() and self.error is None
-                              and self.real.is_completed())
-
-
-class _Port:
-    """One rank's way onto one tier: messages leave one after another, each taking
-    nbytes * beta, and arrive alpha after they have left. A thread starts each real send
-    when its message arrives, in order, never waiting for one to complete (a receiver may
-    take them in another order across process groups)."""
-
-    def __init__(self, name: str):
-        self.free_at = 0.0
-        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.idle = threading.Event()
-        self.idle.set()
-        self.pending = 0
-        self.lock = threading.Lock()
-        threading.Thread(target=self._deliver, name=f"minidist-link-{name}", daemon=True).start()
-
-    def post(self, nbytes: int, link: AlphaBeta, start_send: Callable[[], dist.Work]) -> dist.Work:
-        with self.lock:
-            leaves = max(time.monotonic(), self.free_at)
-            self.free_at = leaves + nbytes * link.beta
-            work = _DelayedSend(leaves, self.free_at + link.alpha)
-            self.pending += 1
-            self.idle.clear()
-            self.inbox.put((start_send, work))
-        return work
-
-    def close(self) -> None:
-        """Let the delivery thread end once what is queued has been sent."""
-        self.inbox.put(None)
-
-    def _deliver(self) -> None:
-        while (item := self.inbox.get()) is not None:
-            start_send, work = item
-            delay = work.arrives - time.monotonic()
-            if delay > 0:
-                time.sleep(delay)
-            try:
-                work.real = start_send()
-            except BaseException as error:  # the peer is gone: its wait() raises it
-                work.error = error
-            work.posted.set()
-            with self.lock:
-                self.pending -= 1
-                if not self.pending:
-                    self.idle.set()
-
-
-class _Emulation:
-    """This rank's ports, one per tier, and the route every send takes through them."""
-
-    def __init__(self, tiers: TwoTier, rank: int):
-        self.tiers, self.rank = tiers, rank
-        self.ports = {tier: _Port(f"{tier}-{rank}") for tier in ("intra", "inter")}
-        self.closed = False
-        # The interposer's last layer: every send of this process now takes its port, in place
-        # of an earlier emulation's (whose messages in flight still arrive).
-        self.stop_routing = interposer.subscribe("route", "ProcessGroup.send", self.route,
-                                                 replace=True)
-
-    def route(self, send: Callable[..., dist.Work], group: dist.ProcessGroup, tensors: list,
-              dst: int, *args: Any, **kwargs: Any) -> dist.Work:
-        peer = members(group)[dst]
-        nbytes = sum(tensor.numel() * tensor.element_size() for tensor in tensors)
-        port = self.ports[self.tiers.tier(self.rank, peer)]
-        grad_mode = torch.is_grad_enabled()  # thread-local: the sending thread runs in it too
-
-        def start_send() -> dist.Work:
-            with torch.set_grad_enabled(grad_mode):
-                return send(group, tensors, dst, *args, **kwargs)
-
-        return port.post(nbytes, self.tiers.link(self.rank, peer), start_send)
-
-    def close(self) -> None:
-        """Stop routing sends, wait until every message posted has been sent, then end the
-        delivery threads (again: nothing)."""
-        if self.closed:
-            return
-        self.closed = True
-        self.stop_routing()
-        for port in self.ports.values():
-            port.idle.wait()
-            port.close()
-
-
-# --- Finding a slow link ---------------------------------------------------------------------
-
-
-def _rounds(n: int) -> list[list[tuple[int, int]]]:
-    """Every pair of n ranks once, in rounds where each rank is in at most one pair (the
-    circle method): n-1 rounds for even n, n for odd n."""
-    ranks = list(range(n)) + ([None] if n % 2 else [])
-    rounds = []
-    for _ in range(len(ranks) - 1):
-        half = len(ranks) // 2
-        pairs = [(a, b) for a, b in zip(ranks[:half], reversed(ranks[half:]), strict=True)
-                 if a is not None and b is not None]
-        rounds.append([tuple(sorted(pair)) for pair in pairs])
-        ranks = [ranks[0], ranks[-1], *ranks[1:-1]]
-    return rounds
-
-
-def pairwise_bandwidth(nbytes: int = 1 << 20, repeat: int = 3) -> dict[tuple[int, int], float]:
-    """Bytes per second between every pair of ranks (a < b) of the job, each way: a sends
-    `nbytes` to b and b sends them back, `repeat` times, one-way time = half a round trip.
-    Pairs go in rounds of disjoint pairs, all pairs of a round at once, as a cluster's
-    link check does (cluster_setup/jobs/busbw_check.py --pairwise). Call it on every rank;
-    every rank gets the whole table. Nothing it sends is counted."""
-    positive_int(nbytes=nbytes, repeat=repeat)
-    rank, n = dist.get_rank(), dist.get_world_size()
-    payload = torch.zeros(max(1, nbytes // 4))
-    mine: dict[tuple[int, int], float] = {}
-    with uncounted():
-        for pairs in _rounds(n):
-            barrier()
-            for a, b in pairs:
-                if rank not in (a, b):
-                    continue
-                peer = b if rank == a else a
-                for timed in (False, True):  # the first round trip opens the connection
-                    start = time.perf_counter()
-                    for _ in range(repeat if timed else 1):
-                        if rank == a:
-                            dist.send(payload, peer)
-                            dist.recv(payload, peer)
-                        else:
-                            dist.recv(payload, peer)
-                            dist.send(payload, peer)
-                mine[(a, b)] = payload.numel() * 4 / ((time.perf_counter() - start) / (2 * repeat))
-        table = torch.zeros(n, n, dtype=torch.float64)
-        for (a, b), bandwidth in mine.items():
-            if rank == a:
-                table[a, b] = bandwidth
-        everyone = torch.zeros(n, n * n, dtype=torch.float64)
-        everyone[rank] = table.view(-1)
-        comm.ring_all_gather(everyone)
-    summed = everyone.sum(dim=0).view(n, n)
-    return {(a, b): summed[a, b].item() for a in range(n) for b in range(a + 1, n)}
-
-
-def slow_nodes(bandwidths: Mapping[tuple[int, int], float], tiers: TwoTier,
-               expected: float | None = None, below: float = 0.75) -> list[int]:
-    """The nodes all of whose inter-node pairs run below `below` times `expected` (bytes/s;
-    default: the upper quartile of the sweep's inter-node pairs, the healthy speed when most
-    links are healthy): where a degraded link is. With two nodes every pair has both ends, so
-    give the healthy speed as `expected`; a slow pair then names both nodes."""
-    inter = {pair: bw for pair, bw in bandwidths.items() if tiers.tier(*pair) == "inter"}
-    if not inter:
-        return []
-    if expected is None:
-        expected = float(torch.tensor(list(inter.values()), dtype=torch.float64).quantile(0.75))
-    nodes = sorted({tiers.node_of(rank) for pair in inter for rank in pair})
-    return [node for node in nodes
-            if all(bw < below * expected for pair, bw in inter.items()
-                   if node in (tiers.node_of(pair[0]), tiers.node_of(pair[1])))]
 
 
 def _check(network: TwoTier) -> None:
