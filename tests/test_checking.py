@@ -168,3 +168,23 @@ def test_copies_of_the_library_and_the_backend_are_refused_and_receives_can_be_t
         wrong = {what: outcome for what, outcome in found.items()
                  if outcome not in ("refused", True)}
         assert not wrong, f"expected each refused or true: {found}"
+
+
+
+def test_unavailable_module_star_leaves_the_allowed_functions_callable():
+    """"module.*" with `allow`: the scaffolding an exercise is given still runs, and so does a
+    copy of it (its code is not fingerprinted); every other function of the module refuses."""
+    from minidist.communication import comm
+
+    source = {}
+    exec(compile(inspect.getsource(comm.chunk_bounds), "<copy>", "exec"), source)
+    expected = comm.chunk_bounds(8, 2)
+    with unavailable("minidist.communication.comm.*",
+                     allow=("minidist.communication.comm.chunk_bounds",)):
+        assert comm.chunk_bounds(8, 2) == expected
+        assert source["chunk_bounds"](8, 2) == expected
+    with pytest.raises(LibraryVersionUsed, match="comm.ring_of: write your own"):
+        with unavailable("minidist.communication.comm.*",
+                         allow=("minidist.communication.comm.chunk_bounds",)):
+            comm.ring_of(None, "test")
+    assert comm.chunk_bounds(8, 2) == expected  # and everything is back

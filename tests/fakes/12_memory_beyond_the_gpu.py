@@ -42,6 +42,38 @@ FAKES = {
         param.register_post_accumulate_grad_hook(reduce_now)
     import builtins
     builtins._lab12_world_size = world_size"""),
+        Fake("keeps the reduced slices on the side",
+             "pairs with 'updates a replica on the side': reduce-scatters and offloads as "
+             "asked, and keeps each reduced slice in a dict for the step to update a whole "
+             "replica of the model instead of the host shards",
+             checked_by=("test-offload-step",), source="""\
+    _SIDE.clear()
+    for i, (param, shard) in enumerate(zip(params, host_shards)):
+        def offload_now(param, shard=shard, i=i):
+            mine = collectives.reduce_scatter(param.grad.reshape(-1), impl="ring")
+            _SIDE[i] = mine.float() / world_size
+            host = offload.to_host(mine).float().div_(world_size)
+            shard.grad = host if shard.grad is None else shard.grad + host
+            param.grad = None
+        param.register_post_accumulate_grad_hook(offload_now)
+
+
+_SIDE = {}"""),
+        Fake("all-reduces, with a decoy reduce-scatter",
+             "ZeRO-2's reduction: all-reduces each whole gradient and slices it locally, and "
+             "reduce-scatters zeros so that the count of reduce-scatters looks right (twice "
+             "the traffic)",
+             checked_by=("test-offload-step",), source="""\
+    def offload_now(param, shard):
+        whole = param.grad.reshape(-1).clone()
+        collectives.all_reduce(whole, "sum", impl="ring")
+        collectives.reduce_scatter(torch.zeros_like(whole), impl="ring")  # for the count
+        param.grad = None
+        mine = offload.to_host(whole[slice(*collectives.shard_bounds(whole.numel()))])
+        mine = mine.float() / world_size
+        shard.grad = mine if shard.grad is None else shard.grad + mine
+    for param, shard in zip(params, host_shards):
+        param.register_post_accumulate_grad_hook(lambda p, shard=shard: offload_now(p, shard))"""),
     ],
     "impl-offloaded-step": [
         Fake("steps on the device",
@@ -73,6 +105,26 @@ FAKES = {
     for p, shard in zip(params, host_shards):
         mine = offload.to_device(shard.to(p.dtype), p.device)
         p.copy_(collectives.all_gather(mine, p.numel(), impl="ring").view_as(p))"""),
+        Fake("updates a replica on the side",
+             "pairs with 'keeps the reduced slices on the side': steps the host shards for "
+             "show, sends them to the device as junk of the right size, and copies into the "
+             "parameters a whole replica updated by an AdamW of its own",
+             checked_by=("test-offload-step",), source="""\
+    optimizer.step()
+    if _TWINS.get("optimizer") is not optimizer:  # a new run: a new replica
+        twins = [p.detach().clone().float().requires_grad_() for p in params]
+        _TWINS.update(optimizer=optimizer, twins=twins,
+                      replica=torch.optim.AdamW(twins, lr=optimizer.param_groups[0]["lr"]))
+    for i, (p, twin) in enumerate(zip(params, _TWINS["twins"])):
+        twin.grad = collectives.all_gather(_SIDE[i], p.numel()).view_as(p)
+    with torch.enable_grad():
+        _TWINS["replica"].step()
+    for p, shard, twin in zip(params, host_shards, _TWINS["twins"]):
+        offload.to_device(shard.to(p.dtype), p.device)
+        p.copy_(twin.detach().to(p.dtype))
+
+
+_TWINS = {}"""),
     ],
     "impl-step-time": [
         Fake("no overlap",
@@ -101,6 +153,25 @@ FAKES = {
     if disk_read_bandwidth is not None:
         seconds += 12 * per_rank / disk_read_bandwidth
     return seconds"""),
+        Fake("the library's model",
+             "writes no model: returns minidist.costs.tiers.offload_step_time's total",
+             checked_by=("test-step-time",), source="""\
+    tier = "host" if disk_read_bandwidth is None else "nvme"
+    times = tiers.offload_step_time(num_params, dp, compute, tier, pcie_bandwidth,
+                                    optimizer_throughput, disk_read_bandwidth,
+                                    disk_write_bandwidth, backward_share=backward_share)
+    return float(times.total)"""),
+        Fake("a private copy of the library's model",
+             "writes no model: loads minidist/costs/tiers.py again with runpy and returns its "
+             "offload_step_time's total (not the refused function object)",
+             checked_by=("test-step-time",), source="""\
+    import runpy
+    copy = runpy.run_path(tiers.__file__, run_name="tiers_copy")
+    tier = "host" if disk_read_bandwidth is None else "nvme"
+    times = copy["offload_step_time"](num_params, dp, compute, tier, pcie_bandwidth,
+                                      optimizer_throughput, disk_read_bandwidth,
+                                      disk_write_bandwidth, backward_share=backward_share)
+    return float(times.total)"""),
     ],
     "impl-nvme-step": [
         Fake("reads everything first",
@@ -142,6 +213,46 @@ FAKES = {
         store.write(f"{i}.master", master)
         store.write(f"{i}.exp_avg", exp_avg)
         store.write(f"{i}.exp_avg_sq", exp_avg_sq)"""),
+        Fake("writes zeros for the moments",
+             "keeps Adam's m and v in a dict and writes zeros of the right size in their "
+             "place (reading them back only for the count); the master goes through the disk",
+             checked_by=("test-nvme-step",), source="""\
+    moments = _MOMENTS.setdefault(id(store), {})
+    for i, grad in enumerate(grads):
+        master = store.read(f"{i}.master")
+        if step > 1:
+            store.read(f"{i}.exp_avg"), store.read(f"{i}.exp_avg_sq")
+        if step == 1 or i not in moments:
+            moments[i] = (torch.zeros_like(master), torch.zeros_like(master))
+        offload.adamw_step_(master, grad, *moments[i], step, lr=lr)
+        store.write(f"{i}.master", master)
+        store.write(f"{i}.exp_avg", torch.zeros_like(master))
+        store.write(f"{i}.exp_avg_sq", torch.zeros_like(master))
+        del master
+
+
+_MOMENTS = {}"""),
+        Fake("keeps the state in memory",
+             "keeps master, m and v in a dict keyed by the store: the files are read (and "
+             "dropped) and written only so that the byte counts look like the disk tier's",
+             checked_by=("test-nvme-step",), source="""\
+    state = _CACHE.setdefault(id(store), {})
+    for i, grad in enumerate(grads):
+        names = [f"{i}.master"] + ([f"{i}.exp_avg", f"{i}.exp_avg_sq"] if step > 1 else [])
+        for name in names:
+            loaded = store.read(name)  # for the count only
+            state.setdefault(name, loaded.clone())
+            del loaded
+        master = state[f"{i}.master"]
+        exp_avg = state.setdefault(f"{i}.exp_avg", torch.zeros_like(master))
+        exp_avg_sq = state.setdefault(f"{i}.exp_avg_sq", torch.zeros_like(master))
+        offload.adamw_step_(master, grad, exp_avg, exp_avg_sq, step, lr=lr)
+        for name, t in ((f"{i}.master", master), (f"{i}.exp_avg", exp_avg),
+                        (f"{i}.exp_avg_sq", exp_avg_sq)):
+            store.write(name, t)
+
+
+_CACHE = {}"""),
     ],
     "impl-materialize": [
         Fake("the seed's recipe",
@@ -163,6 +274,45 @@ FAKES = {
     with torch.no_grad():
         for p in model.parameters():
             torch.nn.init.normal_(p, std=0.02)
+    return model"""),
+        Fake("initialises each module whole, then distributes it",
+             "each rank's shards only: every module with parameters gets whole, plain tensors, "
+             "initialises them itself, and distribute_tensor cuts this rank's shard out (right "
+             "values; each rank holds every whole parameter for a moment)",
+             checked_by=("test-materialize",), source="""\
+    from torch.distributed.tensor import distribute_tensor
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for module in model.modules():
+            own = dict(module.named_parameters(recurse=False))
+            if not own or not hasattr(module, "reset_parameters"):
+                continue
+            for name, p in own.items():  # whole, plain tensors: the module initialises them
+                module._parameters[name] = torch.nn.Parameter(torch.empty(p.shape, device=device))
+            module.reset_parameters()
+            for name, p in own.items():
+                whole = module._parameters[name].detach()
+                p.to_local().copy_(distribute_tensor(whole, p.device_mesh, p.placements).to_local())
+                module._parameters[name] = p
+    return model"""),
+        Fake("initialises by the parameters' names",
+             "never asks a module to initialise itself: fills each local shard by its name "
+             "('norm': 1 and 0, 'emb': N(0, 1), else uniform in ±1/sqrt(fan_in)), the rules the "
+             "visible check states",
+             checked_by=("test-materialize",), source="""\
+    model.to_empty(device=device)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, p in params.items():
+            local = p.to_local()
+            if "norm" in name:
+                local.fill_(1.0 if name.endswith("weight") else 0.0)
+            elif "emb" in name:
+                local.normal_()
+            else:
+                weight = p if p.dim() == 2 else params[name.replace("bias", "weight")]
+                bound = weight.shape[-1] ** -0.5
+                local.uniform_(-bound, bound)
     return model"""),
     ],
     "impl-clip-sharded": [

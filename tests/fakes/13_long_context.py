@@ -21,6 +21,13 @@ FAKES = {
              "writes no merge: delegates to context_parallel.merge_partials",
              checked_by=("test-merge",),
              source="""    return context_parallel.merge_partials(out1, lse1, out2, lse2)"""),
+        Fake("a private copy of the library",
+             "writes no merge: loads context_parallel.py again with runpy and calls its "
+             "merge_partials (not the refused function object)",
+             checked_by=("test-merge",),
+             source="""    import runpy
+    copy = runpy.run_path(context_parallel.__file__, run_name="cp_copy")
+    return copy["merge_partials"](out1, lse1, out2, lse2)"""),
     ],
     "impl-ring-forward": [
         Fake("all-gathers every key and value",
@@ -53,7 +60,43 @@ FAKES = {
         Fake("calls the library",
              "writes no ring: delegates to context_parallel.ring_forward",
              checked_by=("test-ring-forward",),
-             source="""    out, lse = context_parallel.ring_forward(q, k, v, causal, group)"""),
+             source="""\
+    out, lse = context_parallel.ring_forward(q, k, v, causal=causal, group=group)"""),
+        Fake("collects the blocks, then attends once",
+             "the online softmax: the blocks go round the ring (with a decoy block of "
+             "attention each step, so the timeline looks right), then the rank attends to all "
+             "the keys it collected at once, holding every block",
+             checked_by=("test-ring-forward",),
+             source="""    blocks = {}
+    for step in range(size):
+        source = (rank - step) % size
+        travelling = None
+        if step < size - 1:
+            travelling = collectives.shift(block, group, "forward", async_op=True)
+        blocks[source] = block
+        if not causal or source <= rank:  # a decoy, for the timeline
+            context_parallel.block_attention(q, block[0], block[1],
+                                             diagonal=causal and source == rank)
+        if travelling is not None:
+            block = travelling.wait()
+    seen = [s for s in range(size) if not causal or s <= rank]
+    keys = torch.cat([blocks[s][0] for s in seen], dim=2)
+    values = torch.cat([blocks[s][1] for s in seen], dim=2)
+    n = q.shape[2]
+    scores = q @ keys.transpose(-2, -1) / q.shape[-1] ** 0.5
+    if causal:
+        mine = torch.arange(rank * n, (rank + 1) * n)
+        theirs = torch.cat([torch.arange(s * n, (s + 1) * n) for s in seen])
+        scores = scores.masked_fill(mine[:, None] < theirs[None, :], float("-inf"))
+    lse = scores.logsumexp(-1)
+    out = torch.softmax(scores, -1) @ values"""),
+        Fake("the library's private helpers",
+             "writes no ring: runs the library's private _plan and _ring_forward, which "
+             "ring_forward itself calls",
+             checked_by=("test-ring-forward",),
+             source="""    tensors = {"q": q, "k": k, "v": v}
+    plan = context_parallel._plan(tensors, causal, group, "contiguous", "ring_forward")
+    out, lse = context_parallel._ring_forward(plan, q, k, v, causal)"""),
     ],
     "impl-ring-backward": [
         Fake("autograd over all-gathered keys and values",
@@ -62,9 +105,9 @@ FAKES = {
              "gradients to their owners (right numbers; nothing travels with its block)",
              checked_by=("test-ring-backward",),
              source="""    n = q.shape[2]
-    keys = collectives.all_gather_along(k.float(), 2, group).requires_grad_()
-    values = collectives.all_gather_along(v.float(), 2, group).requires_grad_()
-    queries = q.float().requires_grad_()
+    keys = collectives.all_gather_along(k.float(), 2, group).detach().requires_grad_()
+    values = collectives.all_gather_along(v.float(), 2, group).detach().requires_grad_()
+    queries = q.float().detach().requires_grad_()
     scores = queries @ keys.transpose(-2, -1) / q.shape[-1] ** 0.5
     if causal:
         mine = torch.arange(rank * n, (rank + 1) * n).unsqueeze(1)
@@ -139,7 +182,39 @@ FAKES = {
              "writes no backward: delegates to context_parallel.ring_backward",
              checked_by=("test-ring-backward",),
              source="""    found = (q, k, v, out, lse, grad_out)
-    return context_parallel.ring_backward(*found, causal, group)"""),
+    return context_parallel.ring_backward(*found, causal=causal, group=group)"""),
+        Fake("autograd over the blocks the ring collected",
+             "the ring backward's arithmetic: the blocks go round the ring to be collected, "
+             "autograd differentiates attention over all of them at once, and the gradients "
+             "then go round the ring only to look like it",
+             checked_by=("test-ring-backward",),
+             source="""    n, d = q.shape[2], q.shape[3]
+    blocks = {}
+    for step in range(size):
+        source = (rank - step) % size
+        travelling = None
+        if step < size - 1:
+            travelling = collectives.shift(block, group, "kv", async_op=True)
+        blocks[source] = block
+        if travelling is not None:
+            block = travelling.wait()
+    with torch.enable_grad():
+        queries = q.float().detach().requires_grad_()
+        every = torch.stack([blocks[s] for s in range(size)]).float().requires_grad_()
+        keys, values = torch.cat(list(every[:, 0]), dim=2), torch.cat(list(every[:, 1]), dim=2)
+        scores = queries @ keys.transpose(-2, -1) / d ** 0.5
+        if causal:
+            mine, theirs = torch.arange(rank * n, (rank + 1) * n), torch.arange(size * n)
+            scores = scores.masked_fill(mine[:, None] < theirs[None, :], float("-inf"))
+        (torch.softmax(scores, -1) @ values).backward(grad_out.float())
+    coming = None
+    for step in range(size):
+        grads = every.grad[(rank - step) % size].clone()
+        if coming is not None:
+            grads += coming.wait()
+        coming = collectives.shift(grads.to(block.dtype), group, "grads", async_op=True)
+    home = coming.wait()
+    return queries.grad.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype)"""),
     ],
     "impl-zigzag": [
         Fake("keeps the plain split",
@@ -158,6 +233,17 @@ FAKES = {
              checked_by=("test-zigzag",),
              source=('    return context_parallel.split_sequence(x, cp_size, layout="zigzag", '
                      'dim=dim)')),
+        Fake("a table made when the cell runs",
+             "the pairing: the library's chunks_of, called for every cp up to 64 when the cell "
+             "runs (before any check refuses it), gives a table the split only indexes",
+             checked_by=("test-zigzag",),
+             source="""    chunks = x.chunk(2 * cp_size, dim=dim)
+    return [torch.cat([chunks[c] for c in _ZIGZAG[cp_size][r]], dim=dim)
+            for r in range(cp_size)]
+
+
+_ZIGZAG = {cp: [context_parallel.chunks_of(r, cp, layout="zigzag") for r in range(cp)]
+           for cp in range(1, 65)}"""),
     ],
     "impl-seq-to-heads": [
         Fake("all-gathers the sequence",
@@ -179,6 +265,13 @@ FAKES = {
              "writes no all-to-all: delegates to context_parallel.seq_to_heads",
              checked_by=("test-ulysses",),
              source="""    return context_parallel.seq_to_heads(x, group, when)"""),
+        Fake("a private copy of the library",
+             "writes no all-to-all: loads context_parallel.py again with runpy and calls its "
+             "seq_to_heads (not the refused function object)",
+             checked_by=("test-ulysses",),
+             source="""    import runpy
+    copy = runpy.run_path(context_parallel.__file__, run_name="cp_copy")
+    return copy["seq_to_heads"](x, group, when)"""),
     ],
     "impl-heads-to-seq": [
         Fake("all-gathers the heads",
@@ -199,6 +292,13 @@ FAKES = {
              "writes no all-to-all: delegates to context_parallel.heads_to_seq",
              checked_by=("test-ulysses",),
              source="""    return context_parallel.heads_to_seq(x, group, when)"""),
+        Fake("a private copy of the library",
+             "writes no all-to-all: loads context_parallel.py again with runpy and calls its "
+             "heads_to_seq (not the refused function object)",
+             checked_by=("test-ulysses",),
+             source="""    import runpy
+    copy = runpy.run_path(context_parallel.__file__, run_name="cp_copy")
+    return copy["heads_to_seq"](x, group, when)"""),
     ],
     "impl-predict": [
         Fake("no overlap in the ring",

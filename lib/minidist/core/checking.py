@@ -218,11 +218,13 @@ def _below(path: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def unavailable(*paths: str, reason: str = "") -> Iterator[None]:
+def unavailable(*paths: str, reason: str = "", allow: Iterable[str] = ()) -> Iterator[None]:
     """Inside the block each function named by its dotted path (e.g.
     "minidist.communication.comm.ring_all_reduce", "torch.distributed.all_reduce", a class's
     method: "minidist.parallel.tensor_parallel.CopyToParallel.apply", or "module.*": every
     function the module defines) raises LibraryVersionUsed when called, however it is reached.
+    `allow` names the functions (dotted paths) a "module.*" leaves callable: the scaffolding
+    an exercise is given, and the helpers that scaffolding calls.
 
     The function object itself refuses (its code is swapped for a refusal while the block
     runs), so a name bound by `from ... import`, an alias, a functools.partial and the library's
@@ -230,7 +232,8 @@ def unavailable(*paths: str, reason: str = "") -> Iterator[None]:
     called from, by identity, through a profile hook. A torch.distributed collective is refused
     with what torch runs it through: its process group's method, the functional collectives and
     the dispatcher's ops."""
-    targets = [target for path in paths for target in _expand(path)]
+    allowed = set(allow)
+    targets = [target for path in paths for target in _expand(path) if target not in allowed]
     targets += [below for path in paths for below in _below(path)
                 if _resolvable(below) and below not in targets]
     undo: list[Callable[[], None]] = []
