@@ -289,7 +289,10 @@ def _refuse(path: str, reason: str, refused_builtins: dict[int, str],
     # A class's own entry (a staticmethod, a classmethod), or nothing if it inherits one.
     entry = vars(owner).get(attribute, _INHERITED) if not isinstance(owner, _OpNamespace) \
         else getattr(owner, attribute)
-    functions = _python_functions(getattr(owner, attribute))
+    # An inherited method (torch.autograd.Function.apply) is shared with every subclass: it is
+    # refused on this class alone, by its attribute, which every alias of the class sees.
+    inherited = inspect.isclass(owner) and entry is _INHERITED
+    functions = [] if inherited else _python_functions(getattr(owner, attribute))
     if functions:  # swap the code of the function object (and what it wraps): every alias sees it
         saved = [(function, function.__code__) for function in functions]
         # Only the innermost function's code is the library's own: a decorator's wrapper
