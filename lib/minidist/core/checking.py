@@ -54,7 +54,7 @@ from minidist.core._groups import members
 
 __all__ = [
     "Call", "RECORDED", "recording", "unavailable", "LibraryVersionUsed", "Message",
-    "messages_sent", "tampered_receives", "Seen", "watching", "MATMULS", "FlightRecord",
+    "messages_sent", "tampered_receives", "Refusals", "Seen", "watching", "MATMULS", "FlightRecord",
     "in_flight", "ran_while_in_flight", "Held", "holding",
 ]
 
@@ -218,7 +218,7 @@ def _below(path: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def unavailable(*paths: str, reason: str = "", allow: Iterable[str] = ()) -> Iterator[None]:
+def unavailable(*paths: str, reason: str = "", allow: Iterable[str] = ()) -> Iterator[Refusals]:
     """Inside the block each function named by its dotted path (e.g.
     "minidist.communication.comm.ring_all_reduce", "torch.distributed.all_reduce", a class's
     method: "minidist.parallel.tensor_parallel.CopyToParallel.apply", or "module.*": every
@@ -231,7 +231,8 @@ def unavailable(*paths: str, reason: str = "", allow: Iterable[str] = ()) -> Ite
     own callers all meet the refusal; a C function (torch.chunk) is refused wherever it is
     called from, by identity, through a profile hook. A torch.distributed collective is refused
     with what torch runs it through: its process group's method, the functional collectives and
-    the dispatcher's ops."""
+    the dispatcher's ops. The block yields a `Refusals`, whose `exempt` lets the check itself
+    call the library inside the block."""
     allowed = set(allow)
     targets = [target for path in paths for target in _expand(path) if target not in allowed]
     targets += [below for path in paths for below in _below(path)
@@ -244,19 +245,46 @@ def unavailable(*paths: str, reason: str = "", allow: Iterable[str] = ()) -> Ite
     def keep(_: Callable[..., None], message: str) -> None:
         refusals.append(message)
 
+    def refuse() -> None:
+        undo.extend(_refuse(path, reason, refused_builtins, refused_code) for path in targets)
+
+    def lift() -> None:
+        for restore in reversed(undo):
+            restore()
+        undo.clear()
+        refused_builtins.clear()
+        refused_code.clear()
+
     for path in targets:  # import every module first: one may subclass what another refuses
         _owner(path)
     try:
-        for path in targets:
-            undo.append(_refuse(path, reason, refused_builtins, refused_code))
+        refuse()
         with interposer.subscribed("recording", {"minidist.refusal": keep}), \
                 _refusing_copies(refused_builtins, refused_code, reason):
-            yield
+            yield Refusals(refuse, lift)
     finally:
-        for restore in reversed(undo):
-            restore()
+        lift()
     if refusals:  # refused, and the function caught it and went on: still refused
         raise LibraryVersionUsed(f"{refusals[0]} (your function caught the refusal and went on)")
+
+
+class Refusals:
+    """What `unavailable` yields: `exempt(function)` is `function` run with the refusals lifted
+    for that call alone, for the check's own use of the library inside the block (the check
+    holds this object; the student's function never sees it)."""
+
+    def __init__(self, refuse: Callable[[], None], lift: Callable[[], None]) -> None:
+        self._refuse, self._lift = refuse, lift
+
+    def exempt(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(function)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self._lift()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self._refuse()
+        return call
 
 
 def _expand(path: str) -> list[str]:
@@ -559,12 +587,10 @@ def in_flight(ops: tuple[str, ...] = MATMULS) -> Iterator[list[FlightRecord]]:
     records: list[FlightRecord] = []
     numbers: dict[int, int] = {}  # id(work) -> its request number
     works: list[Any] = []  # keeps each work alive, so that no id is reused inside the block
-    group_class = dist.ProcessGroup
-    originals = {name: getattr(group_class, name) for name in ("send", "recv", "recv_anysource")}
     original_wait = dist.Work.wait
 
     def posting(name: str) -> Any:
-        def call(group: Any, tensors: list[torch.Tensor], *args: Any) -> Any:
+        def call(proceed: Any, group: Any, tensors: list[torch.Tensor], *args: Any) -> Any:
             peer = None
             if name != "recv_anysource":
                 try:
@@ -576,7 +602,7 @@ def in_flight(ops: tuple[str, ...] = MATMULS) -> Iterator[list[FlightRecord]]:
             records.append(FlightRecord("post", "isend" if name == "send" else "irecv", peer,
                                         tensor.nbytes,
                                         tuple(tensor.shape), number))
-            work = originals[name](group, tensors, *args)
+            work = proceed(group, tensors, *args)
             numbers[id(work)] = number
             works.append(work)
             return work
@@ -597,15 +623,13 @@ def in_flight(ops: tuple[str, ...] = MATMULS) -> Iterator[list[FlightRecord]]:
                                             shape=tuple(getattr(out, "shape", ()))))
             return out
 
-    for name in originals:
-        setattr(group_class, name, posting(name))
     dist.Work.wait = wait
     try:
-        with _Ops():
+        with interposer.subscribed("recording", {f"ProcessGroup.{name}": posting(name)
+                                                 for name in ("send", "recv", "recv_anysource")}), \
+                _Ops():
             yield records
     finally:
-        for name, function in originals.items():
-            setattr(group_class, name, function)
         dist.Work.wait = original_wait
 
 

@@ -3,7 +3,8 @@
 Four things in minidist need to see (or delay) what a rank sends: the launcher's record of each
 rank's latest call, the labs' checks, the byte counter and the emulated network. Each subscribes
 here to a *target*, a function of torch.distributed (`"dist.all_reduce"`) or one of the two
-methods every point-to-point message ends in (`"ProcessGroup.send"`, `"ProcessGroup.recv"`),
+methods every point-to-point message ends in (`"ProcessGroup.send"`, `"ProcessGroup.recv"`,
+and `"ProcessGroup.recv_anysource"`),
 and this module puts one wrapper in the target's place while anyone is subscribed, torch's own
 back when no one is. Two more targets are minidist's own: `"minidist.collective"`, which the
 collective layer (minidist.communication.collectives) `announce`s once per collective it runs,
@@ -63,7 +64,7 @@ def _owner(target: str) -> tuple[Any, str]:
     kind, _, name = target.partition(".")
     if target in ANNOUNCED:
         return None, name
-    if kind == "ProcessGroup" and name in ("send", "recv"):
+    if kind == "ProcessGroup" and name in ("send", "recv", "recv_anysource"):
         return dist.ProcessGroup, name
     if kind == "dist" and callable(getattr(dist, name, None)):
         return dist, name
