@@ -54,7 +54,7 @@ from minidist.core import interposer
 __all__ = [
     "Call", "RECORDED", "recording", "unavailable", "LibraryVersionUsed", "Message",
     "messages_sent", "tampered_receives", "Seen", "watching", "MATMULS", "FlightRecord",
-    "in_flight", "ran_while_in_flight", "Held", "holding",
+    "in_flight", "ran_while_in_flight", "Held", "holding", "PROCESS_STARTERS",
 ]
 
 RECORDED = (
@@ -217,7 +217,7 @@ def _below(path: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def unavailable(*paths: str, reason: str = "") -> Iterator[None]:
+def unavailable(*paths: str, reason: str = "", processes: bool = False) -> Iterator[None]:
     """Inside the block each function named by its dotted path (e.g.
     "minidist.communication.comm.ring_all_reduce", "torch.distributed.all_reduce", a class's
     method: "minidist.parallel.tensor_parallel.CopyToParallel.apply", or "module.*": every
@@ -228,10 +228,17 @@ def unavailable(*paths: str, reason: str = "") -> Iterator[None]:
     own callers all meet the refusal; a C function (torch.chunk) is refused wherever it is
     called from, by identity, through a profile hook. A torch.distributed collective is refused
     with what torch runs it through: its process group's method, the functional collectives and
-    the dispatcher's ops."""
+    the dispatcher's ops. A C method of a class ("torch.Tensor.tensor_split") is refused
+    however it is bound (t.tensor_split, torch._C.TensorBase.tensor_split(t, ...)).
+
+    With processes=True, starting a process is refused too (subprocess, os.fork, os.system,
+    multiprocessing, minidist's own run): a fresh interpreter would reach the library's
+    versions out of the block's sight."""
     targets = [target for path in paths for target in _expand(path)]
     targets += [below for path in paths for below in _below(path)
                 if _resolvable(below) and below not in targets]
+    if processes:
+        targets += [path for path in PROCESS_STARTERS if _resolvable(path) and path not in targets]
     undo: list[Callable[[], None]] = []
     refused_builtins: dict[int, str] = {}
     refused_code: dict[tuple[str, bytes], str] = {}
@@ -270,7 +277,20 @@ def _resolvable(path: str) -> bool:
     return True
 
 
+PROCESS_STARTERS = (
+    "os.fork", "os.forkpty", "os.posix_spawn", "os.posix_spawnp", "os.system",
+    "_posixsubprocess.fork_exec", "multiprocessing.process.BaseProcess.start",
+)
+"""Where every new process of this one begins: subprocess (fork_exec or posix_spawn), os.fork
+and what calls it (os.spawn*, pty), os.system, and multiprocessing (its fork server too, and so
+minidist's run); refused by `unavailable(..., processes=True)`."""
+
+
 def _refusal(path: str, reason: str) -> str:
+    if path in PROCESS_STARTERS:
+        return (f"your function started a process ({path}): a check runs your function in this "
+                f"process, where the library's versions it is compared with are unavailable; "
+                f"compute it here{': ' + reason if reason else ''}")
     return (f"your function called {path}: write your own; the library's version is what your "
             f"function is compared with{': ' + reason if reason else ''}")
 
@@ -287,7 +307,10 @@ def _refuse(path: str, reason: str, refused_builtins: dict[int, str],
     if functions:  # swap the code of the function object (and what it wraps): every alias sees it
         saved = [(function, function.__code__) for function in functions]
         for function, code in saved:
-            refused_code[code.co_name, code.co_code] = path
+            if getattr(function, "__wrapped__", None) is None:
+                # the innermost function's: a decorator's wrapper is one code for every function
+                # it wraps (torch's collectives share one), so its copies are no copy of this one
+                refused_code[code.co_name, code.co_code] = path
             function.__code__ = _refusing_code(code, _refusal(path, reason))
 
         def restore_code() -> None:
@@ -303,6 +326,9 @@ def _refuse(path: str, reason: str, refused_builtins: dict[int, str],
         raise LibraryVersionUsed(_refusal(path, reason))
 
     setattr(owner, attribute, refuse)
+    if inspect.isclass(owner) and inspect.ismethoddescriptor(value):
+        # A C method: a bound call of it (through a base class too) finds `refuse` on the type.
+        refused_builtins[id(refuse)] = path
 
     def restore_attribute() -> None:
         if entry is _INHERITED:
@@ -310,6 +336,7 @@ def _refuse(path: str, reason: str, refused_builtins: dict[int, str],
         else:
             setattr(owner, attribute, entry)
         refused_builtins.pop(id(value), None)
+        refused_builtins.pop(id(refuse), None)
     return restore_attribute
 
 
@@ -358,6 +385,10 @@ def _refusing_copies(builtins: dict[int, str], code: dict[tuple[str, bytes], str
             refused = code.get((frame.f_code.co_name, frame.f_code.co_code))
         elif event == "c_call":
             refused = builtins.get(id(arg))
+            bound_to = getattr(arg, "__self__", None)
+            if refused is None and bound_to is not None and not inspect.ismodule(bound_to):
+                # a C method bound to an object: refused if its type's entry is a refusal
+                refused = builtins.get(id(getattr(type(bound_to), arg.__name__, None)))
         else:
             return
         if refused is not None:
