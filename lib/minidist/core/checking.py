@@ -241,6 +241,7 @@ def unavailable(*paths: str, reason: str = "", processes: bool = False) -> Itera
         targets += [path for path in PROCESS_STARTERS if _resolvable(path) and path not in targets]
     undo: list[Callable[[], None]] = []
     refused_builtins: dict[int, str] = {}
+    refused_methods: dict[int, str] = {}  # id of the refusal standing in a class for a C method
     refused_code: dict[tuple[str, bytes], str] = {}
     refusals: list[str] = []
 
@@ -249,9 +250,9 @@ def unavailable(*paths: str, reason: str = "", processes: bool = False) -> Itera
 
     try:
         for path in targets:
-            undo.append(_refuse(path, reason, refused_builtins, refused_code))
+            undo.append(_refuse(path, reason, refused_builtins, refused_code, refused_methods))
         with interposer.subscribed("recording", {"minidist.refusal": keep}), \
-                _refusing_copies(refused_builtins, refused_code, reason):
+                _refusing_copies(refused_builtins, refused_code, refused_methods, reason):
             yield
     finally:
         for restore in reversed(undo):
@@ -296,7 +297,8 @@ def _refusal(path: str, reason: str) -> str:
 
 
 def _refuse(path: str, reason: str, refused_builtins: dict[int, str],
-            refused_code: dict[tuple[str, bytes], str]) -> Callable[[], None]:
+            refused_code: dict[tuple[str, bytes], str],
+            refused_methods: dict[int, str]) -> Callable[[], None]:
     """Make the function at `path` refuse; returns what undoes it. Its code's fingerprint goes
     into `refused_code`, so a copy of it (a reloaded module, exec of its source) refuses too."""
     owner, attribute = _owner(path)
@@ -328,7 +330,7 @@ def _refuse(path: str, reason: str, refused_builtins: dict[int, str],
     setattr(owner, attribute, refuse)
     if inspect.isclass(owner) and inspect.ismethoddescriptor(value):
         # A C method: a bound call of it (through a base class too) finds `refuse` on the type.
-        refused_builtins[id(refuse)] = path
+        refused_methods[id(refuse)] = path
 
     def restore_attribute() -> None:
         if entry is _INHERITED:
@@ -336,7 +338,7 @@ def _refuse(path: str, reason: str, refused_builtins: dict[int, str],
         else:
             setattr(owner, attribute, entry)
         refused_builtins.pop(id(value), None)
-        refused_builtins.pop(id(refuse), None)
+        refused_methods.pop(id(refuse), None)
     return restore_attribute
 
 
@@ -371,12 +373,12 @@ def _refusing_code(code: types.CodeType, message: str) -> types.CodeType:
 
 @contextlib.contextmanager
 def _refusing_copies(builtins: dict[int, str], code: dict[tuple[str, bytes], str],
-                     reason: str) -> Iterator[None]:
+                     methods: dict[int, str], reason: str) -> Iterator[None]:
     """While the block runs, a call of a refused C function, or of any Python function whose
     code is a refused one's (same name, same bytecode: a module reloaded or loaded again from
     its file, its source exec'd), raises, from any caller, in this thread and in threads it
     starts."""
-    if not builtins and not code:
+    if not builtins and not code and not methods:
         yield
         return
 
@@ -385,10 +387,8 @@ def _refusing_copies(builtins: dict[int, str], code: dict[tuple[str, bytes], str
             refused = code.get((frame.f_code.co_name, frame.f_code.co_code))
         elif event == "c_call":
             refused = builtins.get(id(arg))
-            bound_to = getattr(arg, "__self__", None)
-            if refused is None and bound_to is not None and not inspect.ismodule(bound_to):
-                # a C method bound to an object: refused if its type's entry is a refusal
-                refused = builtins.get(id(getattr(type(bound_to), arg.__name__, None)))
+            if refused is None and methods:
+                refused = _refused_method(arg, methods)
         else:
             return
         if refused is not None:
@@ -402,6 +402,18 @@ def _refusing_copies(builtins: dict[int, str], code: dict[tuple[str, bytes], str
     finally:
         sys.setprofile(previous)
         threading.setprofile(previous_threads)
+
+
+def _refused_method(called: Any, methods: dict[int, str]) -> str | None:
+    """The path of a refused C method if `called` is one bound to an object (t.tensor_split,
+    torch._C.TensorBase.tensor_split(t, ...)): the entry its object's type has is a refusal."""
+    bound_to = getattr(called, "__self__", None)
+    if bound_to is None or inspect.ismodule(bound_to):
+        return None
+    try:
+        return methods.get(id(getattr(type(bound_to), called.__name__, None)))
+    except Exception:  # noqa: BLE001 - an odd type's attribute lookup: not a refused method
+        return None
 
 
 _INHERITED = object()
