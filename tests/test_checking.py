@@ -232,3 +232,25 @@ def _point_to_point_beside_refused_collectives(rank, world_size):
 
 def test_refusing_torch_collectives_leaves_point_to_point_alone():
     assert run(_point_to_point_beside_refused_collectives, 2) == [[1.0, 1.0], [0.0, 0.0]]
+
+
+def _a_backend_call_refused(rank, world_size):
+    from torch.distributed.distributed_c10d import _get_default_group
+
+    backend = _get_default_group()._get_backend(torch.device("cpu"))
+    try:  # torch's collectives, each refused with what runs below it (shared between them)
+        with unavailable(*(f"{module}.{name}" for module in ("torch.distributed",
+                                                            "torch.distributed.distributed_c10d")
+                           for name in ("all_reduce", "all_gather", "all_gather_into_tensor",
+                                        "all_gather_coalesced", "reduce_scatter_tensor"))):
+            backend.allreduce([torch.ones(3)]).wait()
+    except LibraryVersionUsed as error:
+        return str(error)
+    return "ran"
+
+
+def test_a_refusal_names_the_function_called():
+    """A function below two refused collectives is refused once: the message names it, not
+    another refusal's path."""
+    for said in run(_a_backend_call_refused, 2):
+        assert "Backend.allreduce" in said, said

@@ -238,7 +238,8 @@ def unavailable(*paths: str, reason: str = "", processes: bool = False) -> Itera
     targets += [below for path in paths for below in _below(path)
                 if _resolvable(below) and below not in targets]
     if processes:
-        targets += [path for path in PROCESS_STARTERS if _resolvable(path) and path not in targets]
+        targets += [path for path in PROCESS_STARTERS if _resolvable(path)]
+    targets = list(dict.fromkeys(targets))  # two collectives share what they run below
     undo: list[Callable[[], None]] = []
     refused_builtins: dict[int, str] = {}
     refused_methods: dict[int, str] = {}  # id of the refusal standing in a class for a C method
@@ -302,6 +303,8 @@ def _refuse(path: str, reason: str, refused_builtins: dict[int, str],
     """Make the function at `path` refuse; returns what undoes it. Its code's fingerprint goes
     into `refused_code`, so a copy of it (a reloaded module, exec of its source) refuses too."""
     owner, attribute = _owner(path)
+    if getattr(getattr(owner, attribute), "_minidist_refusal", False):
+        return lambda: None  # refused already, by another path to the same function
     # A class's own entry (a staticmethod, a classmethod), or nothing if it inherits one.
     entry = vars(owner).get(attribute, _INHERITED) if not isinstance(owner, _OpNamespace) \
         else getattr(owner, attribute)
@@ -327,6 +330,7 @@ def _refuse(path: str, reason: str, refused_builtins: dict[int, str],
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise LibraryVersionUsed(_refusal(path, reason))
 
+    refuse._minidist_refusal = True  # type: ignore[attr-defined]
     setattr(owner, attribute, refuse)
     if inspect.isclass(owner) and inspect.ismethoddescriptor(value):
         # A C method: a bound call of it (through a base class too) finds `refuse` on the type.
