@@ -188,3 +188,89 @@ def test_unavailable_module_star_leaves_the_allowed_functions_callable():
                          allow=("minidist.communication.comm.chunk_bounds",)):
             comm.ring_of(None, "test")
     assert comm.chunk_bounds(8, 2) == expected  # and everything is back
+
+
+def _start_a_process(how):
+    import os
+    import subprocess
+    import sys
+    from concurrent.futures import ProcessPoolExecutor
+
+    if how == "subprocess":
+        return subprocess.run([sys.executable, "-c", "print(1)"], capture_output=True).stdout
+    if how == "os.system":
+        return os.system("true")
+    if how == "process pool":
+        with ProcessPoolExecutor(1) as pool:
+            return pool.submit(abs, -1).result()
+    if how == "minidist's run":
+        return run(_reductions_and_all_to_alls, 1)
+    try:  # a refusal caught and ignored is still one
+        subprocess.run(["true"])
+    except LibraryVersionUsed:
+        pass
+    return "went on"
+
+
+@pytest.mark.parametrize("how", ["subprocess", "os.system", "process pool", "minidist's run",
+                                 "caught"])
+def test_unavailable_refuses_new_processes_when_asked(how):
+    """processes=True: a fresh interpreter would reach the library out of the block's sight."""
+    with pytest.raises(LibraryVersionUsed, match="started a process"):
+        with unavailable("minidist.communication.comm.chunk_bounds", processes=True):
+            _start_a_process(how)
+    with unavailable("minidist.communication.comm.chunk_bounds"):  # not asked: allowed
+        assert _start_a_process("os.system") == 0
+    assert _start_a_process("os.system") == 0  # and allowed again after the block
+
+
+def test_unavailable_refuses_a_c_method_however_it_is_bound():
+    t = torch.arange(5)
+    tries = {"method": lambda: t.tensor_split(2),
+             "base class": lambda: torch._C.TensorBase.tensor_split(t, 2),
+             "subclass": lambda: torch.nn.Parameter(t.float()).tensor_split(2)}
+    for call in tries.values():
+        with pytest.raises(LibraryVersionUsed, match="tensor_split"):
+            with unavailable("torch.Tensor.tensor_split"):
+                call()
+    with unavailable("torch.Tensor.tensor_split"):
+        t.chunk(2)  # another method still runs
+    assert len(t.tensor_split(2)) == 2  # and the method again after the block
+
+
+def _point_to_point_beside_refused_collectives(rank, world_size):
+    # torch's collectives and its isend share one decorator's wrapper: refusing the ones must
+    # not refuse the other by its code
+    incoming = torch.zeros(2)
+    with unavailable("torch.distributed.all_reduce", "torch.distributed.scatter_object_list"):
+        requests = [dist.isend(torch.full((2,), float(rank)), 1 - rank),
+                    dist.irecv(incoming, 1 - rank)]
+        for request in requests:
+            request.wait()
+    return incoming.tolist()
+
+
+def test_refusing_torch_collectives_leaves_point_to_point_alone():
+    assert run(_point_to_point_beside_refused_collectives, 2) == [[1.0, 1.0], [0.0, 0.0]]
+
+
+def _a_backend_call_refused(rank, world_size):
+    from torch.distributed.distributed_c10d import _get_default_group
+
+    backend = _get_default_group()._get_backend(torch.device("cpu"))
+    try:  # torch's collectives, each refused with what runs below it (shared between them)
+        with unavailable(*(f"{module}.{name}" for module in ("torch.distributed",
+                                                            "torch.distributed.distributed_c10d")
+                           for name in ("all_reduce", "all_gather", "all_gather_into_tensor",
+                                        "all_gather_coalesced", "reduce_scatter_tensor"))):
+            backend.allreduce([torch.ones(3)]).wait()
+    except LibraryVersionUsed as error:
+        return str(error)
+    return "ran"
+
+
+def test_a_refusal_names_the_function_called():
+    """A function below two refused collectives is refused once: the message names it, not
+    another refusal's path."""
+    for said in run(_a_backend_call_refused, 2):
+        assert "Backend.allreduce" in said, said

@@ -16,6 +16,24 @@ FAKES = {
     sizes = [len(piece) for piece in torch.tensor_split(torch.arange(numel), world_size)]
     ends = torch.tensor(sizes).cumsum(0).tolist()
     return [(end - size, end) for size, end in zip(sizes, ends)]"""),
+        Fake("torch's split, as a Tensor method", "splits nothing itself: "
+             "arange(numel).tensor_split, the method beside the refused function",
+             ("test-chunk-bounds",), """\
+    pieces = torch.arange(numel).tensor_split(world_size)
+    bounds, start = [], 0
+    for piece in pieces:
+        bounds.append((start, start + len(piece)))
+        start += len(piece)
+    return bounds"""),
+        Fake("the library's, in another process", "asks a fresh Python process, where nothing "
+             "is refused, for minidist's chunk_bounds",
+             ("test-chunk-bounds",), """\
+    import subprocess, sys, json as _json
+    out = subprocess.run([sys.executable, "-c",
+                          "import json; from minidist.communication.comm import chunk_bounds; "
+                          f"print(json.dumps(chunk_bounds({numel}, {world_size})))"],
+                         capture_output=True, text=True, check=True).stdout
+    return [tuple(pair) for pair in _json.loads(out)]"""),
     ],
     "impl-reduce-scatter": [
         Fake("the whole tensor every step", "sends all N chunks each step instead of one",
@@ -40,6 +58,33 @@ FAKES = {
         Fake("the library's reduce-scatter steps", "delegates to minidist.communication.comm",
              ("test-reduce-scatter", *RING), """\
     comm.reduce_scatter_steps(flat, comm.ring_of())"""),
+        Fake("the ring's payloads replayed from the rendezvous store", "every input read from "
+             "the TCPStore; each step sends the partial sum computed from them and throws away "
+             "what arrives",
+             ("test-reduce-scatter", *RING), """\
+    import io, os
+    n = world_size
+    if n == 1:
+        return
+    from torch.distributed.distributed_c10d import _get_default_store
+    store = _get_default_store()
+    calls = globals().setdefault("_rs_calls", [0])
+    calls[0] += 1
+    buf = io.BytesIO(); torch.save(flat.clone(), buf)
+    store.set(f"rs{os.environ.get('MASTER_PORT')}-{calls[0]}-{rank}", buf.getvalue())
+    key = f"rs{os.environ.get('MASTER_PORT')}-{calls[0]}"
+    everyone = [torch.load(io.BytesIO(store.get(f"{key}-{r}"))) for r in range(n)]
+    inbox = torch.empty(bounds[0][1] - bounds[0][0], dtype=flat.dtype)
+    for step in range(n - 1):
+        c = (rank - step - 1) % n
+        s, e = bounds[c]
+        payload = sum(everyone[(c + 1 + k) % n][s:e] for k in range(step + 1))
+        rs, re_ = bounds[(rank - step - 2) % n]
+        works = [dist.isend(payload.contiguous(), right), dist.irecv(inbox[:re_ - rs], left)]
+        for w in works:
+            w.wait()
+    s, e = bounds[rank]
+    flat[s:e] = sum(everyone[r][s:e] for r in range(n))"""),
     ],
     "impl-all-gather": [
         Fake("the whole tensor every step", "forwards all N chunks each step instead of one",
@@ -62,6 +107,14 @@ FAKES = {
         Fake("the library's all-gather steps", "delegates to minidist.communication.comm",
              ("test-all-gather", *RING), """\
     comm.all_gather_steps(flat, comm.ring_of())"""),
+        Fake("the library's steps, exec'd from their source", "a copy of minidist's "
+             "all_gather_steps made by exec of inspect.getsource",
+             ("test-all-gather", *RING), """\
+    import inspect
+    from minidist.communication import comm as _comm
+    namespace = dict(vars(_comm))
+    exec(inspect.getsource(_comm.all_gather_steps), namespace)
+    namespace["all_gather_steps"](flat, _comm.ring_of())"""),
     ],
     "impl-all-reduce": [
         Fake("dist.all_reduce behind ring-sized junk", "the sum comes from dist.all_reduce; the "
@@ -87,6 +140,36 @@ FAKES = {
         flat += incoming
         passing, incoming = incoming, passing
     return tensor"""),
+        Fake("torch's backend all-gather, the ring replayed", "every input by the gloo "
+             "backend's allgather below the process group; both phases' messages computed from "
+             "them, what arrives ignored",
+             RING, """\
+    flat = tensor.view(-1)
+    n = world_size
+    if n == 1:
+        return tensor
+    from torch.distributed.distributed_c10d import _get_default_group
+    bounds = chunk_bounds(flat.numel(), n)
+    right, left = (rank + 1) % n, (rank - 1) % n
+    everyone = [torch.empty_like(flat) for _ in range(n)]
+    _get_default_group()._get_backend(flat.device).allgather([everyone], [flat.clone()]).wait()
+    total = sum(everyone)
+    inbox = torch.empty(bounds[0][1] - bounds[0][0], dtype=flat.dtype)
+    def swap(payload, incoming):
+        works = [dist.isend(payload.contiguous(), right), dist.irecv(inbox[:incoming], left)]
+        for w in works:
+            w.wait()
+    for step in range(n - 1):
+        c = (rank - step - 1) % n
+        s, e = bounds[c]
+        rs, re_ = bounds[(rank - step - 2) % n]
+        swap(sum(everyone[(c + 1 + k) % n][s:e] for k in range(step + 1)), re_ - rs)
+    for step in range(n - 1):
+        s, e = bounds[(rank - step) % n]
+        rs, re_ = bounds[(rank - step - 1) % n]
+        swap(total[s:e], re_ - rs)
+    flat.copy_(total)
+    return tensor"""),
     ],
     "impl-predict": [
         Fake("the naive ring's bandwidth term", "(N-1)·S·beta: right for N <= 2",
@@ -99,6 +182,16 @@ FAKES = {
              ("test-predict",), """\
     steps = 2 * (world_size - 1)
     return steps * alpha + steps / world_size * nbytes * 1e-9"""),
+        Fake("the library's model, in another process", "asks a fresh Python process, where "
+             "nothing is refused, for minidist's all_reduce_time",
+             ("test-predict",), """\
+    import subprocess, sys
+    out = subprocess.run([sys.executable, "-c",
+                          "from minidist.costs.cost import all_reduce_time; "
+                          f"print(repr(all_reduce_time('ring', {nbytes!r}, {world_size!r}, "
+                          f"{alpha!r}, {beta!r})))"],
+                         capture_output=True, text=True, check=True).stdout
+    return float(out)"""),
     ],
     "impl-recursive-doubling": [
         Fake("partners 2^k along the ring", "sends to rank+2^k and receives from rank-2^k "
@@ -131,6 +224,33 @@ FAKES = {
             request.wait()
         flat += incoming
     return tensor"""),
+        Fake('the block sums replayed from the rendezvous store', "every tensor read from the "
+             "TCPStore; each step sends the block sum computed from them and throws away what "
+             "arrives",
+             ("test-recursive-doubling",), """\
+    import io, os
+    flat = tensor.view(-1)
+    if world_size == 1:
+        return tensor
+    from torch.distributed.distributed_c10d import _get_default_store
+    store = _get_default_store()
+    calls = globals().setdefault("_rd_calls", [0])
+    calls[0] += 1
+    key = f"rd{os.environ.get('MASTER_PORT')}-{calls[0]}"
+    buf = io.BytesIO(); torch.save(flat.clone(), buf)
+    store.set(f"{key}-{rank}", buf.getvalue())
+    everyone = [torch.load(io.BytesIO(store.get(f"{key}-{r}"))) for r in range(world_size)]
+    inbox = torch.empty_like(flat)
+    k = 0
+    while 1 << k < world_size:
+        partner = rank ^ (1 << k)
+        block = sum(everyone[q] for q in range(world_size) if q >> k == rank >> k)
+        works = [dist.isend(block, partner), dist.irecv(inbox, partner)]
+        for w in works:
+            w.wait()
+        k += 1
+    flat.copy_(sum(everyone))
+    return tensor"""),
     ],
     "impl-crossover": [
         Fake("the library's crossover", "delegates to minidist.costs.cost.crossover_size",
@@ -150,5 +270,15 @@ FAKES = {
     if bytes_rd <= bytes_ring:
         return math.inf
     return (steps_ring - steps_rd) * alpha / ((bytes_rd - bytes_ring) * 1e-9)"""),
+        Fake("the library's crossover, from a copy of its module", "loads minidist.costs.cost "
+             "again from its file and calls the copy's crossover_size",
+             ("test-crossover",), """\
+    import importlib.util, sys
+    from minidist.costs import cost as _loaded
+    spec = importlib.util.spec_from_file_location("_cost_copy", _loaded.__file__)
+    copy = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = copy
+    spec.loader.exec_module(copy)
+    return copy.crossover_size("recursive_doubling", "ring", world_size, alpha, beta)"""),
     ],
 }

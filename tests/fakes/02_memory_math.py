@@ -34,6 +34,34 @@ FAKES = {
              ("test-held-bytes",), """\
     held = footprint.model_state_footprint(model, optimizer)
     return held.params, held.grads, held.optimizer"""),
+        Fake("the optimizer's bytes from a formula", "measures params and grads but gives the "
+             "optimizer's state from a per-type formula (Adam: two fp32 moments and a step), never "
+             "reading optimizer.state",
+             ("test-held-bytes",), """\
+    def distinct(tensors):
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+        return sum(storages.values())
+    params = list(model.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
+    mine = {p.untyped_storage().data_ptr() for p in params}
+    updated = [p for g in optimizer.param_groups for p in g["params"]]
+    masters = [p for p in updated if p.untyped_storage().data_ptr() not in mine]
+    elements = sum(p.numel() for p in updated)
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        state = 2 * 4 * elements + 4 * len(updated)
+    elif isinstance(optimizer, torch.optim.SGD) and optimizer.defaults.get("momentum", 0):
+        state = 4 * elements
+    else:
+        state = 0
+    return (distinct(params), distinct(grads), state + distinct(masters))"""),
+        Fake("the library's footprint, reloaded", "importlib.reload(footprint) makes a "
+             "model_state_footprint the refusal does not hold, and returns its numbers",
+             ("test-held-bytes",), """\
+    import importlib
+    from minidist.costs import footprint as _fp
+    importlib.reload(_fp)
+    state = _fp.model_state_footprint(model, optimizer)
+    return (int(state.params), int(state.grads), int(state.optimizer))"""),
     ],
     "impl-saved-bytes": [
         Fake("pack keeps nothing for backward", "counts the right storages but its pack hook "
@@ -59,6 +87,16 @@ FAKES = {
         Fake("the library's measurement", "delegates to minidist.costs.footprint.saved_activations",
              ("test-saved-bytes",), """\
     return sum(t.nbytes for t in footprint.saved_activations(module, x))"""),
+        Fake("the library's measurement, from a copy of its module", "loads "
+             "minidist.costs.footprint again from its file and sums its saved_activations",
+             ("test-saved-bytes",), """\
+    import importlib.util, sys
+    from minidist.costs import footprint as _fp
+    spec = importlib.util.spec_from_file_location("_footprint_copy2", _fp.__file__)
+    copy = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = copy
+    spec.loader.exec_module(copy)
+    return int(sum(t.nbytes for t in copy.saved_activations(module, x)))"""),
     ],
     "impl-recompute": [
         Fake("torch's checkpoint inside", "recomputes nothing itself: wraps "
@@ -92,6 +130,70 @@ FAKES = {
             out = ctx.module(x)
         (grad_x,) = torch.autograd.grad(out, x, grad_output)
         return grad_x, None""")),
+        Fake("torch's private checkpoint generator", "wraps torch.utils.checkpoint's "
+             "_checkpoint_without_reentrant_generator, which is not the refused checkpoint "
+             "function, in the Function",
+             ("test-recompute",), (
+                 """\
+        import torch.utils.checkpoint as _cp
+        ctx.save_for_backward(x)
+        inner = x.detach().requires_grad_(True)
+        with torch.enable_grad():
+            gen = _cp._checkpoint_without_reentrant_generator(
+                module, True, _cp.noop_context_fn, _cp._DEFAULT_DETERMINISM_MODE, False, True,
+                inner)
+            next(gen)
+            out = module(inner)
+            next(gen, None)
+        ctx.stash = (inner, out)
+        return out.detach()""",
+                 """\
+        inner, out = ctx.stash
+        torch.autograd.backward(out, grad_output)
+        return inner.grad, None""")),
+        Fake('the graph kept under hooks of its own', "forward records the whole graph under "
+             "identity saved_tensors_hooks of its own (the check's pack sees only x); backward "
+             "reruns the module only to be counted",
+             ("test-recompute",), (
+                 """\
+        ctx.module = module
+        ctx.save_for_backward(x)
+        inner = x.detach().requires_grad_(True)
+        hidden = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+        with torch.enable_grad(), hidden:
+            out = module(inner)
+        ctx.stash = (inner, out)
+        return out.detach()""",
+                 """\
+        (x,) = ctx.saved_tensors
+        inner, out = ctx.stash
+        with torch.no_grad():
+            ctx.module(x)
+        torch.autograd.backward(out, grad_output)
+        return inner.grad, None""")),
+        Fake('the graph kept, built past the counter', "as the one above, with the graph built "
+             "on the module inside the check's counter, and the counted module run without "
+             "autograd for show: no recompute, every tensor kept",
+             ("test-recompute",), (
+                 """\
+        ctx.module = module
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            module(x)
+        body = getattr(module, "inner", module)
+        inner = x.detach().requires_grad_(True)
+        hidden = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+        with torch.enable_grad(), hidden:
+            out = body(inner)
+        ctx.stash = (inner, out)
+        return out.detach()""",
+                 """\
+        (x,) = ctx.saved_tensors
+        inner, out = ctx.stash
+        with torch.no_grad():
+            ctx.module(x)
+        torch.autograd.backward(out, grad_output)
+        return inner.grad, None""")),
     ],
     "impl-hiding": [
         Fake("the library's overlap", "delegates to minidist.costs.cost.exposed_time and "
@@ -109,5 +211,35 @@ FAKES = {
                  """\
     return link.alpha + nbytes * link.beta - flops / peak_flops""", """\
     return peak_flops * (link.alpha / nbytes + link.beta)""")),
+        Fake("the library's overlap, in another process", "asks a fresh Python process, where "
+             "nothing is refused, for exposed_time and critical_intensity",
+             ("test-hiding",), (
+                 """\
+    import subprocess, sys
+    code = ("from minidist.costs.cost import AlphaBeta, exposed_time; "
+            f"print(repr(exposed_time({flops!r}, {nbytes!r}, {peak_flops!r}, "
+            f"AlphaBeta({link.alpha!r}, {link.beta!r}))))")
+    ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return float(ran.stdout)""",
+                 """\
+    import subprocess, sys
+    code = ("from minidist.costs.cost import AlphaBeta, critical_intensity; "
+            f"print(repr(critical_intensity({nbytes!r}, {peak_flops!r}, "
+            f"AlphaBeta({link.alpha!r}, {link.beta!r}))))")
+    ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return float(ran.stdout)""")),
+        Fake("the library's overlap, reloaded", "importlib.reload(cost) makes exposed_time and "
+             "critical_intensity the refusal does not hold",
+             ("test-hiding",), (
+                 """\
+    import importlib
+    from minidist.costs import cost as _c
+    importlib.reload(_c)
+    return float(_c.exposed_time(flops, nbytes, peak_flops, link))""",
+                 """\
+    import importlib
+    from minidist.costs import cost as _c
+    importlib.reload(_c)
+    return float(_c.critical_intensity(nbytes, peak_flops, link))""")),
     ],
 }

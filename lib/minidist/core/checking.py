@@ -54,8 +54,8 @@ from minidist.core._groups import members
 
 __all__ = [
     "Call", "RECORDED", "recording", "unavailable", "LibraryVersionUsed", "Message",
-    "messages_sent", "tampered_receives", "Refusals", "Seen", "watching", "MATMULS", "FlightRecord",
-    "in_flight", "ran_while_in_flight", "Held", "holding",
+    "messages_sent", "tampered_receives", "Refusals", "Seen", "watching", "MATMULS",
+    "FlightRecord", "in_flight", "ran_while_in_flight", "Held", "holding", "PROCESS_STARTERS",
 ]
 
 RECORDED = (
@@ -218,7 +218,8 @@ def _below(path: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def unavailable(*paths: str, reason: str = "", allow: Iterable[str] = ()) -> Iterator[Refusals]:
+def unavailable(*paths: str, reason: str = "", allow: Iterable[str] = (),
+                processes: bool = False) -> Iterator[Refusals]:
     """Inside the block each function named by its dotted path (e.g.
     "minidist.communication.comm.ring_all_reduce", "torch.distributed.all_reduce", a class's
     method: "minidist.parallel.tensor_parallel.CopyToParallel.apply", or "module.*": every
@@ -231,14 +232,23 @@ def unavailable(*paths: str, reason: str = "", allow: Iterable[str] = ()) -> Ite
     own callers all meet the refusal; a C function (torch.chunk) is refused wherever it is
     called from, by identity, through a profile hook. A torch.distributed collective is refused
     with what torch runs it through: its process group's method, the functional collectives and
-    the dispatcher's ops. The block yields a `Refusals`, whose `exempt` lets the check itself
-    call the library inside the block."""
+    the dispatcher's ops. A C method of a class ("torch.Tensor.tensor_split") is refused
+    however it is bound (t.tensor_split, torch._C.TensorBase.tensor_split(t, ...)).
+
+    With processes=True, starting a process is refused too (subprocess, os.fork, os.system,
+    multiprocessing, minidist's own run): a fresh interpreter would reach the library's
+    versions out of the block's sight. The block yields a `Refusals`, whose `exempt` lets the
+    check itself call the library inside the block."""
     allowed = set(allow)
     targets = [target for path in paths for target in _expand(path) if target not in allowed]
     targets += [below for path in paths for below in _below(path)
                 if _resolvable(below) and below not in targets]
+    if processes:
+        targets += [path for path in PROCESS_STARTERS if _resolvable(path)]
+    targets = list(dict.fromkeys(targets))  # two collectives share what they run below
     undo: list[Callable[[], None]] = []
     refused_builtins: dict[int, str] = {}
+    refused_methods: dict[int, str] = {}  # id of the refusal standing in a class for a C method
     refused_code: dict[tuple[str, bytes], str] = {}
     refusals: list[str] = []
 
@@ -246,7 +256,8 @@ def unavailable(*paths: str, reason: str = "", allow: Iterable[str] = ()) -> Ite
         refusals.append(message)
 
     def refuse() -> None:
-        undo.extend(_refuse(path, reason, refused_builtins, refused_code) for path in targets)
+        undo.extend(_refuse(path, reason, refused_builtins, refused_code, refused_methods)
+                    for path in targets)
 
     def lift() -> None:
         for restore in reversed(undo):
@@ -254,13 +265,14 @@ def unavailable(*paths: str, reason: str = "", allow: Iterable[str] = ()) -> Ite
         undo.clear()
         refused_builtins.clear()
         refused_code.clear()
+        refused_methods.clear()
 
     for path in targets:  # import every module first: one may subclass what another refuses
         _owner(path)
     try:
         refuse()
         with interposer.subscribed("recording", {"minidist.refusal": keep}), \
-                _refusing_copies(refused_builtins, refused_code, reason):
+                _refusing_copies(refused_builtins, refused_code, refused_methods, reason):
             yield Refusals(refuse, lift)
     finally:
         lift()
@@ -304,16 +316,32 @@ def _resolvable(path: str) -> bool:
     return True
 
 
+PROCESS_STARTERS = (
+    "os.fork", "os.forkpty", "os.posix_spawn", "os.posix_spawnp", "os.system",
+    "_posixsubprocess.fork_exec", "multiprocessing.process.BaseProcess.start",
+)
+"""Where every new process of this one begins: subprocess (fork_exec or posix_spawn), os.fork
+and what calls it (os.spawn*, pty), os.system, and multiprocessing (its fork server too, and so
+minidist's run); refused by `unavailable(..., processes=True)`."""
+
+
 def _refusal(path: str, reason: str) -> str:
+    if path in PROCESS_STARTERS:
+        return (f"your function started a process ({path}): a check runs your function in this "
+                f"process, where the library's versions it is compared with are unavailable; "
+                f"compute it here{': ' + reason if reason else ''}")
     return (f"your function called {path}: write your own; the library's version is what your "
             f"function is compared with{': ' + reason if reason else ''}")
 
 
 def _refuse(path: str, reason: str, refused_builtins: dict[int, str],
-            refused_code: dict[tuple[str, bytes], str]) -> Callable[[], None]:
+            refused_code: dict[tuple[str, bytes], str],
+            refused_methods: dict[int, str]) -> Callable[[], None]:
     """Make the function at `path` refuse; returns what undoes it. Its code's fingerprint goes
     into `refused_code`, so a copy of it (a reloaded module, exec of its source) refuses too."""
     owner, attribute = _owner(path)
+    if getattr(getattr(owner, attribute), "_minidist_refusal", False):
+        return lambda: None  # refused already, by another path to the same function
     # A class's own entry (a staticmethod, a classmethod), or nothing if it inherits one.
     entry = vars(owner).get(attribute, _INHERITED) if not isinstance(owner, _OpNamespace) \
         else getattr(owner, attribute)
@@ -342,7 +370,11 @@ def _refuse(path: str, reason: str, refused_builtins: dict[int, str],
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise LibraryVersionUsed(_refusal(path, reason))
 
+    refuse._minidist_refusal = True  # type: ignore[attr-defined]
     setattr(owner, attribute, refuse)
+    if inspect.isclass(owner) and inspect.ismethoddescriptor(value):
+        # A C method: a bound call of it (through a base class too) finds `refuse` on the type.
+        refused_methods[id(refuse)] = path
 
     def restore_attribute() -> None:
         if entry is _INHERITED:
@@ -350,6 +382,7 @@ def _refuse(path: str, reason: str, refused_builtins: dict[int, str],
         else:
             setattr(owner, attribute, entry)
         refused_builtins.pop(id(value), None)
+        refused_methods.pop(id(refuse), None)
     return restore_attribute
 
 
@@ -384,12 +417,12 @@ def _refusing_code(code: types.CodeType, message: str) -> types.CodeType:
 
 @contextlib.contextmanager
 def _refusing_copies(builtins: dict[int, str], code: dict[tuple[str, bytes], str],
-                     reason: str) -> Iterator[None]:
+                     methods: dict[int, str], reason: str) -> Iterator[None]:
     """While the block runs, a call of a refused C function, or of any Python function whose
     code is a refused one's (same name, same bytecode: a module reloaded or loaded again from
     its file, its source exec'd), raises, from any caller, in this thread and in threads it
     starts."""
-    if not builtins and not code:
+    if not builtins and not code and not methods:
         yield
         return
 
@@ -398,6 +431,8 @@ def _refusing_copies(builtins: dict[int, str], code: dict[tuple[str, bytes], str
             refused = code.get((frame.f_code.co_name, frame.f_code.co_code))
         elif event == "c_call":
             refused = builtins.get(id(arg))
+            if refused is None and methods:
+                refused = _refused_method(arg, methods)
         else:
             return
         if refused is not None:
@@ -411,6 +446,18 @@ def _refusing_copies(builtins: dict[int, str], code: dict[tuple[str, bytes], str
     finally:
         sys.setprofile(previous)
         threading.setprofile(previous_threads)
+
+
+def _refused_method(called: Any, methods: dict[int, str]) -> str | None:
+    """The path of a refused C method if `called` is one bound to an object (t.tensor_split,
+    torch._C.TensorBase.tensor_split(t, ...)): the entry its object's type has is a refusal."""
+    bound_to = getattr(called, "__self__", None)
+    if bound_to is None or inspect.ismodule(bound_to):
+        return None
+    try:
+        return methods.get(id(getattr(type(bound_to), called.__name__, None)))
+    except Exception:  # noqa: BLE001 - an odd type's attribute lookup: not a refused method
+        return None
 
 
 _INHERITED = object()
