@@ -224,7 +224,7 @@ _TWINS = {}"""),
             store.read(f"{i}.exp_avg"), store.read(f"{i}.exp_avg_sq")
         if step == 1 or i not in moments:
             moments[i] = (torch.zeros_like(master), torch.zeros_like(master))
-        offload.adamw_step_(master, grad, *moments[i], step, lr=lr)
+        adamw_step_(master, grad, *moments[i], step, lr=lr)
         store.write(f"{i}.master", master)
         store.write(f"{i}.exp_avg", torch.zeros_like(master))
         store.write(f"{i}.exp_avg_sq", torch.zeros_like(master))
@@ -246,7 +246,7 @@ _MOMENTS = {}"""),
         master = state[f"{i}.master"]
         exp_avg = state.setdefault(f"{i}.exp_avg", torch.zeros_like(master))
         exp_avg_sq = state.setdefault(f"{i}.exp_avg_sq", torch.zeros_like(master))
-        offload.adamw_step_(master, grad, exp_avg, exp_avg_sq, step, lr=lr)
+        adamw_step_(master, grad, exp_avg, exp_avg_sq, step, lr=lr)
         for name, t in ((f"{i}.master", master), (f"{i}.exp_avg", exp_avg),
                         (f"{i}.exp_avg_sq", exp_avg_sq)):
             store.write(name, t)
