@@ -1507,7 +1507,7 @@ def zigzag_layout(cp: int = 4) -> Figure:
     for ax, layout in zip(axes[:2], LAYOUTS, strict=True):
         owner = {}
         for rank in range(cp):
-            for position in positions(chunks, rank, cp, layout).tolist():
+            for position in positions(chunks, rank, cp, layout=layout).tolist():
                 owner[position] = rank
         counts = [0.0] * cp
         for q in range(chunks):
