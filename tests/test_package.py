@@ -24,7 +24,7 @@ FOLDERS = {
     "parallel": ["models", "compression", "ddp", "offload", "zero", "fsdp", "fsdp1",
                  "tensor_parallel", "clipping", "pipeline", "pipeline_exec", "pipeline_harness",
                  "moe", "context_parallel", "param_server", "parallelize"],
-    "jobs": ["checkpoint", "train", "profiling"],
+    "jobs": ["checkpoint", "train", "profiling", "tasks", "pieces"],
     "pictures": ["gantt", "diagrams", "widgets"],
 }
 STACK = [f"{folder}.{module}" for folder, names in FOLDERS.items() for module in names]
