@@ -38,13 +38,12 @@ import re
 import types
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from datetime import date
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
-from minidist.communication import counting
+from minidist.communication import collectives, counting
 from minidist.core.checking import unavailable
 
 __all__ = ["PIECES", "Piece", "Pieces", "MissingPiece", "export", "load"]
@@ -355,9 +354,9 @@ def export(labs: str | Path, target: str | Path | None = None) -> str:
         parts += [f"# %% {lab} {grade_id}\n{_definitions(_source(cell))}"
                   for grade_id, cell in chosen]
         sections.append("\n\n\n".join(parts))
-    header = (f'"""Your pieces from labs 03–09, exported from {labs.name}/ on '
-              f'{date.today().isoformat()}\n(minidist.jobs.pieces reads this file: one section '
-              f'per lab, each cell under its "# %% <lab> <cell>" line)."""\n')
+    header = (f'"""Your pieces from labs 03–09, exported from {labs.name}/ (minidist.jobs.pieces '
+              f'reads this\nfile: one section per lab, each cell under its "# %% <lab> <cell>" '
+              f'line)."""\n')
     text = header + ("\n".join(notes) + "\n" if notes else "") + "\n\n" + \
         "\n\n\n".join(sections) + "\n"
     if target is not None:
@@ -396,8 +395,8 @@ class _OnGroup:
     """torch.distributed as code written for the whole world sees it, on `group` (see the
     module doc). Everything not listed here is torch.distributed's own."""
 
-    def __init__(self, group: dist.ProcessGroup | None):
-        self.group = group
+    def __init__(self, group: dist.ProcessGroup | None, impl: str = "torch"):
+        self.group, self.impl = group, impl
 
     def __getattr__(self, name: str) -> Any:
         return getattr(dist, name)
@@ -430,7 +429,18 @@ class _OnGroup:
         call.__name__ = name
         return call
 
-    all_reduce = _collective("all_reduce", counted=0)
+    _torch_all_reduce = _collective("all_reduce", counted=0)
+
+    def all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        """torch's all-reduce, or with impl="ring" (an emulated network: Lab 11) minidist's
+        ring of sends, which the emulated links delay as they would a cluster's."""
+        if self.impl == "torch":
+            return self._torch_all_reduce(tensor, op, group=group, async_op=async_op)
+        if op != dist.ReduceOp.SUM:
+            raise ValueError(f"impl={self.impl!r} sums only; got op={op}")
+        return collectives.all_reduce(tensor, "sum", group if group is not None else self.group,
+                                      impl=self.impl, async_op=async_op)
+
     all_gather = _collective("all_gather")
     all_gather_into_tensor = _collective("all_gather_into_tensor", counted=0)
     reduce_scatter = _collective("reduce_scatter")
@@ -473,8 +483,9 @@ def _refusing(function: Callable, library: tuple[str, ...], piece: str) -> Calla
 class Pieces:
     """The job's pieces, from a pieces file (see the module doc); made by `load`."""
 
-    def __init__(self, text: str, minidist_for: Iterable[str], source: str):
-        self._cells, self.source = _split(text), source
+    def __init__(self, text: str, minidist_for: Iterable[str], source: str,
+                 impl: str = "torch"):
+        self._cells, self.source, self.impl = _split(text), source, impl
         self.minidist_for = tuple(minidist_for)
         self.status = status(text)
         self.whose = {piece.name: "yours" if piece.name not in self.minidist_for
@@ -491,7 +502,7 @@ class Pieces:
         return self._bound[key]
 
     def _build(self, group) -> types.SimpleNamespace:
-        bound = _OnGroup(group)
+        bound = _OnGroup(group, self.impl)
         names: dict[str, Any] = {"dist": bound}  # torch.distributed as the pieces see it
         namespaces: dict[str, dict] = {}
         for piece in PIECES:
@@ -538,10 +549,12 @@ class Pieces:
                          f"{self.whose[piece.name]}" for piece in PIECES)
 
 
-def load(path: str | Path, minidist_for: Iterable[str] = ()) -> Pieces:
+def load(path: str | Path, minidist_for: Iterable[str] = (), impl: str = "torch") -> Pieces:
     """The pieces in the file `path` (see `export`), with minidist's version of each piece
-    named in `minidist_for`. Raises MissingPiece, naming the piece and the fixes, if a piece
-    not named there is unfinished or missing; checked before anything communicates."""
+    named in `minidist_for`; their all-reduces run by `impl` ("torch", or "ring" on an emulated
+    network, so that its links delay them). Raises MissingPiece, naming the piece and the
+    fixes, if a piece not named there is unfinished or missing; checked before anything
+    communicates."""
     minidist_for = tuple(minidist_for)
     unknown = [name for name in minidist_for if name not in BY_NAME]
     if unknown:
@@ -563,4 +576,6 @@ def load(path: str | Path, minidist_for: Iterable[str] = ()) -> Pieces:
             + f"\nEither finish them in their lab and export again (python tools/my_labs.py "
               f"export), or run minidist's version of each instead: "
               f"minidist_for={tuple(lacking)!r}")
-    return Pieces(text, minidist_for, str(path))
+    if impl not in ("torch", "ring"):
+        raise ValueError(f"impl={impl!r}: use 'torch' or 'ring'")
+    return Pieces(text, minidist_for, str(path), impl)
