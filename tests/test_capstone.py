@@ -104,3 +104,92 @@ def test_my_labs_export_writes_beside_lab_14(tmp_path: Path, monkeypatch):
     monkeypatch.setattr(my_labs, "EXPORTED", tmp_path / "14_capstone" / "exported_pieces.py")
     my_labs.export()
     assert "def run_schedule" in (tmp_path / "14_capstone" / "exported_pieces.py").read_text()
+
+
+# --- The lab's files, one process's result, the instructors' race table -----------------------
+
+SOLUTION = REPO / "solutions" / "14_capstone" / "14_capstone.ipynb"
+
+
+def write_capstone_files(folder: Path) -> dict[str, Path]:
+    """my_pieces.py and my_job.py as the solution notebook's %%writefile cells write them."""
+    import json
+
+    written = {}
+    for cell in json.loads(SOLUTION.read_text())["cells"]:
+        source = "".join(cell["source"])
+        if cell["cell_type"] == "code" and source.startswith("%%writefile "):
+            name, _, body = source.partition("\n")
+            lines = [line for line in body.splitlines() if "### " not in line[:8]]
+            path = folder / name.split()[1]
+            path.write_text("\n".join(lines) + "\n")
+            written[path.name] = path
+    assert set(written) == {"my_pieces.py", "my_job.py"}, written
+    return written
+
+
+def test_the_solution_pieces_are_the_export_of_the_solutions(tmp_path: Path):
+    """The solution's my_pieces.py cell is what `make pieces` gives for the labs' solutions,
+    so that it follows them when they change."""
+    written = write_capstone_files(tmp_path)["my_pieces.py"].read_text()
+    assert written == pieces.export(REPO / "solutions"), (
+        "the solution's my_pieces.py cell differs from the export of solutions/: rebuild it "
+        "(minidist.jobs.pieces.export('solutions'))")
+
+
+def test_one_process_reaches_95_percent_in_well_under_a_minute_of_steps():
+    """The model and task as Lab 14 sizes them: 95 % held-out exact match within 120 steps of
+    32 problems (about 90; a few seconds on one core, printed, not asserted)."""
+    import time
+
+    from minidist.parallel.models import TinyGPT
+
+    torch.set_num_threads(1)
+    task = Reversal(8)
+    torch.manual_seed(0)
+    model = TinyGPT(task.vocab, 32, 4, 4, task.seq_len)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-5)
+    stream, (ids, targets) = ProblemStream(task, 0), task.held_out()
+    start, reached = time.perf_counter(), None
+    for step in range(1, 121):
+        loss = model.loss(*stream.next_batch(32))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if step % 10 == 0:
+            with torch.no_grad():
+                if task.exact_match(model(ids), targets) >= 0.95:
+                    reached = step
+                    break
+    print(f"95 % after {reached} steps, {time.perf_counter() - start:.1f} s on one core")
+    assert reached is not None, "TinyGPT did not reach 95 % exact match in 120 steps"
+    assert loss.item() < task.optimum() + 0.3
+
+
+def test_race_table_reads_each_students_latest_result(tmp_path: Path, monkeypatch):
+    import json
+    import sys
+
+    sys.path.insert(0, str(REPO / "tools" / "grading"))
+    import race
+
+    def notebook(path: Path, record: dict | None) -> None:
+        text = f"RACE {json.dumps(record)}\n" if record else "no race\n"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"cells": [{"cell_type": "code", "outputs": [
+            {"output_type": "stream", "name": "stdout", "text": ["time to 95 %\n", text]}]}]}))
+
+    plan = {"dp": 2, "pp": 2, "tp": 1, "microbatches": 2}
+    inbound = tmp_path / "inbound"
+    notebook(inbound / "ada+14_capstone+2026-01-01 10:00:00" / "14_capstone.ipynb",
+             {"plan": plan, "time_to_target": 30.0, "steps": 90, "whose": {"tp": "yours"}})
+    notebook(inbound / "ada+14_capstone+2026-01-02 10:00:00" / "14_capstone.ipynb",
+             {"plan": plan, "time_to_target": 12.5, "steps": 90,
+              "whose": {"tp": "yours", "pp": "minidist's (your choice; yours is unfinished)"}})
+    notebook(inbound / "bob+14_capstone+2026-01-01 09:00:00" / "14_capstone.ipynb", None)
+    rows = race.collect(inbound)
+    assert [(r["student"], r["seconds"], r["layout"], r["pieces"]) for r in rows] == [
+        ("ada", 12.5, "dp2·pp2·tp1 m=2", "1 of 2 theirs"), ("bob", None, "", "")]
+    monkeypatch.chdir(tmp_path)
+    race.main([str(inbound)])
+    assert (tmp_path / "race.png").exists() and "ada" in (tmp_path / "race.csv").read_text()

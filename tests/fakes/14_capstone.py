@@ -32,7 +32,8 @@ def _region(grade_id: str) -> str:
 
 def _edit(text: str, *changes: tuple[str, str]) -> str:
     for old, new in changes:
-        assert text.count(old) == 1, f"tests/fakes/14_capstone.py: {old!r} is not in the solution once"
+        assert text.count(old) == 1, (
+            f"tests/fakes/14_capstone.py: {old!r} is not in the solution once")
         text = text.replace(old, new)
     return text
 
@@ -54,7 +55,7 @@ _EVERY_STAGE = (
     ("loss = total.item() / (config.dp * config.microbatches)",
      "loss = total.item() / (config.dp * config.microbatches * config.pp)"),
     ('if coords["dp"] != 0 or (kind == "whole" and coords["tp"] != 0):',
-     'if coords["dp"] != 0 or coords["pp"] != 0 or (kind == "whole" and coords["tp"] != 0):'),
+     'if coords["dp"] or coords["pp"] or (kind == "whole" and coords["tp"] != 0):'),
 )
 
 # No pipeline, no data parallelism: every rank trains the whole model on the whole batch.
@@ -62,8 +63,8 @@ _NO_MESH = _EVERY_STAGE + (
     ("rows = slice(coords[\"dp\"] * config.batch // config.dp,\n"
      "                     (coords[\"dp\"] + 1) * config.batch // config.dp)",
      "rows = slice(0, config.batch)"),
-    ("            if config.dp > 1:\n                self.dp.all_reduce_gradients_flat(self.stage)\n",
-     ""),
+    ("            if config.dp > 1:\n"
+     "                self.dp.all_reduce_gradients_flat(self.stage)\n", ""),
 )
 
 # Replay: read the checkpoint's step, then train again from the start up to it.
