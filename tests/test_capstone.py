@@ -193,3 +193,67 @@ def test_race_table_reads_each_students_latest_result(tmp_path: Path, monkeypatc
     monkeypatch.chdir(tmp_path)
     race.main([str(inbound)])
     assert (tmp_path / "race.png").exists() and "ada" in (tmp_path / "race.csv").read_text()
+
+
+def test_minidists_pieces_give_what_the_solutions_give(tmp_path: Path):
+    """Each piece's minidist version, with the student's signature, computes what the labs'
+    solutions do (the pure pieces here; the distributed ones in the job below)."""
+    from types import SimpleNamespace
+
+    from minidist.costs import planner
+
+    path = tmp_path / "pieces.py"
+    path.write_text(pieces.export(REPO / "solutions"))
+    yours = pieces.load(path)
+    theirs = pieces.load(path, minidist_for=tuple(p.name for p in pieces.PIECES))
+    shape = {"pp": 2, "dp": 2, "tp": 2}
+    assert all(yours.mesh_groups(shape, d) == theirs.mesh_groups(shape, d) for d in shape)
+    assert str(yours.one_f_one_b(3, 5).actions) == str(theirs.one_f_one_b(3, 5).actions)
+    args = (1, 4, 8, 16, 32, 2, 4, 13760)
+    assert yours.bytes_per_dimension(*args) == theirs.bytes_per_dimension(*args)
+    events = [SimpleNamespace(rank=0, kind=kind, start=start, end=end) for kind, start, end in
+              (("compute", 0.0, 2.0), ("communication", 1.0, 3.0), ("communication", 2.5, 4.0))]
+    timeline = SimpleNamespace(events=events)
+    assert yours.overlap_from_events(timeline, 0) == pytest.approx(
+        theirs.overlap_from_events(timeline, 0))
+    layout = planner.Layout(tp=2, pp=2, dp=16, zero_stage=1, micro_batch=1, microbatches=16,
+                            recompute="selective")
+    model, cluster = planner.MODELS["7B"], planner.Cluster.dgx_h100(64)
+    mine, library = (p.layout_cost(layout, model, cluster, 512) for p in (yours, theirs))
+    assert mine.keys() == library.keys()
+    for term in mine:
+        assert mine[term] == pytest.approx(library[term], rel=1e-6), term
+
+
+def test_the_job_with_minidists_pieces_equals_one_process_and_resumes(tmp_path: Path):
+    """The solution's my_job.py with every piece minidist's: tp, dp and the checkpoint's
+    fallbacks on real ranks, a save and a resume, against one process."""
+    import sys
+
+    from minidist.parallel.models import TinyGPT
+
+    files = write_capstone_files(tmp_path)
+    sys.path.insert(0, str(tmp_path))
+    import my_job
+
+    every = tuple(p.name for p in pieces.PIECES)
+    common = dict(dp=2, tp=2, steps=4, eval_every=100, checkpoint_every=2,
+                  checkpoint_dir=str(tmp_path / "run"), pieces=str(files["my_pieces.py"]),
+                  minidist_for=every)
+    first = run(my_job.train, 4, my_job.Config(**{**common, "steps": 2}))[0]
+    resumed = run(my_job.train, 4, my_job.Config(**common))[0]
+    task = Reversal(8)
+    torch.manual_seed(0)
+    model = TinyGPT(task.vocab, 32, 4, 4, task.seq_len)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-5)
+    stream, expected = ProblemStream(task, 0), []
+    for _ in range(4):
+        loss = model.loss(*stream.next_batch(32))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        expected.append(loss.item())
+    got = {**first["losses"], **resumed["losses"]}
+    assert resumed["resumed_from"] == 2 and sorted(got) == [1, 2, 3, 4]
+    assert max(abs(got[step + 1] - want) for step, want in enumerate(expected)) <= 1e-5
+    assert all(whose.startswith("minidist's") for whose in resumed["whose"].values())

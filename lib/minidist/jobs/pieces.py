@@ -183,15 +183,17 @@ def write_atomically(path, save_fn):
         os.fsync(file.fileno())
     os.replace(temporary, path)
 
+def _key(name):  # minidist's keys nest at "/": any other name is one key
+    return name.replace("%", "%25").replace("/", "%2F")
+
 def save_shards(shards, path):
-    checkpoint.save({name: checkpoint.Shard(tensor.reshape(-1), (numel,), offset)
+    checkpoint.save({_key(name): checkpoint.Shard(tensor.reshape(-1), (numel,), offset)
                      for name, (offset, tensor, numel) in shards.items()}, path)
 
 def load_range(path, name, start, end):
-    saved = checkpoint.read_metadata(path)["tensors"][name]
+    saved = checkpoint.read_metadata(path)["tensors"][_key(name)]
     out = torch.empty(end - start, dtype=getattr(torch, saved["dtype"]))
-    numel = saved["shape"][0]
-    checkpoint.load({name: checkpoint.Shard(out, (numel,), start)}, path)
+    checkpoint.load({_key(name): checkpoint.Shard(out, (saved["shape"][0],), start)}, path)
     return out
 ''',
     "rng": '''
@@ -244,7 +246,7 @@ from minidist.costs import planner
 
 def layout_cost(layout, model, cluster, global_batch, efficiency=0.6):
     time = planner.estimate_time(layout, model, cluster, global_batch, efficiency)
-    return {"memory": planner.estimate_memory(layout, model, cluster).peak, "compute": time.compute,
+    return {"memory": planner.estimate_memory(layout, model).total, "compute": time.compute,
             "bubble": time.bubble, "tp": time.tp_comm, "pp": time.pp_comm, "dp": time.dp_comm}
 ''',
 }
