@@ -2,12 +2,14 @@
 #   make lab   install the course into .venv, copy the labs into my-labs/ (first time only)
 #              and open JupyterLab there
 #   make test  install the course into .venv and run the whole test suite
-# and three more:
+# and four more:
 #   make grade LAB=03  grade my-labs/03_*/ as a graded class's autograde would, hidden tests
 #                      included, in a scratch copy (tools/grade.py); in the student release,
 #                      which has no hidden tests, it runs the visible ones
 #   make update   git pull, then bring new and changed labs into my-labs/ without touching the
 #                 student's copies (tools/my_labs.py)
+#   make pieces   for Lab 14: your functions from labs 03–09, out of my-labs/ into
+#                 my-labs/14_capstone/exported_pieces.py (tools/my_labs.py export)
 #   make release  the student release of a graded class (solutions/README.md): release/scaling-lab/
 #                 and release/scaling-lab.tar.gz, built from the last commit
 # Installing is skipped when requirements.txt and pyproject.toml have not changed.
@@ -34,7 +36,7 @@ RELEASED := labs lib slides tools ':(exclude)tools/grading' bench \
 	':(exclude)bench/overlap_and_bubbles.py' README.md REFERENCES.md requirements.txt \
 	pyproject.toml Makefile .gitignore
 
-.PHONY: lab test install cluster-tools update release grade
+.PHONY: lab test install cluster-tools update release grade pieces
 
 install: $(STAMP)
 
@@ -59,6 +61,9 @@ update:
 	git pull --ff-only
 	$(MAKE) --no-print-directory install
 	$(VENV)/bin/python tools/my_labs.py update
+
+pieces: $(STAMP)
+	$(VENV)/bin/python tools/my_labs.py export
 
 # The lab's name is checked first (stdlib only), so a mistyped LAB fails before an install.
 grade:

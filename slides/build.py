@@ -540,6 +540,32 @@ PATH = (
               "Each block's softmax was normalised by its own sum; rescaling by those makes "
               "the merge exact, as if the scores were one row."),
          )),
+    Step("14_capstone", "The capstone", "about 30 min of slides, then the lab (3–4 h)",
+         needs=("Lab 03: averaging gradients over replicas",
+                "Lab 05: f, g and the parallel MLP and attention",
+                "Lab 06: 1F1B and the send/recv executor",
+                "Lab 07: mesh groups, bytes per dimension and the layout's cost",
+                "Lab 08: merged profiles, overlap and MFU",
+                "Lab 09: sharded checkpoints, generator capture and the NaN guard",
+                "Lab 11: the emulated two-tier network"),
+         objectives=(
+             "Compose a dp·pp·tp training job from your own pieces, each on its mesh group, and "
+             "show it equal to one process.",
+             "Checkpoint it so that any layout can resume, survive a kill in the middle of a "
+             "save, and resume bit for bit.",
+             "Predict its bytes per dimension and its layout's step time, then count and "
+             "measure them; profile a step.",
+             "Find the piece at fault in a composed job with the course's tools.",
+         ),
+         gate=(
+             ("A composed job prints plausible losses that differ from one process's. Where "
+              "do you start?",
+              "Swap one of your pieces for minidist's at a time: the swap that restores "
+              "equality **names the piece**."),
+             ("Why must a sharded checkpoint write each element from exactly one rank?",
+              "So that the saved ranges tile each tensor: any layout can then compute and read "
+              "its own range, and replicas do not write the same bytes twice."),
+         )),
 )
 
 NEEDS_LAB = re.compile(r"^Lab (\d\d): ")

@@ -1718,6 +1718,34 @@ def pairwise_sweep() -> Figure:
     return fig
 
 
+
+# --- Lab 14: the capstone ----------------------------------------------------------------------
+
+
+def capstone_wiring() -> Figure:
+    """The order in which the capstone wires its pieces, each tested before the next: the lab
+    that built it, and what checks it once it is in."""
+    steps = [
+        ("mesh groups", "Lab 07", "each rank in one group\nper dimension"),
+        ("one stage,\nno TP", "Lab 06", "pp alone equals\none process"),
+        ("TP shards\n(f and g)", "Lab 05", "TP added: still\none process's numbers"),
+        ("DP average", "Lab 03", "replicas stay equal"),
+        ("NaN guard", "Lab 09", "every rank skips\nthe same step"),
+        ("checkpoint,\nresume", "Lab 09", "kill, resume:\nthe same bits"),
+        ("profile", "Lab 08", "exposed communication,\nMFU"),
+    ]
+    fig, ax = _canvas(12.5, 3.4, (0, 7 * 1.8), (-0.2, 3.1))
+    for k, (piece, lab, check) in enumerate(steps):
+        x = k * 1.8
+        _box(ax, x + 0.05, 1.5, 1.45, 1.1, piece, color="#dbe9f6", size=11)
+        ax.text(x + 0.775, 2.8, lab, ha="center", fontsize=11, color="0.25")
+        ax.text(x + 0.775, 1.15, check, ha="center", va="top", fontsize=9.5, color="0.2")
+        if k:
+            _arrow(ax, (x - 0.3, 2.05), (x + 0.05, 2.05))
+    ax.text(0.05, -0.15, "add one piece, run the equality check against one process, then the "
+            "next: a failure then has one suspect", fontsize=11, color="0.2")
+    return fig
+
 FIGURES: dict[str, Callable[[], Figure]] = {
     "model-state-against-gpu": model_state_against_gpu,
     "spmd-ranks": spmd_ranks,
@@ -1794,6 +1822,7 @@ FIGURES: dict[str, Callable[[], Figure]] = {
     "two-tier-time-against-size": two_tier_time_against_size,
     "degraded-link-timeline": degraded_link_timeline,
     "pairwise-sweep": pairwise_sweep,
+    "capstone-wiring": capstone_wiring,
 }
 
 

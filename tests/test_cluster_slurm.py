@@ -137,3 +137,41 @@ def test_a_running_job_is_left_for_down_to_stop(local_cluster):
     while local_cluster.job_fields(job_id).get("JobState") != "RUNNING":
         assert time.monotonic() < deadline, local_cluster.job_fields(job_id)
         time.sleep(0.1)
+
+
+def test_the_capstone_job_runs_unchanged_under_slurm(local_cluster, tmp_path):
+    """Lab 14's my_job.py, as the solution writes it, under torchrun.sbatch on two nodes of two
+    ranks (dp 2, pp 2): the same losses as one process, within 1e-5."""
+    import torch
+    from test_capstone import write_capstone_files
+
+    from minidist.jobs.tasks import ProblemStream, Reversal
+    from minidist.parallel.models import TinyGPT
+
+    folder = tmp_path / "capstone"
+    folder.mkdir()
+    folder.chmod(0o777)
+    files = write_capstone_files(folder)
+    result = folder / "slurm.pt"
+    job = local_cluster.sbatch(
+        JOBS_DIR / "torchrun.sbatch", str(files["my_job.py"]), "--dp", "2", "--pp", "2",
+        "--microbatches", "2", "--steps", "3", "--eval-every", "100",
+        "--pieces", str(files["my_pieces.py"]), "--result", str(result),
+        env={"BACKEND": "gloo", "NPROC_PER_NODE": "2"}, timeout=JOB_LIMIT_S,
+    )
+    assert job.state == "COMPLETED", job.output
+    under_slurm = torch.load(result, weights_only=False)["losses"]
+    task, expected = Reversal(8), []
+    torch.manual_seed(0)
+    model = TinyGPT(task.vocab, 32, 4, 4, task.seq_len)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-5)
+    stream = ProblemStream(task, 0)
+    for _ in range(3):
+        loss = model.loss(*stream.next_batch(32))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        expected.append(loss.item())
+    assert sorted(under_slurm) == [1, 2, 3], job.output
+    gaps = [abs(under_slurm[step + 1] - want) for step, want in enumerate(expected)]
+    assert max(gaps) <= 1e-5, f"losses under Slurm {under_slurm}, one process {expected}"

@@ -62,6 +62,8 @@ FEEDBACK = '.venv/bin/nbgrader generate_feedback "$LAB"'
 EXPORT = ".venv/bin/nbgrader export"
 
 LAB_BUDGET_S = 60  # the course promises every lab runs top to bottom in 60 s on 2 cores
+# ... but the capstone, which trains a model to its target three times and says so in the lab.
+LAB_BUDGETS_S = {"14_capstone": 120}
 COMMAND_LIMIT_S = 600  # a grading command that runs longer is killed: the test must not hang
 EXIT_GRACE_S = 5  # processes that exit this soon after their command are not left behind
 MARKER = "SCALING_LAB_GRADING_TEST"  # env var tagging every process a command starts
@@ -110,6 +112,11 @@ def split_region(source: str, delimiters: tuple[str, str]) -> tuple[list[str], l
         else:
             (inside if in_region else outside).append(line)
     return outside, inside
+
+
+def without_magics(source: str) -> str:
+    """A cell's Python: IPython's magic lines (`%%writefile my_job.py`) left out."""
+    return "\n".join(line for line in source.splitlines() if not line.lstrip().startswith("%"))
 
 
 def is_delimiter(line: str) -> bool:
@@ -462,7 +469,7 @@ def faked_submission(course: Course, lab: str, fakes: dict[str, Fake] | dict[str
         lines = (tuple(part.splitlines() for part in fake.source)
                  if isinstance(fake.source, tuple) else fake.source.splitlines())
         try:  # a fake that does not even compile would score 0 without being caught
-            ast.parse(replace_solution(sources[cell], lines))
+            ast.parse(without_magics(replace_solution(sources[cell], lines)))
         except SyntaxError as error:
             raise AssertionError(f"tests/fakes/{lab}.py: the fake {fake.name!r} of {cell} does "
                                  f"not compile in its cell (indent it as the cell's solution "
@@ -715,10 +722,14 @@ def network_references(html: str) -> list[str]:
 
 def test_g_solution_runs_headless_within_budget(lab: str, graded: Graded) -> None:
     executed = graded.executed
+    budget = LAB_BUDGETS_S.get(lab, LAB_BUDGET_S)
     print(f"{lab}: ran in {executed.seconds:.1f} s (slowest cell {executed.slowest_cell_s:.1f} s)")
-    assert executed.seconds <= LAB_BUDGET_S, (
-        f"{lab} should run top to bottom in {LAB_BUDGET_S} s; it took {executed.seconds:.1f} s"
+    assert executed.seconds <= budget, (
+        f"{lab} should run top to bottom in {budget} s; it took {executed.seconds:.1f} s"
     )
+    if budget > LAB_BUDGET_S:  # a lab allowed more says so, with its budget
+        released = notebook_text(read_notebook(REPO / "labs" / lab / f"{lab}.ipynb"))
+        assert f"{budget} s" in released, f"{lab} should state its budget of {budget} s"
 
 
 def test_i_every_fake_scores_zero_on_the_checks_of_its_exercise(
@@ -765,7 +776,7 @@ def test_every_stub_names_its_exercise_and_how_to_go_on(lab: str) -> None:
         grade_id = nbgrader_meta(cell).get("grade_id")
         if cell.cell_type != "code" or "NotImplementedError" not in cell.source:
             continue
-        raised = [node.exc for node in ast.walk(ast.parse(cell.source))
+        raised = [node.exc for node in ast.walk(ast.parse(without_magics(cell.source)))
                   if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)
                   and getattr(node.exc.func, "id", "") == "NotImplementedError"]
         assert raised, f"{lab}: {grade_id}'s stub raises a bare NotImplementedError"

@@ -27,7 +27,7 @@ FOLDERS = {
                  "clipping", "pipeline", "pipeline_simulator", "pipeline_validator",
                  "pipeline_exec", "pipeline_harness", "moe", "context_parallel", "param_server",
                  "parallelize"],
-    "jobs": ["checkpoint", "train", "profiling"],
+    "jobs": ["checkpoint", "train", "profiling", "tasks", "pieces"],
     "pictures": ["gantt", "diagrams", "widgets"],
 }
 STACK = [f"{folder}.{module}" for folder, names in FOLDERS.items() for module in names]

@@ -3,6 +3,9 @@
     python tools/my_labs.py copy      copy each lab not yet in my-labs/ (what `make lab` runs)
     python tools/my_labs.py update    after `git pull`: copy new labs, and put the new version of
                                       each changed lab beside the student's copy (`make update`)
+    python tools/my_labs.py export    for Lab 14: copy the functions you wrote in labs 03–09 out
+                                      of my-labs/ into my-labs/14_capstone/exported_pieces.py,
+                                      and say which pieces are unfinished
 
 labs/ is the course's, updated by `git pull`; my-labs/ (gitignored) is the student's. Each copy
 remembers the course version it came from (my-labs/.course/<lab>/), so an update can tell which
@@ -133,8 +136,29 @@ def update() -> None:
         print("none of your labs changed in the course")
 
 
+EXPORTED = MINE / "14_capstone" / "exported_pieces.py"
+
+
+def export() -> None:
+    """Lab 14's pieces: the student's own functions from labs 03–09, one file (read by
+    minidist.jobs.pieces); the notebook's my_pieces.py cell takes its text."""
+    sys.path.insert(0, str(ROOT / "lib"))
+    from minidist.jobs import pieces
+
+    EXPORTED.parent.mkdir(parents=True, exist_ok=True)
+    found = pieces.status(pieces.export(MINE, EXPORTED))
+    shown = EXPORTED.relative_to(ROOT) if EXPORTED.is_relative_to(ROOT) else EXPORTED
+    print(f"wrote {shown}; paste it into Lab 14's my_pieces.py cell")
+    for piece in pieces.PIECES:
+        state = found[piece.name]
+        hint = "" if state == "finished" else (
+            f"  <- finish Lab {piece.lab[:2]} cell(s) {', '.join(piece.cells)}, or run the job "
+            f"with minidist_for=({piece.name!r},)")
+        print(f"  {piece.name:10s} Lab {piece.lab}: {piece.what}: {state}{hint}")
+
+
 if __name__ == "__main__":
-    commands = {"copy": copy, "update": update}
+    commands = {"copy": copy, "update": update, "export": export}
     if len(sys.argv) != 2 or sys.argv[1] not in commands:
-        sys.exit(f"usage: {sys.argv[0]} copy|update")
+        sys.exit(f"usage: {sys.argv[0]} copy|update|export")
     commands[sys.argv[1]]()

@@ -78,7 +78,8 @@ class TrafficLog:
 
 def record(op: str, nbytes: int, group: dist.ProcessGroup | None, when: str = "") -> None:
     """Add one `op` collective of `nbytes` (the full tensor) over `group` to every open log.
-    `minidist.communication.collectives` calls it once per collective; nothing else does."""
+    `minidist.communication.collectives` calls it once per collective (and minidist.jobs.pieces
+    once per torch collective a student's own code calls, in Lab 14)."""
     interposer.announce("minidist.collective", op, nbytes, group, when)
 
 

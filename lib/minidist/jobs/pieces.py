@@ -1,0 +1,585 @@
+"""A student's own functions from labs 03–09, taken out of their notebooks and composed into
+one job (Lab 14), each on the process group of its mesh dimension.
+
+    python tools/my_labs.py export       # writes my-labs/14_capstone/exported_pieces.py
+
+    pieces = load("my_pieces.py", minidist_for=("overlap",))   # in each rank
+    pieces.whose          # {"mesh": "yours", ..., "overlap": "minidist's (your choice)"}
+    groups = pieces.build_groups({"pp": 2, "dp": 2, "tp": 2})   # your Lab 07 function
+    tp = pieces.on(tp_group)     # your Lab 05 f, g, parallel_mlp, parallel_attention ...
+    tp.parallel_mlp(x, fc1, fc2, 0, 1)                         # ... all-reducing over tp_group
+
+**The file.** `export` copies, from each lab notebook, the lab's import cell and the cells of
+the pieces below (an exercise's cell, and the given helpers it calls), one section per lab,
+each cell under a line `# %% <lab> <cell id>`. A piece is *unfinished* while one of its cells
+still raises the stub's NotImplementedError.
+
+**One group per piece.** The labs wrote each function for the default group: Lab 03's
+gradient all-reduce, Lab 05's f and g, Lab 06's sends to rank `r ± 1`. In a mesh each runs on
+its dimension's group instead. `pieces.on(group)` runs a lab's code with its `dist` meaning
+that group, as `torch.distributed` would if the group were the whole world: `get_rank()` and
+`get_world_size()` in the group, a collective without `group=` on it, and `send(dst=r)`,
+`recv(src=r)`, `broadcast(src=r)` to the group's rank `r` (a call that names `group=` itself
+is passed on unchanged). Nothing in the student's code changes.
+
+**Whose.** While one of the student's functions runs, minidist's version of the same piece
+is refused (`minidist.core.checking.unavailable`): a piece that only calls the library's
+fails, naming it, instead of passing as the student's. A piece named in `minidist_for` runs
+minidist's version instead, with the same signature, and `whose` says so; an unfinished
+piece not named there stops `load` with a message naming the piece, its lab and cell, and the
+two fixes, before any rank communicates.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import types
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from minidist.communication import collectives, counting
+from minidist.core.checking import unavailable
+
+__all__ = ["PIECES", "Piece", "Pieces", "MissingPiece", "export", "load"]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One piece of the job: `functions` defined by the exercise `cells` (grade ids) of
+    `lab`, plus the given `helpers` they call (functions the lab defines outside its
+    exercises); `library` names minidist's version, refused while the student's runs."""
+
+    name: str
+    lab: str
+    what: str
+    cells: tuple[str, ...]
+    functions: tuple[str, ...]
+    library: tuple[str, ...]
+    helpers: tuple[str, ...] = ()
+
+
+_F_G = tuple(f"minidist.parallel.tensor_parallel.{op}.{method}"
+             for op in ("CopyToParallel", "ReduceFromParallel")
+             for method in ("forward", "backward"))  # apply is autograd.Function's own, shared
+
+PIECES = (
+    Piece("mesh", "07_3d_parallel", "a mesh's groups", ("impl-mesh-groups", "impl-build-groups"),
+          ("mesh_groups", "build_groups"),
+          ("minidist.communication.mesh.group_ranks", "minidist.communication.mesh.Mesh.__init__")),
+    Piece("tp", "05_tensor_parallel", "f, g, the parallel MLP and attention",
+          ("impl-f-g", "impl-mlp", "impl-attention"),
+          ("CopyToParallel", "ReduceFromParallel", "parallel_mlp", "parallel_attention"),
+          (*_F_G, *(f"minidist.parallel.tensor_parallel.{layer}" for layer in (
+              "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "ParallelAttention"))),
+          helpers=("shard_weight",)),
+    Piece("pp", "06_pipeline", "1F1B and the executor", ("impl-1f1b", "impl-executor"),
+          ("one_f_one_b", "run_schedule"),
+          ("minidist.parallel.pipeline.schedule", "minidist.parallel.pipeline._one_f_one_b",
+           "minidist.parallel.pipeline_exec.execute",
+           "minidist.parallel.pipeline_exec._Executor.run")),
+    Piece("dp", "03_data_parallel", "the gradient all-reduce", ("impl-flat",),
+          ("all_reduce_gradients_flat",), ("minidist.parallel.ddp.all_reduce_gradients_flat",)),
+    Piece("checkpoint", "09_fault_tolerance", "sharded save and load", ("impl-save_load",),
+          ("write_atomically", "save_shards", "load_range"),
+          ("minidist.jobs.checkpoint.save", "minidist.jobs.checkpoint.load",
+           "minidist.jobs.checkpoint.read_full", "minidist.jobs.checkpoint.read_metadata")),
+    Piece("rng", "09_fault_tolerance", "capturing every generator", ("impl-rng_state",),
+          ("capture_state", "restore_state"),
+          ("minidist.jobs.checkpoint.RNGState.state_dict",
+           "minidist.jobs.checkpoint.RNGState.load_state_dict")),
+    Piece("nan_guard", "09_fault_tolerance", "the NaN guard", ("impl-nan_guard",),
+          ("all_finite",), ()),
+    Piece("overlap", "08_profiling", "overlap from a timeline", ("impl-overlap",),
+          ("union", "overlap_from_events"),
+          ("minidist.jobs.profiling.overlap_fraction", "minidist.jobs.profiling.merge",
+           "minidist.jobs.profiling.intersect")),
+    Piece("bytes", "07_3d_parallel", "bytes per mesh dimension", ("impl-bytes-per-dimension",),
+          ("bytes_per_dimension",), tuple(f"minidist.costs.traffic.{name}" for name in (
+              "mesh_traffic", "tensor_parallel_traffic", "pipeline_traffic",
+              "data_parallel_traffic"))),
+    Piece("cost", "07_3d_parallel", "the layout's cost", ("impl-layout-cost",),
+          ("layout_cost",), tuple(f"minidist.costs.planner.{name}" for name in (
+              "estimate_time", "estimate_memory", "evaluate", "plan"))),
+)
+BY_NAME = {piece.name: piece for piece in PIECES}
+
+# minidist's version of each piece, with the student's signature; `dist` is the piece's
+# group-bound torch.distributed, `dist.group` its group.
+_MINIDIST = {
+    "mesh": '''
+from minidist.communication.mesh import Mesh, group_ranks
+
+def mesh_groups(shape, dim):
+    return group_ranks(dict(shape), dim)
+
+def build_groups(shape):
+    mesh = Mesh(**shape)
+    return {dim: (mesh.group(dim), mesh.ranks(dim)) for dim in shape}
+''',
+    "tp": '''
+import torch.nn.functional as F
+from minidist.parallel import tensor_parallel
+from minidist.parallel.models import attend
+
+def shard_weight(weight, rank, t, kind):
+    return weight.chunk(t, dim={"column": 0, "row": 1}[kind])[rank]
+
+class CopyToParallel:
+    @staticmethod
+    def apply(x):
+        return tensor_parallel.CopyToParallel.apply(x, dist.group)
+
+class ReduceFromParallel:
+    @staticmethod
+    def apply(x):
+        return tensor_parallel.ReduceFromParallel.apply(x, dist.group)
+
+def _column(x, linear, rank, t):
+    return F.linear(x, shard_weight(linear.weight, rank, t, "column"), linear.bias.chunk(t)[rank])
+
+def parallel_mlp(x, fc1, fc2, rank, t):
+    partial = F.linear(F.gelu(_column(CopyToParallel.apply(x), fc1, rank, t)),
+                       shard_weight(fc2.weight, rank, t, "row"))
+    return ReduceFromParallel.apply(partial) + fc2.bias
+
+def parallel_attention(x, attn, rank, t):
+    x = CopyToParallel.apply(x)
+    heads = attend(*(_column(x, p, rank, t) for p in (attn.q_proj, attn.k_proj, attn.v_proj)),
+                   attn.heads // t)
+    partial = F.linear(heads, shard_weight(attn.out_proj.weight, rank, t, "row"))
+    return ReduceFromParallel.apply(partial) + attn.out_proj.bias
+''',
+    "pp": '''
+from minidist.parallel import pipeline, pipeline_exec
+
+def one_f_one_b(p, m):
+    return pipeline.schedule("1f1b", p, m)
+
+def run_schedule(schedule, rank, stage, inputs, targets, loss_fn, activation_shape):
+    return list(pipeline_exec.execute(schedule, {rank: stage}, inputs, targets, loss_fn,
+                                      group=dist.group).losses)
+''',
+    "dp": '''
+from minidist.parallel import ddp
+
+def all_reduce_gradients_flat(model, all_reduce=None):
+    ddp.all_reduce_gradients_flat(model, group=dist.group)
+''',
+    "checkpoint": '''
+import os
+from pathlib import Path
+from minidist.jobs import checkpoint
+
+def write_atomically(path, save_fn):
+    temporary = Path(f"{path}.tmp")
+    save_fn(temporary)
+    with open(temporary, "rb+") as file:
+        os.fsync(file.fileno())
+    os.replace(temporary, path)
+
+def _key(name):  # minidist's keys nest at "/": any other name is one key
+    return name.replace("%", "%25").replace("/", "%2F")
+
+def save_shards(shards, path):
+    checkpoint.save({_key(name): checkpoint.Shard(tensor.reshape(-1), (numel,), offset)
+                     for name, (offset, tensor, numel) in shards.items()}, path)
+
+def load_range(path, name, start, end):
+    saved = checkpoint.read_metadata(path)["tensors"][_key(name)]
+    out = torch.empty(end - start, dtype=getattr(torch, saved["dtype"]))
+    checkpoint.load({_key(name): checkpoint.Shard(out, (saved["shape"][0],), start)}, path)
+    return out
+''',
+    "rng": '''
+from minidist.jobs import checkpoint
+
+def capture_state(sampler):
+    return {"generators": checkpoint.RNGState().state_dict(), "sampler": dict(sampler.state_dict())}
+
+def restore_state(state, sampler):
+    checkpoint.RNGState().load_state_dict(state["generators"])
+    sampler.load_state_dict(state["sampler"])
+''',
+    "nan_guard": '''
+def all_finite(loss, grads):
+    bad = not torch.isfinite(loss).all() or any(
+        not torch.isfinite(g).all() for g in grads if g is not None)
+    flag = torch.tensor([float(bad)])
+    dist.all_reduce(flag)
+    return flag.item() == 0
+''',
+    "overlap": '''
+from minidist.jobs import profiling
+
+def union(intervals):
+    return profiling.merge(intervals)
+
+def overlap_from_events(timeline, rank):
+    def of(kind):
+        return profiling.merge((e.start, e.end) for e in timeline.events
+                               if e.rank == rank and e.kind == kind)
+    communication = of("communication")
+    total = profiling.total(communication)
+    hidden = profiling.total(profiling.intersect(communication, of("compute")))
+    return hidden / total if total > 0 else 0.0
+''',
+    "bytes": '''
+from minidist.costs import traffic
+
+def bytes_per_dimension(stage, pp, b, s, h, blocks_on_stage, microbatches, rank_params,
+                        bytes_per_element=4):
+    activation = b * s * h * bytes_per_element
+    tp_layer = traffic.tensor_parallel_traffic(s, b, h, 2, bytes_per_element=bytes_per_element)
+    per_layer = sum(c.count * c.nbytes for c in tp_layer.collectives)
+    return {"tp": blocks_on_stage * microbatches * per_layer,
+            "pp": ((stage < pp - 1) + (stage > 0)) * activation * microbatches,
+            "dp": rank_params * bytes_per_element}
+''',
+    "cost": '''
+from minidist.costs import planner
+
+def layout_cost(layout, model, cluster, global_batch, efficiency=0.6):
+    time = planner.estimate_time(layout, model, cluster, global_batch, efficiency)
+    return {"memory": planner.estimate_memory(layout, model).total, "compute": time.compute,
+            "bubble": time.bubble, "tp": time.tp_comm, "pp": time.pp_comm, "dp": time.dp_comm}
+''',
+}
+
+_CELL = re.compile(r"^# %% (\d\d_\w+) ([\w-]+)$", re.M)
+_IMPORTS = "imports"
+_LEFT_OUT = ("matplotlib", "minidist.pictures", "IPython", "ipywidgets")
+"""Import lines the job does not need: pictures and widgets (each rank would load them)."""
+
+
+class MissingPiece(RuntimeError):
+    """A piece the job needs is not in the file, or still unfinished."""
+
+
+# --- export ----------------------------------------------------------------------------------
+
+
+def _cells(notebook: Path) -> list[dict]:
+    return json.loads(notebook.read_text())["cells"]
+
+
+def _source(cell: dict) -> str:
+    source = cell["source"]
+    return "".join(source) if isinstance(source, list) else source
+
+
+def _defines(source: str) -> set[str]:
+    try:
+        tree = ast.parse(_without_magics(source))
+    except SyntaxError:
+        return set()
+    return {node.name for node in tree.body
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+
+
+def _without_magics(source: str) -> str:
+    return "\n".join(line for line in source.splitlines()
+                     if not line.lstrip().startswith(("%", "!")))
+
+
+_DELIMITERS = tuple(f"### {word} SOLUTION" for word in ("BEGIN", "END"))
+"""nbgrader's solution delimiters, in the instructors' notebooks (spelt so that the student
+release, which checks it holds none, does not hold them either)."""
+
+
+def _definitions(source: str) -> str:
+    """A cell's functions, classes and imports, without what it runs at the top level (a demo
+    that prints) and without nbgrader's solution delimiters; a cell that does not parse is
+    kept whole, so that loading it reports the student's syntax error."""
+    text = "\n".join(line for line in _without_magics(source).splitlines()
+                     if line.strip() not in _DELIMITERS)
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return text
+    lines = text.splitlines()
+    kept = []
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Import,
+                             ast.ImportFrom)):
+            first = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", []))])
+            kept.append("\n".join(lines[first - 1:node.end_lineno]))
+    return "\n\n\n".join(kept)
+
+
+def _import_lines(source: str) -> str:
+    """The import statements of a lab's first code cell, without pictures and magics."""
+    tree = ast.parse(_without_magics(source))
+    lines = _without_magics(source).splitlines()
+    kept = []
+    for node in tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            text = "\n".join(lines[node.lineno - 1:node.end_lineno])
+            if not any(word in text for word in _LEFT_OUT):
+                kept.append(text)
+    return "\n".join(kept)
+
+
+def export(labs: str | Path, target: str | Path | None = None) -> str:
+    """The pieces file made from the lab notebooks under `labs` (a folder holding
+    NN_topic/NN_topic.ipynb, e.g. my-labs/), written to `target` if given. Labs or cells that
+    are missing are listed at the top of the file as missing."""
+    labs = Path(labs)
+    sections, notes = [], []
+    for lab in dict.fromkeys(piece.lab for piece in PIECES):
+        notebook = labs / lab / f"{lab}.ipynb"
+        if not notebook.exists():
+            notes.append(f"# missing: {lab} (no {notebook.name} in {labs})")
+            continue
+        cells = [cell for cell in _cells(notebook) if cell["cell_type"] == "code"]
+        by_id = {cell.get("metadata", {}).get("nbgrader", {}).get("grade_id"): cell
+                 for cell in cells}
+        wanted = [piece for piece in PIECES if piece.lab == lab]
+        chosen: list[tuple[str, dict]] = []
+        for piece in wanted:
+            for grade_id in piece.cells:
+                if grade_id not in by_id:
+                    notes.append(f"# missing: {lab} cell {grade_id} (piece {piece.name})")
+                elif all(grade_id != known for known, _ in chosen):
+                    chosen.append((grade_id, by_id[grade_id]))
+            for helper in piece.helpers:
+                for cell in cells:
+                    name = f"given-{helper}"
+                    if helper in _defines(_source(cell)) and all(name != k for k, _ in chosen):
+                        chosen.append((name, cell))
+        order = {id(cell): index for index, cell in enumerate(cells)}
+        chosen.sort(key=lambda item: order[id(item[1])])
+        parts = [f"# %% {lab} {_IMPORTS}\n{_import_lines(_source(cells[0]))}"]
+        parts += [f"# %% {lab} {grade_id}\n{_definitions(_source(cell))}"
+                  for grade_id, cell in chosen]
+        sections.append("\n\n\n".join(parts))
+    header = (f'"""Your pieces from labs 03–09, exported from {labs.name}/ (minidist.jobs.pieces '
+              f'reads this\nfile: one section per lab, each cell under its "# %% <lab> <cell>" '
+              f'line)."""\n')
+    text = header + ("\n".join(notes) + "\n" if notes else "") + "\n\n" + \
+        "\n\n\n".join(sections) + "\n"
+    if target is not None:
+        Path(target).write_text(text)
+    return text
+
+
+def status(text: str) -> dict[str, str]:
+    """Each piece's state in a pieces file's text: "finished", "unfinished" (a cell still
+    raises NotImplementedError) or "missing" (a cell is not there)."""
+    cells = _split(text)
+    found = {}
+    for piece in PIECES:
+        sources = [cells.get((piece.lab, grade_id)) for grade_id in piece.cells]
+        if any(source is None for source in sources):
+            found[piece.name] = "missing"
+        elif any("NotImplementedError" in source for source in sources):
+            found[piece.name] = "unfinished"
+        else:
+            found[piece.name] = "finished"
+    return found
+
+
+def _split(text: str) -> dict[tuple[str, str], str]:
+    """{(lab, cell id): source} of a pieces file."""
+    marks = list(_CELL.finditer(text))
+    return {(mark.group(1), mark.group(2)):
+            text[mark.end():marks[k + 1].start() if k + 1 < len(marks) else len(text)]
+            for k, mark in enumerate(marks)}
+
+
+# --- run on a group --------------------------------------------------------------------------
+
+
+class _OnGroup:
+    """torch.distributed as code written for the whole world sees it, on `group` (see the
+    module doc). Everything not listed here is torch.distributed's own."""
+
+    def __init__(self, group: dist.ProcessGroup | None, impl: str = "torch"):
+        self.group, self.impl = group, impl
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(dist, name)
+
+    def _global(self, rank: int) -> int:
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+    def get_rank(self, group=None) -> int:
+        return dist.get_rank(group if group is not None else self.group)
+
+    def get_world_size(self, group=None) -> int:
+        return dist.get_world_size(group if group is not None else self.group)
+
+    def _collective(name: str, rooted: str | None = None, counted: int | None = None,
+                    ) -> Callable:  # noqa: N805
+        """torch.distributed's `name` on the bound group; `rooted` names its root argument
+        (a group rank here), `counted` the position of the tensor whose bytes
+        `minidist.communication.counting` records (the full tensor, as for minidist's own)."""
+        def call(self, *args, group=None, **kwargs):
+            if group is None and rooted is not None:
+                if rooted in kwargs:
+                    kwargs[rooted] = self._global(kwargs[rooted])
+                elif len(args) >= 2:
+                    args = (args[0], self._global(args[1]), *args[2:])
+            group = group if group is not None else self.group
+            if counted is not None and len(args) > counted:
+                tensor = args[counted]
+                counting.record(name, tensor.numel() * tensor.element_size(), group)
+            return getattr(dist, name)(*args, group=group, **kwargs)
+        call.__name__ = name
+        return call
+
+    _torch_all_reduce = _collective("all_reduce", counted=0)
+
+    def all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        """torch's all-reduce, or with impl="ring" (an emulated network: Lab 11) minidist's
+        ring of sends, which the emulated links delay as they would a cluster's."""
+        if self.impl == "torch":
+            return self._torch_all_reduce(tensor, op, group=group, async_op=async_op)
+        if op != dist.ReduceOp.SUM:
+            raise ValueError(f"impl={self.impl!r} sums only; got op={op}")
+        return collectives.all_reduce(tensor, "sum", group if group is not None else self.group,
+                                      impl=self.impl, async_op=async_op)
+
+    all_gather = _collective("all_gather")
+    all_gather_into_tensor = _collective("all_gather_into_tensor", counted=0)
+    reduce_scatter = _collective("reduce_scatter")
+    reduce_scatter_tensor = _collective("reduce_scatter_tensor", counted=1)
+    all_to_all = _collective("all_to_all")
+    all_to_all_single = _collective("all_to_all_single")
+    all_gather_object = _collective("all_gather_object")
+    barrier = _collective("barrier")
+    broadcast = _collective("broadcast", "src", counted=0)
+    broadcast_object_list = _collective("broadcast_object_list", "src")
+    reduce = _collective("reduce", "dst", counted=0)
+    send = _collective("send", "dst")
+    isend = _collective("isend", "dst")
+    irecv = _collective("irecv", "src")
+
+    def recv(self, tensor, src=None, group=None, tag=0):
+        if group is not None:
+            return dist.recv(tensor, src, group=group, tag=tag)
+        sender = dist.recv(tensor, None if src is None else self._global(src),
+                           group=self.group, tag=tag)
+        return sender if self.group is None else dist.get_group_rank(self.group, sender)
+
+    del _collective
+
+
+def _refusing(function: Callable, library: tuple[str, ...], piece: str) -> Callable:
+    """`function`, with minidist's version of `piece` refused while it runs."""
+    if not library:
+        return function
+
+    def refusing(*args, **kwargs):
+        with unavailable(*library, reason=f"the job runs your piece {piece!r}, not minidist's"):
+            return function(*args, **kwargs)
+
+    refusing.__name__ = refusing.__qualname__ = function.__name__
+    refusing.__wrapped__ = function
+    return refusing
+
+
+class Pieces:
+    """The job's pieces, from a pieces file (see the module doc); made by `load`."""
+
+    def __init__(self, text: str, minidist_for: Iterable[str], source: str,
+                 impl: str = "torch"):
+        self._cells, self.source, self.impl = _split(text), source, impl
+        self.minidist_for = tuple(minidist_for)
+        self.status = status(text)
+        self.whose = {piece.name: "yours" if piece.name not in self.minidist_for
+                      else f"minidist's (your choice; yours is {self.status[piece.name]})"
+                      for piece in PIECES}
+        self._bound: dict[Any, types.SimpleNamespace] = {}
+
+    def on(self, group: dist.ProcessGroup | None) -> types.SimpleNamespace:
+        """Every piece's functions, their `dist` meaning `group` (None: the whole world);
+        `.dist` is that torch.distributed itself."""
+        key = id(group) if group is not None else None
+        if key not in self._bound:
+            self._bound[key] = self._build(group)
+        return self._bound[key]
+
+    def _build(self, group) -> types.SimpleNamespace:
+        bound = _OnGroup(group, self.impl)
+        names: dict[str, Any] = {"dist": bound}  # torch.distributed as the pieces see it
+        namespaces: dict[str, dict] = {}
+        for piece in PIECES:
+            if piece.name in self.minidist_for:
+                namespace = {"__name__": f"minidist_{piece.name}", "dist": bound}
+                exec("import torch\n" + _MINIDIST[piece.name], namespace)  # noqa: S102
+                names |= {name: namespace[name] for name in piece.functions}
+                continue
+            if piece.lab not in namespaces:
+                namespaces[piece.lab] = self._run_lab(piece.lab, bound)
+            namespace = namespaces[piece.lab]
+            names |= {name: self._wrap(namespace[name], piece) for name in piece.functions}
+        return types.SimpleNamespace(**names)
+
+    def _wrap(self, value: Any, piece: Piece) -> Any:
+        if isinstance(value, types.FunctionType):
+            return _refusing(value, piece.library, piece.name)
+        return value  # a class (f, g): its methods run inside the functions that apply them
+
+    def _run_lab(self, lab: str, bound: _OnGroup) -> dict:
+        """The lab's section run in a namespace of its own: its imports, then `dist` bound to
+        the group, then its cells in order (so a default argument such as
+        `all_reduce=dist.all_reduce` binds the group too)."""
+        namespace: dict[str, Any] = {"__name__": f"pieces_{lab}"}
+        cells = [(grade_id, source) for (name, grade_id), source in self._cells.items()
+                 if name == lab]
+        for grade_id, source in cells:
+            if grade_id == _IMPORTS:
+                exec(compile(source, f"{self.source} ({lab} imports)", "exec"), namespace)  # noqa: S102
+        namespace["dist"] = bound
+        for grade_id, source in cells:
+            if grade_id != _IMPORTS:
+                exec(compile(source, f"{self.source} ({lab} {grade_id})", "exec"), namespace)  # noqa: S102
+        return namespace
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.on(None), name)
+
+    def report(self) -> str:
+        """One line per piece: its name, lab, what it is, and whose version the job runs."""
+        return "\n".join(f"{piece.name:10s} Lab {piece.lab[:2]} {piece.what:38s} "
+                         f"{self.whose[piece.name]}" for piece in PIECES)
+
+
+def load(path: str | Path, minidist_for: Iterable[str] = (), impl: str = "torch") -> Pieces:
+    """The pieces in the file `path` (see `export`), with minidist's version of each piece
+    named in `minidist_for`; their all-reduces run by `impl` ("torch", or "ring" on an emulated
+    network, so that its links delay them). Raises MissingPiece, naming the piece and the
+    fixes, if a piece not named there is unfinished or missing; checked before anything
+    communicates."""
+    minidist_for = tuple(minidist_for)
+    unknown = [name for name in minidist_for if name not in BY_NAME]
+    if unknown:
+        raise ValueError(f"minidist_for names {unknown}, which are no pieces; the pieces are "
+                         f"{', '.join(BY_NAME)}")
+    path = Path(path)
+    if not path.exists():
+        raise MissingPiece(f"{path} does not exist: run `python tools/my_labs.py export` and "
+                           f"put what it wrote in the notebook's my_pieces.py cell")
+    text = path.read_text()
+    found = status(text)
+    lacking = [name for name, state in found.items()
+               if state != "finished" and name not in minidist_for]
+    if lacking:
+        lines = [f"  {name}: Lab {BY_NAME[name].lab} cell(s) {', '.join(BY_NAME[name].cells)} "
+                 f"({BY_NAME[name].what}) is {found[name]}" for name in lacking]
+        raise MissingPiece(
+            f"{path}: the job needs these pieces, which are not finished:\n" + "\n".join(lines)
+            + f"\nEither finish them in their lab and export again (python tools/my_labs.py "
+              f"export), or run minidist's version of each instead: "
+              f"minidist_for={tuple(lacking)!r}")
+    if impl not in ("torch", "ring"):
+        raise ValueError(f"impl={impl!r}: use 'torch' or 'ring'")
+    return Pieces(text, minidist_for, str(path), impl)
