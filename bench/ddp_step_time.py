@@ -47,7 +47,7 @@ def _step_times(rank: int, world_size: int, rounds: int, batch: int) -> dict[str
         with torch.no_grad():
             for param in model.parameters():
                 param -= 1e-3 * param.grad
-                param.grad = None
+                param.grad = None  # each step starts from fresh gradients
 
     return time_in_turns(
         {name: functools.partial(step, model) for name, model in models.items()}, rounds)

@@ -30,7 +30,7 @@ from minidist.communication.comm import chunk_bounds
 from minidist.communication.mesh import Mesh
 from minidist.communication.timing import median_ratio, time_in_turns
 from minidist.core.launch import run
-from minidist.parallel.models import TinyGPT, lm_loss
+from minidist.parallel.models import TinyGPT, lm_loss  # what every layout trains
 from minidist.parallel.parallelize import TinyGPTStage, parallelize
 
 TARGET_RATIO = 1.2
@@ -76,8 +76,8 @@ class _TorchStep:
         inputs = [ids[mine]] if self.first else []
         extra = {"target": targets[mine], "losses": []} if self.last else {}
         self.schedule.step(*inputs, **extra)
-        self.optimizer.step()
-        self.optimizer.zero_grad()
+        self.optimizer.step()  # the same SGD step as the 3D run
+        self.optimizer.zero_grad()  # before the next step
 
 
 def _rounds(rank: int, world_size: int, rounds: int) -> dict[str, list[float]]:
