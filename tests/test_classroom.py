@@ -202,7 +202,8 @@ def test_student_release_has_no_solutions_and_make_lab_opens_the_labs(guided: di
             assert time.monotonic() < deadline, "JupyterLab did not answer within 90 s"
             time.sleep(0.5)
         opened = sorted(item["name"] for item in listing.json()["content"])
-        labs = sorted(path.name for path in (release / "labs").iterdir())
+        # The labs, and the reference page they link to (tools/my_labs.py puts it beside them).
+        labs = sorted([*(path.name for path in (release / "labs").iterdir()), "REFERENCES.md"])
         assert opened == labs, f"JupyterLab opened {opened}, expected copies of {labs}"
         page = requests.get(f"{url}/lab", params={"token": token}, timeout=10).text
         for plugin in ("formgrader", "create-assignment", "menu"):  # menu: an empty Nbgrader menu
