@@ -158,7 +158,8 @@ def all_reduce(tensor: torch.Tensor, op: str | dist.ReduceOp.RedOpType = "sum",
     links `streaming.fit_links(group)` measures on the first call and keeps per group, or,
     given the job's `network` (`mesh.network`) and a group spanning the job, with that
     network's two-tier model: a pure function of the size, the group and those links.
-    "hierarchical" needs `network`: its nodes."""
+    "hierarchical" takes its nodes from `network` (without one, every rank counts as one
+    node's: the ring)."""
     check_impl("all_reduce", impl)
     flat = flat_view(tensor, "all_reduce")
     name = (reduce_op(op, tensor, ("sum", "avg", "max")) if impl == "torch" else
@@ -176,16 +177,14 @@ def all_reduce(tensor: torch.Tensor, op: str | dist.ReduceOp.RedOpType = "sum",
         return Handle(work, finish) if async_op else finish()
     if ring.size == 1:
         return Handle(None, finish) if async_op else finish()
-    if impl == "hierarchical" and network is None:
-        raise ValueError("impl='hierarchical' needs the nodes: pass network=mesh.network, the "
-                         "Network of a Mesh built with network=TwoTier(ranks_per_node=...)")
     if impl == "auto" and link is None and network is not None and network.spans(group):
         impl = network.tiers.best_all_reduce(flat.nbytes, ring.size)
     elif impl == "auto":
         impl = streaming.best_algorithm(link or streaming.fit_links(group), flat.nbytes,
                                         ring.size)
-    if impl == "hierarchical":
-        node, across = network.rings(group)
+    if impl == "hierarchical":  # without a network every rank is its own node's: the ring
+        node, across = (network.rings(group) if network is not None else
+                        (ring, Ring(0, 1, (ring.peer(ring.rank),), group)))
         return _run(lambda: hierarchical(flat, node, across, name == "avg"), async_op, finish)
     algorithm = streaming.ALGORITHMS[impl]
     return _run(lambda: algorithm(flat, ring, name == "avg"), async_op, finish)
