@@ -202,7 +202,8 @@ def answered(
 
 def secret_lines(solution: NotebookNode) -> set[str]:
     """Lines of solutions and hidden tests that would give something away: long enough to
-    mean something, and not also in the part of the notebook that students see anyway."""
+    mean something, and not also in what students see anyway: the notebook's released part
+    and minidist, whose code the labs rebuild (a traceback may show it)."""
     secret, public = [], []
     for cell in solution.cells:
         meta = nbgrader_meta(cell)
@@ -213,7 +214,8 @@ def secret_lines(solution: NotebookNode) -> set[str]:
         outside, hidden = split_region("\n".join(outside), HIDDEN_TESTS)
         secret += solution_region + hidden
         public += outside
-    public_text = "\n".join(public)
+    library = (REPO / "lib" / "minidist").rglob("*.py")
+    public_text = "\n".join(public + [path.read_text() for path in library])
     return {
         line.strip()
         for line in secret

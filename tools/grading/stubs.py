@@ -14,17 +14,24 @@ import re
 
 from nbconvert.preprocessors import Preprocessor
 
-__all__ = ["NameUnwrittenExercises", "name_unwritten_exercises", "stub_message"]
+__all__ = ["NameUnwrittenExercises", "name_unwritten_exercises", "plain", "stub_message"]
 
 BARE_STUB = "raise NotImplementedError()"
 
 
+def plain(heading: str) -> str:
+    """A heading as the stub's text shows it: its LaTeX as the letters it typesets
+    ("$\\bar g$" as "ḡ"), since a Python string in a code cell is not rendered."""
+    heading = re.sub(r"\\bar\s*\{?(\w)\}?", "\\1\u0304", heading)
+    return re.sub(r"\\[a-zA-Z]+\s*", "", heading).replace("$", "")
+
+
 def stub_message(heading: str, grade_id: str) -> str:
     """What an unwritten exercise's stub says."""
-    return (f"the exercise under '{heading}' (cell {grade_id}) is not written yet: write your "
-            "code in place of this raise. Run All stops at the first check that calls an "
-            "unwritten exercise; to run the cells below it anyway, click the next cell and "
-            "choose Run > Run Selected Cell and All Below.")
+    return (f"the exercise under '{plain(heading)}' (cell {grade_id}) is not written yet: "
+            "write your code in place of this raise. Run All stops at the first check that "
+            "calls an unwritten exercise; to run the cells below it anyway, click the next cell "
+            "and choose Run > Run Selected Cell and All Below.")
 
 
 def _stub(indent: str, message: str, width: int = 88) -> str:
