@@ -28,6 +28,7 @@ import nbformat
 import pytest
 import requests
 from cluster_fixtures import LocalCluster, run_ok, wait_for
+from nbgrader.api import Gradebook
 from test_grading import answered, read_notebook
 
 pytestmark = [
@@ -202,6 +203,31 @@ class User:
         return self.lab_page.text.split('"disabledExtensions"')[1][:2000]
 
 
+def errors(notebook: nbformat.NotebookNode) -> dict[str, str]:
+    """Each cell that raised or wrote to stderr (which nbgrader scores 0 as well), by its
+    grade id, with the end of what it wrote."""
+    return {
+        cell.metadata.get("nbgrader", {}).get("grade_id", f"cell {index}"):
+            (f"{output.ename}: {output.evalue}" if output.output_type == "error"
+             else f"stderr: {output.text}")[-400:]
+        for index, cell in enumerate(notebook.cells)
+        for output in cell.get("outputs", [])
+        if output.output_type == "error" or output.get("name") == "stderr"
+    }
+
+
+def short_cells(course: Path, student: str) -> dict[str, str]:
+    """Each graded cell of the student's submission that scored below its points, from the
+    course's gradebook: "score/points"."""
+    with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gradebook:
+        notebook = gradebook.find_submission_notebook(LAB, LAB, student)
+        return {
+            grade.name: f"{grade.score}/{grade.max_score}"
+            for grade in notebook.grades
+            if grade.score < grade.max_score
+        }
+
+
 def make_instructor_course(home: Path) -> Path:
     """The instructor's private clone of the course (only the files grading needs)."""
     course = home / COURSE_DIR
@@ -286,5 +312,10 @@ def test_graded_class_through_the_hub_and_the_exchange(
     assert exported.returncode == 0, exported.stdout + exported.stderr
     with open(course / "grades.csv") as grades:
         rows = {row["student_id"]: row for row in csv.DictReader(grades)}
-    assert rows[first.name]["score"] == rows[first.name]["max_score"], rows[first.name]
+    graded = read_notebook(course / "autograded" / first.name / LAB / f"{LAB}.ipynb")
+    assert rows[first.name]["score"] == rows[first.name]["max_score"], (
+        f"the solution scored {rows[first.name]['score']} of {rows[first.name]['max_score']}; "
+        f"cells short of their points: {short_cells(course, first.name)}; "
+        f"cells that raised or wrote to stderr: {errors(graded)}"
+    )
     assert float(rows[second.name]["score"]) == 0 and rows[second.name]["status"] == "submitted"

@@ -280,6 +280,10 @@ def run_in_course(course: Path, command: str, lab: str, **env: str) -> Ran:
     Every process it starts inherits a unique MARKER, so a kernel, fork server or rank that
     outlives it is found even after it was re-parented away from this test."""
     tag = uuid.uuid4().hex
+    # Not pytest's marker: under it ipykernel leaves output written to the kernel's file
+    # descriptors (C++ warnings, Kineto's log) out of the cells, where nbgrader scores a cell
+    # that wrote to stderr 0, as it does for students.
+    outside = {name: value for name, value in os.environ.items() if name != "PYTEST_CURRENT_TEST"}
     before = {process.pid for process in psutil.Process().children(recursive=True)}
     start = time.monotonic()
     # Output goes to a file, not a pipe: a process left behind would keep a pipe open.
@@ -287,7 +291,7 @@ def run_in_course(course: Path, command: str, lab: str, **env: str) -> Ran:
         shell = subprocess.Popen(
             ["bash", "-c", command],
             cwd=course,
-            env={**os.environ, **env, "LAB": lab, MARKER: tag},
+            env={**outside, **env, "LAB": lab, MARKER: tag},
             stdout=log,
             stderr=subprocess.STDOUT,
             text=True,
