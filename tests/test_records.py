@@ -253,10 +253,7 @@ def test_only_the_collective_layer_and_the_launcher_call_torch_collectives():
 
 
 def test_only_the_collective_layer_records_and_only_the_mesh_makes_groups():
-    # pieces.py is torch.distributed bound to a group for a student's own code (Lab 14): it
-    # records the torch collectives the student calls, as the collective layer does minidist's.
-    recorders = ("collectives.py", "pieces.py")
-    records = [f"{p.name}:{line}" for p in LIB.rglob("*.py") if p.name not in recorders
+    records = [f"{p.name}:{line}" for p in LIB.rglob("*.py") if p.name != "collectives.py"
                for name, attr, line in _calls(p) if (name, attr) == ("counting", "record")]
     records += [f"{p.name}:{node.lineno}" for p in LIB.rglob("*.py") if p.name != "collectives.py"
                 for node in ast.walk(ast.parse(p.read_text()))

@@ -58,7 +58,7 @@ __all__ = [
     "IMPLS", "check_impl", "Handle", "shard_bounds", "all_reduce", "reduce_scatter", "all_gather",
     "all_gather_along", "reduce_scatter_along", "all_gather_overlapped",
     "reduce_scatter_overlapped", "broadcast", "broadcast_tensors", "all_to_all", "shift",
-    "all_gather_object", "barrier", "in_background",
+    "all_gather_object", "barrier", "in_background", "record_torch_collective",
 ]
 
 IMPLS = {
@@ -479,3 +479,11 @@ def barrier(group: dist.ProcessGroup | None = None, when: str = "") -> None:
     require_process_group("barrier")
     record("barrier", 0, group, when)
     dist.barrier(group=group)
+
+
+def record_torch_collective(name: str, tensor: torch.Tensor,
+                            group: dist.ProcessGroup | None) -> None:
+    """Record a torch.distributed collective that code outside minidist runs itself (Lab 14's
+    pieces: a student's own code, bound to a group), as this layer records its own: the full
+    tensor's bytes, once per call."""
+    record(name, tensor.nbytes, group)

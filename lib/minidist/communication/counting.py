@@ -78,8 +78,8 @@ class TrafficLog:
 
 def record(op: str, nbytes: int, group: dist.ProcessGroup | None, when: str = "") -> None:
     """Add one `op` collective of `nbytes` (the full tensor) over `group` to every open log.
-    `minidist.communication.collectives` calls it once per collective (and minidist.jobs.pieces
-    once per torch collective a student's own code calls, in Lab 14)."""
+    `minidist.communication.collectives` calls it once per collective, its own or one that
+    code outside minidist ran (`record_torch_collective`)."""
     interposer.announce("minidist.collective", op, nbytes, group, when)
 
 

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from minidist.communication import collectives, counting
+from minidist.communication import collectives
 from minidist.core.checking import unavailable
 
 __all__ = ["PIECES", "Piece", "Pieces", "MissingPiece", "export", "load"]
@@ -418,7 +418,7 @@ class _OnGroup:
                     ) -> Callable:  # noqa: N805
         """torch.distributed's `name` on the bound group; `rooted` names its root argument
         (a group rank here), `counted` the position of the tensor whose bytes
-        `minidist.communication.counting` records (the full tensor, as for minidist's own)."""
+        the collective layer records (the full tensor, as for minidist's own)."""
         def call(self, *args, group=None, **kwargs):
             if group is None and rooted is not None:
                 if rooted in kwargs:
@@ -428,7 +428,7 @@ class _OnGroup:
             group = group if group is not None else self.group
             if counted is not None and len(args) > counted:
                 tensor = args[counted]
-                counting.record(name, tensor.numel() * tensor.element_size(), group)
+                collectives.record_torch_collective(name, tensor, group)
             return getattr(dist, name)(*args, group=group, **kwargs)
         call.__name__ = name
         return call
