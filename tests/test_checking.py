@@ -1,5 +1,5 @@
-"""minidist.core.checking: what the labs' checks record of a function's torch.distributed calls, and
-the library's versions they make unavailable."""
+"""minidist.core.checking and .refusal: what the labs' checks record of a function's
+torch.distributed calls, and the library's versions they make unavailable."""
 
 import inspect
 
@@ -7,13 +7,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minidist.core.checking import (
-    LibraryVersionUsed,
-    recording,
-    tampered_receives,
-    unavailable,
-)
+from minidist.core.checking import recording, tampered_receives
 from minidist.core.launch import run
+from minidist.core.refusal import LibraryVersionUsed, unavailable
 from minidist.parallel import tensor_parallel
 
 

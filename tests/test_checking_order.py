@@ -10,15 +10,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from minidist.core.checking import (
-    RECORDED,
-    in_flight,
-    ran_while_in_flight,
-    recording,
-    unavailable,
-    watching,
-)
+from minidist.core.checking import RECORDED, in_flight, ran_while_in_flight, recording, watching
 from minidist.core.launch import run
+from minidist.core.refusal import unavailable
 
 
 def test_watching_keeps_the_order_and_restores(tmp_path) -> None:

@@ -17,7 +17,7 @@ PACKAGE = REPO / "lib" / "minidist"
 # README lists its modules in this order).
 FOLDERS = {
     "core": ["_checks", "_groups", "_fork_server_exit", "interposer", "_calls", "_diagnose",
-             "_supervisor", "launch", "flat", "timeline", "checking", "predictions"],
+             "_supervisor", "launch", "flat", "timeline", "refusal", "checking", "predictions"],
     "costs": ["cost", "memory", "footprint", "flops", "overlap", "tiers", "bubbles", "traffic",
               "planner"],
     "communication": ["comm", "counting", "timing", "streaming", "network", "emulation",

@@ -48,7 +48,7 @@ LAYERS = ("calls", "recording", "messages", "tampering", "counting", "route")
 
 # minidist's own targets, announced, not replaced: each collective the collective layer runs,
 # each timeline Event noted (minidist.core.timeline.note), each refusal of a checked function
-# (minidist.core.checking.LibraryVersionUsed)
+# (minidist.core.refusal.LibraryVersionUsed)
 ANNOUNCED = ("minidist.collective", "minidist.event", "minidist.refusal")
 
 Around = Callable[..., Any]

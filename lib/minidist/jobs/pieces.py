@@ -23,7 +23,7 @@ that group, as `torch.distributed` would if the group were the whole world: `get
 is passed on unchanged). Nothing in the student's code changes.
 
 **Whose.** While one of the student's functions runs, minidist's version of the same piece
-is refused (`minidist.core.checking.unavailable`): a piece that only calls the library's
+is refused (`minidist.core.refusal.unavailable`): a piece that only calls the library's
 fails, naming it, instead of passing as the student's. A piece named in `minidist_for` runs
 minidist's version instead, with the same signature, and `whose` says so; an unfinished
 piece not named there stops `load` with a message naming the piece, its lab and cell, and the
@@ -44,7 +44,7 @@ from typing import Any
 import torch.distributed as dist
 
 from minidist.communication import collectives
-from minidist.core.checking import unavailable
+from minidist.core.refusal import unavailable
 
 __all__ = ["PIECES", "Piece", "Pieces", "MissingPiece", "export", "load"]
 

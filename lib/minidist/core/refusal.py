@@ -1,0 +1,368 @@
+"""Refusing the library's own answer while an exercise is checked, by identity.
+
+    with unavailable("minidist.communication.comm.ring_all_reduce", "torch.distributed.all_reduce"):
+        my_ring_all_reduce(t)                        # calling either raises, saying why
+
+A student's version must not lean on the library's (or torch's) own version of the very thing it
+builds. `unavailable` makes the function objects themselves refuse, so every name, alias, copy
+and path that reaches them is caught: a Python function's code is swapped for a refusal, a copy
+of that code is refused by its fingerprint, a C function or method by its identity, and a
+torch.distributed collective together with what torch runs it through below. A refusal the
+checked function catches is raised again when the block ends.
+
+Why one module of about 340 lines: the refusal of each kind of callable (Python function, class
+method, C function, dispatcher op, a copy's code) is one mechanism, swapped in and out together.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import inspect
+import sys
+import threading
+import types
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch._ops import _OpNamespace
+
+from minidist.core import interposer
+
+__all__ = ["unavailable", "Refusals", "LibraryVersionUsed", "PROCESS_STARTERS"]
+
+
+class LibraryVersionUsed(RuntimeError):
+    """A checked function called the library's (or torch's) own version of the exercise.
+    Each one is announced to the open `unavailable` blocks, so catching it does not hide it."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        interposer.announce("minidist.refusal", message)
+
+
+# What torch runs a torch.distributed collective through below its Python function: the process
+# group's own method, the functional collectives and the dispatcher's ops. Refusing the function
+# refuses these too, so no Python path reaches the collective unseen.
+_BELOW = {
+    "all_reduce": ("allreduce", "allreduce_coalesced"),
+    "all_gather": ("allgather", "_allgather_base", "allgather_coalesced",
+                   "allgather_into_tensor_coalesced", "all_gather_single",
+                   "all_gather_single_coalesced"),
+    "reduce_scatter": ("reduce_scatter", "_reduce_scatter_base", "reduce_scatter_tensor_coalesced",
+                       "reduce_scatter_single", "reduce_scatter_single_coalesced"),
+    "all_to_all": ("alltoall", "alltoall_base", "all_to_all_single"),
+    "broadcast": ("broadcast",), "reduce": ("reduce",), "gather": ("gather",),
+    "scatter": ("scatter",),
+}
+_FAMILY = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+           "all_to_all_single": "all_to_all", "all_reduce_coalesced": "all_reduce",
+           "all_gather_coalesced": "all_gather"}
+_FUNCTIONAL = {  # torch.distributed._functional_collectives, and the ops they and c10d run
+    "all_reduce": ("all_reduce", "all_reduce_inplace", "all_reduce_coalesced"),
+    "all_gather": ("all_gather_tensor", "all_gather_tensor_inplace", "all_gather_inplace",
+                   "all_gather_into_tensor_coalesced", "all_gather_tensor_autograd"),
+    "reduce_scatter": ("reduce_scatter_tensor", "reduce_scatter_inplace",
+                       "reduce_scatter_tensor_coalesced", "reduce_scatter_tensor_autograd"),
+    "all_to_all": ("all_to_all_single", "all_to_all_inplace", "all_to_all_single_autograd"),
+    "broadcast": ("broadcast",),
+}
+_OPS = {
+    "all_reduce": ("c10d.allreduce_", "c10d.allreduce_coalesced_", "_c10d_functional.all_reduce",
+                   "_c10d_functional.all_reduce_", "_c10d_functional.all_reduce_coalesced",
+                   "_c10d_functional.all_reduce_coalesced_"),
+    "all_gather": ("c10d.allgather_", "c10d._allgather_base_", "c10d.allgather_coalesced_",
+                   "c10d.allgather_into_tensor_coalesced_",
+                   "_c10d_functional.all_gather_into_tensor",
+                   "_c10d_functional.all_gather_into_tensor_out",
+                   "_c10d_functional.all_gather_into_tensor_coalesced"),
+    "reduce_scatter": ("c10d.reduce_scatter_", "c10d._reduce_scatter_base_",
+                       "c10d.reduce_scatter_tensor_coalesced_",
+                       "_c10d_functional.reduce_scatter_tensor",
+                       "_c10d_functional.reduce_scatter_tensor_coalesced"),
+    "all_to_all": ("c10d.alltoall_", "c10d.alltoall_base_", "_c10d_functional.all_to_all_single"),
+    "broadcast": ("c10d.broadcast_", "_c10d_functional.broadcast", "_c10d_functional.broadcast_"),
+    "reduce": ("c10d.reduce_",), "gather": ("c10d.gather_",), "scatter": ("c10d.scatter_",),
+}
+
+
+def _below(path: str) -> list[str]:
+    """The paths below torch.distributed's collective `path` (none for anything else)."""
+    prefix, _, name = path.rpartition(".")
+    if prefix not in ("torch.distributed", "torch.distributed.distributed_c10d"):
+        return []
+    family = _FAMILY.get(name, name)
+    return ([f"torch.distributed.ProcessGroup.{method}" for method in _BELOW.get(family, ())]
+            + [f"torch._C._distributed_c10d.Backend.{method}" for method in _BELOW.get(family, ())]
+            + [f"torch.distributed._functional_collectives.{function}"
+               for function in _FUNCTIONAL.get(family, ())]
+            + [f"torch.ops.{op}" for op in _OPS.get(family, ())])
+
+
+@contextlib.contextmanager
+def unavailable(*paths: str, reason: str = "", allow: Iterable[str] = (),
+                processes: bool = False) -> Iterator[Refusals]:
+    """Inside the block each function named by its dotted path (e.g.
+    "minidist.communication.comm.ring_all_reduce", "torch.distributed.all_reduce", a class's
+    method: "minidist.parallel.tensor_parallel.CopyToParallel.apply", or "module.*": every
+    function the module defines) raises LibraryVersionUsed when called, however it is reached.
+    `allow` names the functions (dotted paths) a "module.*" leaves callable: the scaffolding
+    an exercise is given, and the helpers that scaffolding calls.
+
+    The function object itself refuses (its code is swapped for a refusal while the block
+    runs), so a name bound by `from ... import`, an alias, a functools.partial and the library's
+    own callers all meet the refusal; a C function (torch.chunk) is refused wherever it is
+    called from, by identity, through a profile hook. A torch.distributed collective is refused
+    with what torch runs it through: its process group's method, the functional collectives and
+    the dispatcher's ops. A C method of a class ("torch.Tensor.tensor_split") is refused
+    however it is bound (t.tensor_split, torch._C.TensorBase.tensor_split(t, ...)).
+
+    With processes=True, starting a process is refused too (subprocess, os.fork, os.system,
+    multiprocessing, minidist's own run): a fresh interpreter would reach the library's
+    versions out of the block's sight. The block yields a `Refusals`, whose `exempt` lets the
+    check itself call the library inside the block."""
+    allowed = set(allow)
+    targets = [target for path in paths for target in _expand(path) if target not in allowed]
+    targets += [below for path in paths for below in _below(path)
+                if _resolvable(below) and below not in targets]
+    if processes:
+        targets += [path for path in PROCESS_STARTERS if _resolvable(path)]
+    targets = list(dict.fromkeys(targets))  # two collectives share what they run below
+    undo: list[Callable[[], None]] = []
+    refused_builtins: dict[int, str] = {}
+    refused_methods: dict[int, str] = {}  # id of the refusal standing in a class for a C method
+    refused_code: dict[tuple[str, bytes], str] = {}
+    refusals: list[str] = []
+
+    def keep(_: Callable[..., None], message: str) -> None:
+        refusals.append(message)
+
+    def refuse() -> None:
+        undo.extend(_refuse(path, reason, refused_builtins, refused_code, refused_methods)
+                    for path in targets)
+
+    def lift() -> None:
+        for restore in reversed(undo):
+            restore()
+        undo.clear()
+        refused_builtins.clear()
+        refused_code.clear()
+        refused_methods.clear()
+
+    for path in targets:  # import every module first: one may subclass what another refuses
+        _owner(path)
+    try:
+        refuse()
+        with interposer.subscribed("recording", {"minidist.refusal": keep}), \
+                _refusing_copies(refused_builtins, refused_code, refused_methods, reason):
+            yield Refusals(refuse, lift)
+    finally:
+        lift()
+    if refusals:  # refused, and the function caught it and went on: still refused
+        raise LibraryVersionUsed(f"{refusals[0]} (your function caught the refusal and went on)")
+
+
+class Refusals:
+    """What `unavailable` yields: `exempt(function)` is `function` run with the refusals lifted
+    for that call alone, for the check's own use of the library inside the block (the check
+    holds this object; the student's function never sees it)."""
+
+    def __init__(self, refuse: Callable[[], None], lift: Callable[[], None]) -> None:
+        self._refuse, self._lift = refuse, lift
+
+    def exempt(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(function)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self._lift()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self._refuse()
+        return call
+
+
+def _expand(path: str) -> list[str]:
+    """`path`, or for "module.*" the path of every function the module defines."""
+    if not path.endswith(".*"):
+        return [path]
+    module = importlib.import_module(path[:-2])
+    return [f"{path[:-2]}.{name}" for name, value in vars(module).items()
+            if inspect.isfunction(value) and value.__module__ == module.__name__]
+
+
+def _resolvable(path: str) -> bool:
+    try:
+        _owner(path)
+    except (AttributeError, ModuleNotFoundError, RuntimeError):
+        return False
+    return True
+
+
+PROCESS_STARTERS = (
+    "os.fork", "os.forkpty", "os.posix_spawn", "os.posix_spawnp", "os.system",
+    "_posixsubprocess.fork_exec", "multiprocessing.process.BaseProcess.start",
+)
+"""Where every new process of this one begins: subprocess (fork_exec or posix_spawn), os.fork
+and what calls it (os.spawn*, pty), os.system, and multiprocessing (its fork server too, and so
+minidist's run); refused by `unavailable(..., processes=True)`."""
+
+
+def _refusal(path: str, reason: str) -> str:
+    if path in PROCESS_STARTERS:
+        return (f"your function started a process ({path}): a check runs your function in this "
+                f"process, where the library's versions it is compared with are unavailable; "
+                f"compute it here{': ' + reason if reason else ''}")
+    return (f"your function called {path}: write your own; the library's version is what your "
+            f"function is compared with{': ' + reason if reason else ''}")
+
+
+def _refuse(path: str, reason: str, refused_builtins: dict[int, str],
+            refused_code: dict[tuple[str, bytes], str],
+            refused_methods: dict[int, str]) -> Callable[[], None]:
+    """Make the function at `path` refuse; returns what undoes it. Its code's fingerprint goes
+    into `refused_code`, so a copy of it (a reloaded module, exec of its source) refuses too."""
+    owner, attribute = _owner(path)
+    if getattr(getattr(owner, attribute), "_minidist_refusal", False):
+        return lambda: None  # refused already, by another path to the same function
+    # A class's own entry (a staticmethod, a classmethod), or nothing if it inherits one.
+    entry = vars(owner).get(attribute, _INHERITED) if not isinstance(owner, _OpNamespace) \
+        else getattr(owner, attribute)
+    # An inherited method (torch.autograd.Function.apply) is shared with every subclass: it is
+    # refused on this class alone, by its attribute, which every alias of the class sees.
+    inherited = inspect.isclass(owner) and entry is _INHERITED
+    functions = [] if inherited else _python_functions(getattr(owner, attribute))
+    if functions:  # swap the code of the function object (and what it wraps): every alias sees it
+        saved = [(function, function.__code__) for function in functions]
+        # Only the innermost function's code is the library's own: a decorator's wrapper
+        # (torch.no_grad's, c10d's logger) shares its code with every function it wraps.
+        innermost = functions[-1].__code__
+        refused_code[innermost.co_name, innermost.co_code] = path
+        for function, code in saved:
+            function.__code__ = _refusing_code(code, _refusal(path, reason))
+
+        def restore_code() -> None:
+            for function, code in reversed(saved):
+                function.__code__ = code
+        return restore_code
+
+    value = getattr(owner, attribute)
+    if inspect.ismodule(owner) and not isinstance(owner, _OpNamespace):
+        refused_builtins[id(value)] = path  # a C function: refused by identity wherever called
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise LibraryVersionUsed(_refusal(path, reason))
+
+    refuse._minidist_refusal = True  # type: ignore[attr-defined]
+    setattr(owner, attribute, refuse)
+    if inspect.isclass(owner) and inspect.ismethoddescriptor(value):
+        # A C method: a bound call of it (through a base class too) finds `refuse` on the type.
+        refused_methods[id(refuse)] = path
+
+    def restore_attribute() -> None:
+        if entry is _INHERITED:
+            delattr(owner, attribute)
+        else:
+            setattr(owner, attribute, entry)
+        refused_builtins.pop(id(value), None)
+        refused_methods.pop(id(refuse), None)
+    return restore_attribute
+
+
+def _python_functions(value: Any) -> list[Any]:
+    """The Python function objects behind `value` (unwrapping methods, staticmethods and
+    functools.wraps chains), [] for a C function."""
+    functions = []
+    value = getattr(value, "__func__", value)
+    while inspect.isfunction(value) and value not in functions:
+        functions.append(value)
+        value = getattr(value, "__wrapped__", None)
+    return functions
+
+
+def _refusing_code(code: types.CodeType, message: str) -> types.CodeType:
+    """Code that raises LibraryVersionUsed(message), with as many free variables as `code` has
+    (a function's code can only be swapped for code with the same number)."""
+    free = [f"_free{i}" for i in range(len(code.co_freevars))]
+    source = ("def outer():\n" + "".join(f"    {name} = None\n" for name in free)
+              + "    def refused(*args, **kwargs):\n"
+              + (f"        ({', '.join(free)},)\n" if free else "")
+              # __import__, a builtin, works in whichever module's globals the function runs
+              + "        raise __import__('minidist.core.refusal', fromlist=['_'])"
+              f".LibraryVersionUsed({message!r})\n"
+              + "    return refused\n")
+    namespace: dict[str, Any] = {}
+    exec(source, namespace)  # noqa: S102 - our own text: a refusal with a fixed message
+    refused = namespace["outer"]().__code__
+    return refused.replace(co_name=code.co_name, co_qualname=code.co_qualname,
+                           co_filename=code.co_filename, co_firstlineno=code.co_firstlineno)
+
+
+@contextlib.contextmanager
+def _refusing_copies(builtins: dict[int, str], code: dict[tuple[str, bytes], str],
+                     methods: dict[int, str], reason: str) -> Iterator[None]:
+    """While the block runs, a call of a refused C function, or of any Python function whose
+    code is a refused one's (same name, same bytecode: a module reloaded or loaded again from
+    its file, its source exec'd), raises, from any caller, in this thread and in threads it
+    starts."""
+    if not builtins and not code and not methods:
+        yield
+        return
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            refused = code.get((frame.f_code.co_name, frame.f_code.co_code))
+        elif event == "c_call":
+            refused = builtins.get(id(arg))
+            if refused is None and methods:
+                refused = _refused_method(arg, methods)
+        else:
+            return
+        if refused is not None:
+            raise LibraryVersionUsed(_refusal(refused, reason))
+
+    previous, previous_threads = sys.getprofile(), threading.getprofile()
+    sys.setprofile(profile)
+    threading.setprofile(profile)
+    try:
+        yield
+    finally:
+        sys.setprofile(previous)
+        threading.setprofile(previous_threads)
+
+
+def _refused_method(called: Any, methods: dict[int, str]) -> str | None:
+    """The path of a refused C method if `called` is one bound to an object (t.tensor_split,
+    torch._C.TensorBase.tensor_split(t, ...)): the entry its object's type has is a refusal."""
+    bound_to = getattr(called, "__self__", None)
+    if bound_to is None or inspect.ismodule(bound_to):
+        return None
+    try:
+        return methods.get(id(getattr(type(bound_to), called.__name__, None)))
+    except Exception:  # noqa: BLE001 - an odd type's attribute lookup: not a refused method
+        return None
+
+
+_INHERITED = object()
+
+
+def _owner(path: str) -> tuple[Any, str]:
+    """The object holding the last name of a dotted path, and that name: the longest prefix
+    that imports as a module, then attributes (a class) down to the last."""
+    parts = path.split(".")
+    if parts[:2] == ["torch", "ops"] and len(parts) == 4:  # a dispatcher op: torch.ops.ns.name
+        namespace = getattr(torch.ops, parts[2])
+        getattr(namespace, parts[3])  # raises AttributeError for an op this torch lacks
+        return namespace, parts[3]
+    for split in range(len(parts) - 1, 0, -1):
+        try:
+            owner = importlib.import_module(".".join(parts[:split]))
+        except ModuleNotFoundError:
+            continue
+        for name in parts[split:-1]:
+            owner = getattr(owner, name)
+        if not hasattr(owner, parts[-1]):
+            raise AttributeError(f"{path}: {owner!r} has no attribute {parts[-1]!r}")
+        return owner, parts[-1]
+    raise ModuleNotFoundError(f"{path}: no module to import in it")
