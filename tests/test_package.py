@@ -2,6 +2,7 @@
 plain `pip install .` that imports every public module."""
 
 import ast
+import re
 import shutil
 import subprocess
 import sys
@@ -78,6 +79,38 @@ def test_each_folder_has_a_readme_naming_its_modules_in_import_order():
         listed = [line.split("`")[1] for line in readme.splitlines() if line.startswith("| `")]
         assert listed == names, (f"{folder}/README.md lists {listed}; the import order is "
                                  f"{names}")
+
+
+LONG_MODULE, LONG_UNIT = 500, 120  # lines; longer ones say why they are one piece
+SIZE_STATED = re.compile(r"Why one (?:module|unit) of about (\d+) lines: \S")
+
+
+def stated_size(docstring: str | None) -> int | None:
+    found = SIZE_STATED.search(" ".join((docstring or "").split()))
+    return int(found[1]) if found else None
+
+
+def test_every_long_module_and_unit_says_why_it_is_one_piece_and_its_size():
+    """A module over 500 lines, or a class or function over 120, reads as one idea only if it
+    says why it is one ("Why one module of about N lines: ..."), with N within 15 %."""
+    missing = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        units = [(path.relative_to(PACKAGE).as_posix(), tree, LONG_MODULE,
+                  len(path.read_text().splitlines()))]
+        units += [(f"{path.relative_to(PACKAGE).as_posix()}:{node.name}", node, LONG_UNIT,
+                   node.end_lineno - node.lineno + 1)
+                  for node in ast.walk(tree)
+                  if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
+        for name, node, limit, lines in units:
+            if lines <= limit:
+                continue
+            stated = stated_size(ast.get_docstring(node))
+            if stated is None or abs(stated - lines) > 0.15 * lines:
+                missing.append(f"{name} ({lines} lines, states {stated})")
+    assert not missing, (
+        "each of these is long without saying why it is one piece, or states an old size; add "
+        f"'Why one module (or unit) of about N lines: <reason>' to its docstring: {missing}")
 
 
 def test_no_two_classes_share_a_name():

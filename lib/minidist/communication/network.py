@@ -54,7 +54,10 @@ class TwoTier:
     Latencies in seconds, bandwidths in bytes per second, each way. The defaults keep the
     real ratio (NVLink about 10x InfiniBand) at laptop scale. `degraded` maps a node to the
     fraction of its inter-node bandwidth it keeps. `emulated=False` describes real links
-    (a cluster's) without delaying any message."""
+    (a cluster's) without delaying any message.
+
+    Why one unit of about 150 lines: the two-tier model: each tier's links, the rings placed on them
+    and the α-β predictions made from both."""
 
     ranks_per_node: int
     intra_latency: float = 100e-6

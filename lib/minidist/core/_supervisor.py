@@ -4,7 +4,9 @@ ranks, forward their output, collect their results or failures, and kill them at
 Nothing here is course material: `minidist.core.launch` is what a rank is and what `run` does.
 This module only reports what happened (`RanksFailed`, `RanksStuck`, or the results);
 `minidist.core.launch` turns that into the errors a student reads.
-"""
+
+Why one module of about 630 lines: starting, watching and reaping the ranks share one process table,
+its pipes and its clock; split, each part would need the others' state."""
 
 from __future__ import annotations
 
@@ -204,8 +206,9 @@ def _start(spec: _RankSpec) -> _RankProcess:
 
 class Supervisor:
     """Starts the ranks, watches them (results, failures, progress), kills them at the end.
-    (Long on purpose: its one loop and what it does on each kind of event belong together; a
-    rank's output is forwarded by the functions below it, its start by `_start`.)"""
+
+    Why one unit of about 190 lines: its one loop and what it does on each kind of event belong
+    together; a rank's output is forwarded by the functions below it, its start by `_start`."""
 
     def __init__(self, fn, world_size, args, kwargs, backend, timeout):
         try:

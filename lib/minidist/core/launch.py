@@ -36,7 +36,9 @@ when it hangs. While ranks wait without progress the cell shows one line saying 
 by the report. Either way, and on Ctrl-C (`RunInterrupted`, a KeyboardInterrupt saying so),
 every rank is stopped before `run` returns. Starting and watching the processes is the private
 `minidist.core._supervisor`'s job; recording each rank's calls, `minidist.core._calls`'.
-"""
+
+Why one module of about 520 lines: `run` and the errors a student reads when ranks fail, hang or are
+interrupted; each message is kept beside the check that raises it."""
 
 from __future__ import annotations
 

@@ -33,7 +33,9 @@ tensors never change, only who holds which range. `ModelState` and `OptimizerSta
 plain model, a model inside `FullyShardedDataParallel` and a `ZeroOptimizer` this way, under
 the names of the unsharded model's `state_dict()`, so a checkpoint also moves between them.
 `RNGState` holds every random generator a training run draws from.
-"""
+
+Why one module of about 570 lines: save and load are inverses over one directory layout; the atomic
+rename and the resharding rules must agree on both sides."""
 
 from __future__ import annotations
 

@@ -28,7 +28,9 @@ fails, naming it, instead of passing as the student's. A piece named in `minidis
 minidist's version instead, with the same signature, and `whose` says so; an unfinished
 piece not named there stops `load` with a message naming the piece, its lab and cell, and the
 two fixes, before any rank communicates.
-"""
+
+Why one module of about 590 lines: the one path a student's piece travels: exported from a notebook,
+loaded with minidist's stand-ins named, and run on its mesh dimension's group."""
 
 from __future__ import annotations
 

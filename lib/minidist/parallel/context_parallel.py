@@ -51,7 +51,9 @@ sequence length.
 Checks. Before anything travels, the ranks exchange the shapes of q, k and v, and the layout
 (an uncounted set-up exchange, like a pipeline's shapes), so that a mismatch raises the same
 ValueError on every rank instead of a hang.
-"""
+
+Why one module of about 620 lines: ring attention and Ulysses share the sequence layouts, the shape
+exchange and the blockwise attention with its backward; Lab 13 compares them side by side."""
 
 from __future__ import annotations
 

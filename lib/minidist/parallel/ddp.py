@@ -254,9 +254,10 @@ class DistributedDataParallel(nn.Module):
     while backward goes on. When backward ends, `finish_gradient_synchronization` runs by
     itself: it waits for every all-reduce and writes the averages back into `.grad`, as
     PyTorch's DDP has them when `loss.backward()` returns. The module docstring lists the
-    options and how this differs from PyTorch's. (Long on purpose: set-up, forward and the
-    hooks of one backward read best in one place; PyTorch's checks are apart, below.)
-    """
+    options and how this differs from PyTorch's.
+
+    Why one unit of about 140 lines: set-up, forward and the hooks of one backward act on the
+    same buckets and read best in one place; PyTorch's checks are apart, below."""
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, *, impl: str = "torch",
                  find_unused_parameters: bool = False, broadcast_buffers: bool = True,

@@ -149,9 +149,9 @@ class Parallel3D:
     "cp" to what this rank sent along that dimension (a `minidist.costs.traffic.Traffic`: the
     collectives on the dimension's group; for "pp", the point-to-point sends to its ranks);
     `expected_traffic()` holds the formulas for it.
-    (Long on purpose: a step, and the formulas its traffic is checked against, read side by
-    side.)
-    """
+
+    Why one unit of about 130 lines: a step, and the formulas its traffic is checked against,
+    read side by side."""
 
     def __init__(self, model: TinyGPT, mesh: Mesh, optimizer_factory: OptimizerFactory,
                  microbatches: int, *, schedule: str, zero_stage: int, sequence_parallel: bool,

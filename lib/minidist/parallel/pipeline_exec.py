@@ -32,7 +32,9 @@ Deadlocks. Every wait has a time limit (`timeout`, seconds; gloo). A rank that r
 time publishes what it is stuck on in the job's key-value store, collects the other ranks'
 reports, and raises `PipelineDeadlock` with one line per rank, e.g. "rank 2 is stuck at
 F3<1, before compute action 3: waiting to receive the activation of microbatch 3 from rank 1".
-"""
+
+Why one module of about 520 lines: running a schedule, timing each action and naming where a
+deadlock is stuck read the same state: the action under way and what it waits on."""
 
 from __future__ import annotations
 
@@ -309,8 +311,10 @@ class _Mailbox:
 class _Executor:
     """The state of one rank while it runs its action list: what each action computes, and
     the activations and gradients it keeps per (stage, microbatch) until the backward that
-    frees them. (Long on purpose: one short method per kind of action, in one place with the
-    table that dispatches them; the messages are `_Mailbox`'s.)"""
+    frees them.
+
+    Why one unit of about 140 lines: one short method per kind of action, in one place with the
+    table that dispatches them; the messages are `_Mailbox`'s."""
 
     def __init__(self, schedule: Schedule, stages: dict[int, nn.Module],
                  inputs: torch.Tensor | None, targets: torch.Tensor | None, loss_fn: LossFn,

@@ -26,7 +26,9 @@ reduce-scatter into ring steps, each computing the partial sum it sends next.
 Every collective here goes through `minidist.communication.collectives` with `when` set to
 "forward" or "backward", so `counting.count_traffic()` lists what a block really sends. `group` is
 the tensor-parallel group (e.g. `mesh.group("tp")`); None: every rank.
-"""
+
+Why one module of about 540 lines: f and g and the layers built from them (column, row, vocabulary-
+parallel, attention, sequence-parallel), Megatron's set, which Lab 05 builds in this order."""
 
 from __future__ import annotations
 
