@@ -307,11 +307,9 @@ class FullyShardedDataParallel(nn.Module):
     `reshard_after_forward=False` keeps each unit gathered from its forward to its backward
     (FSDP2's option of that name, FSDP1's SHARD_GRAD_OP): 2Ψ of traffic instead of 3Ψ, every
     unit's whole parameters in memory at the end of forward.
-    (About 150 lines: the hooks around each unit and what they share read best together; the
-    units are built by `_make_units`, the gathering is `_Unit`'s.)
 
-    Why one unit of about 150 lines: one unit's life: gather before forward, reshard after, gather
-    again for backward and reduce-scatter the gradients, and the sharded state dict."""
+    Why one unit of about 150 lines: the hooks around each unit and what they share read best
+    together; the units are built by `_make_units`, the gathering is `_Unit`'s."""
 
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None,
                  units: Callable[[nn.Module], list[nn.Module]] = default_units,
