@@ -464,9 +464,12 @@ class Mistaken:
 
 
 def faked_submission(course: Course, lab: str, fakes: dict[str, Fake] | dict[str, Alternative],
-                     replaced: dict[str, list[str]] | None = None) -> NotebookNode:
+                     replaced: dict[str, list[str]] | None = None, *,
+                     cut: bool = False) -> NotebookNode:
     """The solution with each faked exercise's solution region replaced by its fake (or by
-    its correct alternative)."""
+    its correct alternative). With `cut`, every cell a student may edit below the last cell
+    that checks one of them is emptied: what those cells would compute grades nothing this
+    submission is for, and the test cells there (which autograde restores) then fail at once."""
     replaced = dict(replaced or {})
     sources = {nbgrader_meta(c).get("grade_id"): c.source for c in course.solution.cells}
     for cell, fake in fakes.items():
@@ -481,7 +484,15 @@ def faked_submission(course: Course, lab: str, fakes: dict[str, Fake] | dict[str
                                  f"not compile in its cell (indent it as the cell's solution "
                                  f"region is): {error}") from None
         replaced[cell] = lines
-    return answered(course.released, course.solution, replaced)
+    submission = answered(course.released, course.solution, replaced)
+    if cut:
+        checking = {cell for fake in fakes.values() for cell in fake.checked_by}
+        ids = [nbgrader_meta(cell).get("grade_id") for cell in submission.cells]
+        last = max(index for index, grade_id in enumerate(ids) if grade_id in checking)
+        for cell in submission.cells[last + 1:]:
+            if cell.cell_type == "code" and not nbgrader_meta(cell).get("locked"):
+                cell.source = "pass  # cut: nothing below the last check of this round's answers"
+    return submission
 
 
 @pytest.fixture(scope="module")
@@ -503,11 +514,11 @@ def mistaken(lab: str, course: Course, graded: Graded) -> Mistaken:
     course.submit(lab, "mistaken", faked_submission(course, lab, first, replaced))
     faked = {"mistaken": list(first.values())}
     for k, fakes in enumerate(fake_rounds[1:], start=1):
-        course.submit(lab, f"fakes-{k}", faked_submission(course, lab, fakes))
+        course.submit(lab, f"fakes-{k}", faked_submission(course, lab, fakes, cut=True))
         faked[f"fakes-{k}"] = list(fakes.values())
     alternatives = {}
     for k, correct in enumerate(rounds(alternatives_of(lab))):
-        course.submit(lab, f"alternatives-{k}", faked_submission(course, lab, correct))
+        course.submit(lab, f"alternatives-{k}", faked_submission(course, lab, correct, cut=True))
         alternatives[f"alternatives-{k}"] = list(correct.values())
     course.run(COLLECT, lab)
     # Three times the slowest cell of the solution's run, which ran under the same load, and
