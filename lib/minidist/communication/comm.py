@@ -8,15 +8,15 @@ trips around the ring rank 0 -> 1 -> ... -> N-1 -> 0:
     all-gather      N-1 steps: each rank forwards the last finished chunk it got, so every
                     finished chunk travels once around the ring.
 
-Each rank sends 2(N-1) chunks of S/N bytes, 2(N-1)/N * S in all, which tends to 2S whatever N
-is: time ~ 2(N-1)*alpha + 2(N-1)/N * S * beta (Thakur, Rabenseifner & Gropp 2005). Every link
-carries the same load at every step, so no link is the bottleneck; that is why NCCL and gloo
-use rings for large messages. `minidist.costs.cost` turns these formulas into numbers.
+What each rank sends, and the time that takes on an alpha-beta link (Thakur, Rabenseifner &
+Gropp 2005), Lab 01 has you count from these steps. Every link carries the same load at every
+step, so no link is the bottleneck; that is why NCCL and gloo use rings for large messages.
+`minidist.costs.cost` turns the counts into numbers.
 
-The ring pays 2(N-1) latencies whatever the size, so small tensors go faster with fewer, larger
-steps: recursive doubling (log2 N exchanges of the whole tensor), a binomial tree (reduce to
-rank 0, then broadcast) and Rabenseifner's algorithm (reduce-scatter by recursive halving,
-all-gather by recursive doubling: the ring's bytes in 2 log2 N steps), below.
+The ring pays a latency per step whatever the size, so small tensors go faster with fewer,
+larger steps: recursive doubling (exchanges of the whole tensor with rank r XOR 2^k), a binomial
+tree (reduce to rank 0, then broadcast) and Rabenseifner's algorithm (reduce-scatter by
+recursive halving, all-gather by recursive doubling: the ring's bytes in fewer steps), below.
 
 Every function works in place on a contiguous tensor, on `group` (None: the default process
 group, every rank of the job); ranks are counted inside the group, as torch does, and `Ring`
@@ -220,7 +220,7 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum",
                     group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Sum (op="sum") or average (op="avg") `tensor` over all ranks, in place; returns it.
 
-    A reduce-scatter then an all-gather: 2(N-1) steps, 2(N-1)/N * S bytes sent per rank.
+    A reduce-scatter then an all-gather, N-1 steps each, one chunk sent per step.
     Additions happen in the tensor's own dtype (bfloat16 stays bfloat16, as in gloo), in an
     order that differs from dist.all_reduce's, so results may differ in the last bits.
     """

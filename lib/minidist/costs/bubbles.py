@@ -67,10 +67,9 @@ def bubble_time(schedule: str, ranks: int, microbatches: int, chunks: int = 1,
 
 def bubble_fraction(schedule: str, ranks: int, microbatches: int, chunks: int = 1,
                     costs: tuple[float, float, float] = ZB_COSTS) -> float:
-    """The bubble as a share of total time, bubble / (ideal + bubble).
-
-    GPipe and 1F1B: (p-1)/(m+p-1); interleaved: (p-1)/(v·m + p-1); ZB-H1 with
-    T_F = T_B = T_W: (p-1)/(3m + p-1). For bubble / ideal, see `bubble_relative_to_ideal`.
+    """The bubble as a share of total time, bubble / (ideal + bubble), from `bubble_time`
+    (Lab 06 derives its closed form, Exercise 1). For bubble / ideal, see
+    `bubble_relative_to_ideal`.
     """
     bubble, ideal = bubble_time(schedule, ranks, microbatches, chunks, costs)
     return bubble / (ideal + bubble)
@@ -81,8 +80,8 @@ def bubble_relative_to_ideal(schedule: str, ranks: int, microbatches: int, chunk
     """The bubble relative to the ideal (bubble-free) time, bubble / ideal: the step takes
     (1 + this) times as long as the pure compute.
 
-    GPipe and 1F1B: (p-1)/m; interleaved: (p-1)/(v·m) (Narayanan §2.2). This is not the
-    share of total time (`bubble_fraction`).
+    Narayanan §2.2 writes the bubble this way (Lab 06 derives its closed form, Exercise 1).
+    This is not the share of total time (`bubble_fraction`).
     """
     bubble, ideal = bubble_time(schedule, ranks, microbatches, chunks, costs)
     return bubble / ideal
