@@ -89,15 +89,10 @@ def bubble_relative_to_ideal(schedule: str, ranks: int, microbatches: int, chunk
 
 def inflight_microbatches(schedule: str, ranks: int, microbatches: int, rank: int,
                           chunks: int = 1) -> int:
-    """Peak number of microbatches whose activations pipeline rank `rank` (0-based, i below)
-    holds at once.
-
-        gpipe        m                          (all forwards before any backward)
-        1f1b         min(p - i, m)              Narayanan §2.2.1
-        interleaved  min((v-1)p + 2(p-i-1) + 1, v·m) chunk-microbatches: the first rank
-                     holds v·p + p - 1, each 1/v of a stage's layers   Narayanan §2.2.2
-        zb-h1        min(p, m) on every rank    ZB §2.1 (W passes deferred, 1F1B's peak)
-        zb-h2        min(2p - 1, m)             ZB §2.2
+    """Peak number of microbatches whose activations pipeline rank `rank` (0-based) holds at
+    once, for each schedule (interleaved: chunk-microbatches, each 1/`chunks` of a stage's
+    layers). Lab 06 predicts these before reading them off its schedules; the sources are
+    Narayanan et al. 2021 §2.2 (GPipe, 1F1B, interleaved) and Qi et al. 2024 §2 (zero bubble).
 
     (What that means for the first rank's activation memory is Lab 06's Q2; Korthikanti §4.2.3.)
     """

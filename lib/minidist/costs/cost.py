@@ -3,28 +3,17 @@
 Sending S bytes from one rank to another takes t = alpha + S * beta: alpha is the latency paid
 per message (software, network hops), beta the seconds per byte of the link (1/beta is its
 bandwidth). A collective is a schedule of such messages, so its time is a(N) * alpha +
-b(N) * S * beta, with S the size of the full tensor and coefficients set by the algorithm:
-
-    collective      algorithm        a(N)             b(N)
-    all_reduce      ring             2(N-1)           2(N-1)/N
-    reduce_scatter  ring             N-1              (N-1)/N
-    all_gather      ring             N-1              (N-1)/N
-    broadcast       binomial tree    ceil(log2 N)     ceil(log2 N)
-    send            point-to-point   1                1
-
-All-reduce has several algorithms (`ALL_REDUCE_ALGORITHMS`); with p = 2^floor(log2 N) and
-f = 1 when N is not a power of two (0 when it is):
-
-    algorithm            a(N)              b(N)              c(N)             fastest for
-    ring                 2(N-1)            2(N-1)/N          (N-1)/N          large S, N != 2^k
-    recursive_doubling   log2 p + 2f       log2 p + 2f       log2 p + f       small S
-    tree                 2 ceil(log2 N)    2 ceil(log2 N)    ceil(log2 N)     shared cores
-    rabenseifner         2 log2 p + 2f     2(p-1)/p + 2f     (p-1)/p + f      large S, N = 2^k
+b(N) * S * beta, with S the size of the full tensor and coefficients set by the algorithm
+(ring for all-reduce, reduce-scatter and all-gather, a binomial tree for broadcast, one
+message for send). All-reduce has several algorithms (`ALL_REDUCE_ALGORITHMS`: ring,
+recursive doubling, tree, Rabenseifner), each with its own a(N), b(N) and c(N); Lab 01 counts
+their steps and bytes before this module's formulas are used (Thakur, Rabenseifner and
+Gropp 2005).
 
 c(N) is Thakur's third term: the bytes the busiest rank adds up per byte of tensor, at gamma
 seconds per byte, so all-reduce takes a * alpha + b * S * beta + c * S * gamma. On a fast
 network gamma is negligible beside beta; between processes on one CPU it is not, and it is
-what makes recursive doubling, which adds the whole tensor log2 N times, lose to the ring
+what makes recursive doubling, which adds up the whole tensor at every step, lose to the ring
 for large tensors even on 2 ranks, where both send S.
 
 The tree's row is its textbook schedule, each round waiting for the whole tensor; on a
@@ -114,8 +103,7 @@ def busbw_factor(collective: str, world_size: int) -> float:
 
     algbw = S / t depends on N even for a perfect implementation; multiplying by the bytes each
     rank must move per byte of S gives the "bus bandwidth", comparable to the link's peak
-    whatever N is: all_reduce 2(n-1)/n, all_gather and reduce_scatter (n-1)/n, broadcast and
-    send 1.
+    whatever N is (Lab 01 derives each collective's factor before using this).
     """
     _check(collective, world_size)
     n = world_size
