@@ -29,10 +29,12 @@ STUDENT_JUPYTER := JUPYTER_CONFIG_PATH=$(CURDIR)/tools/jupyter-student-config
 # What students get: no solutions/, tests/ (hidden tests), tools/grading/, nbgrader_config.py or
 # cluster_setup/. bench/ ships (the labs, README and REFERENCES.md send students to
 # bench/gpu_check.py and bench/allreduce_busbw.py), less the instructors' scripts that drive the
-# hidden tests and the fakes, and overlap_and_bubbles.py, which measures what the tests check.
+# hidden tests and the fakes or run the solutions, and overlap_and_bubbles.py, which measures
+# what the tests check.
 RELEASE := release/scaling-lab
 RELEASED := labs lib slides tools ':(exclude)tools/grading' bench \
 	':(exclude)bench/self_grade_every_lab.py' ':(exclude)bench/grading_on_any_machine.py' \
+	':(exclude)bench/lab_run_times.py' \
 	':(exclude)bench/overlap_and_bubbles.py' README.md REFERENCES.md requirements.txt \
 	pyproject.toml Makefile .gitignore
 

@@ -156,6 +156,7 @@ def test_student_release_has_no_solutions_and_make_lab_opens_the_labs(guided: di
         assert (release / "bench" / shipped).exists(), f"bench/{shipped} is not in the release"
     assert not (release / "bench" / "self_grade_every_lab.py").exists()
     assert not (release / "bench" / "grading_on_any_machine.py").exists()
+    assert not (release / "bench" / "lab_run_times.py").exists()  # it runs solutions/
     assert not list(release.rglob("gradebook.db"))
     text = all_text(release)
     notebooks = sorted((clone / "solutions").glob("*/*.ipynb"))

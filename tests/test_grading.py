@@ -45,8 +45,10 @@ from nbgrader.api import Gradebook
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))  # tools/grading/, the instructors' tooling
+sys.path.insert(0, str(REPO / "bench"))  # lab_run_times: each lab's budget
 from fakes import Alternative, Fake, alternatives_of, fakes_of, rounds  # noqa: E402
 from grading.feedback import HideHiddenTests, markdown_with_mathml  # noqa: E402
+from lab_run_times import BUDGET_S, BUDGETS_S  # noqa: E402
 
 LABS = sorted({notebook.parent.name for notebook in REPO.glob("solutions/*/*.ipynb")})
 
@@ -61,9 +63,6 @@ AUTOGRADE = '.venv/bin/nbgrader autograde "$LAB"'
 FEEDBACK = '.venv/bin/nbgrader generate_feedback "$LAB"'
 EXPORT = ".venv/bin/nbgrader export"
 
-LAB_BUDGET_S = 60  # the course promises every lab runs top to bottom in 60 s on 2 cores
-# ... but the capstone, which trains a model to its target three times and says so in the lab.
-LAB_BUDGETS_S = {"14_capstone": 120}
 COMMAND_LIMIT_S = 600  # a grading command that runs longer is killed: the test must not hang
 EXIT_GRACE_S = 5  # processes that exit this soon after their command are not left behind
 MARKER = "SCALING_LAB_GRADING_TEST"  # env var tagging every process a command starts
@@ -524,7 +523,7 @@ def mistaken(lab: str, course: Course, graded: Graded) -> Mistaken:
     # Three times the slowest cell of the solution's run, which ran under the same load, and
     # minidist's half of that, still 1.5 times it. Never above the real per-cell limit: one
     # cell slowed by a busy machine must not turn this run into minutes of waiting on the hangs.
-    cell_timeout = min(LAB_BUDGET_S, max(15, math.ceil(3 * graded.executed.slowest_cell_s)))
+    cell_timeout = min(BUDGET_S, max(15, math.ceil(3 * graded.executed.slowest_cell_s)))
     minidist_timeout = cell_timeout // 2
     # Autograde skips the submissions already graded: this grades "mistaken" (and the rounds
     # of fakes) only.
@@ -737,14 +736,15 @@ def network_references(html: str) -> list[str]:
     return loads
 
 
-def test_g_solution_runs_headless_within_budget(lab: str, graded: Graded) -> None:
+def test_g_solution_runs_headless_and_states_its_budget(lab: str, graded: Graded) -> None:
+    """The solution ran headless under autograde (test b scores it). Its time is printed, not
+    asserted: a busy machine is slower, and a test that flakes with the load blocks landing.
+    `bench/lab_run_times.py` holds every lab to its budget on a quiet machine."""
     executed = graded.executed
-    budget = LAB_BUDGETS_S.get(lab, LAB_BUDGET_S)
-    print(f"{lab}: ran in {executed.seconds:.1f} s (slowest cell {executed.slowest_cell_s:.1f} s)")
-    assert executed.seconds <= budget, (
-        f"{lab} should run top to bottom in {budget} s; it took {executed.seconds:.1f} s"
-    )
-    if budget > LAB_BUDGET_S:  # a lab allowed more says so, with its budget
+    budget = BUDGETS_S.get(lab, BUDGET_S)
+    print(f"{lab}: ran in {executed.seconds:.1f} s (slowest cell {executed.slowest_cell_s:.1f} s;"
+          f" budget {budget} s on a quiet 2-core machine)")
+    if budget > BUDGET_S:  # a lab allowed more says so, with its budget
         released = notebook_text(read_notebook(REPO / "labs" / lab / f"{lab}.ipynb"))
         assert f"{budget} s" in released, f"{lab} should state its budget of {budget} s"
 
