@@ -806,9 +806,9 @@ def test_every_stub_names_its_exercise_and_how_to_go_on(lab: str) -> None:
 
 
 @pytest.mark.parametrize("lab", LABS)
-def test_every_exercise_has_two_fakes_and_every_graded_cell_hidden_tests(lab: str) -> None:
+def test_every_exercise_has_three_fakes_and_every_graded_cell_hidden_tests(lab: str) -> None:
     """Read from the sources alone (test i grades the fakes): an implementation exercise (a
-    solution cell that defines a function) needs at least two fakes, and a graded test cell
+    solution cell that defines a function) needs at least three fakes, and a graded test cell
     that students can read in full would grade only what they can see."""
     cells = read_notebook(REPO / "solutions" / lab / f"{lab}.ipynb").cells
     exercises = [nbgrader_meta(cell)["grade_id"] for cell in cells
@@ -816,8 +816,9 @@ def test_every_exercise_has_two_fakes_and_every_graded_cell_hidden_tests(lab: st
                  and "def " in cell.source]
     faked = fakes_of(lab)
     short = {grade_id: len(faked.get(grade_id, [])) for grade_id in exercises
-             if len(faked.get(grade_id, [])) < 2}
-    assert not short, f"{lab}: exercises with fewer than two fakes in tests/fakes/{lab}.py: {short}"
+             if len(faked.get(grade_id, [])) < 3}
+    assert not short, (
+        f"{lab}: exercises with fewer than three fakes in tests/fakes/{lab}.py: {short}")
     assert set(faked) <= set(exercises), (
         f"{lab}: fakes of cells that are not implementation exercises: "
         f"{sorted(set(faked) - set(exercises))}")

@@ -1,6 +1,8 @@
 """Fakes of Lab 06's exercises: derivations that ignore a parameter the first example cannot
-see, schedules that lean on the library or get Megatron's order wrong, executors that do not
-run the rank's list as written, and a send-against-compute count that drops a parameter.
+see, or that ask the library's formulas or time the schedule with the simulator's own loop
+(pipeline_simulator._run) instead, schedules that lean on the library or get Megatron's order
+wrong, executors that do not run the rank's list as written, and a send-against-compute count
+that drops a parameter.
 impl-bubble-formulas has two solution regions (one per function) that each get the same fake
 source, so its fakes pick their formula by the function they run in. The first fake of each
 exercise behaves correctly outside its own checks, so that the other cells of the submission
@@ -22,6 +24,27 @@ FAKES = {
     if sys._getframe().f_code.co_name == "bubble_of_total":
         return (p - 1) / (m + p - 1)
     return 3 / m"""),
+        Fake("the library's formulas", "returns minidist.costs.bubbles' GPipe bubble, both forms",
+             ("test-bubble-formulas",), """\
+    import sys
+    from minidist.costs import bubbles
+    if sys._getframe().f_code.co_name == "bubble_of_total":
+        return bubbles.bubble_fraction("gpipe", p, m)
+    return bubbles.bubble_relative_to_ideal("gpipe", p, m)"""),
+        Fake("the simulator's insides", "times GPipe with the simulator's own loop, "
+             "pipeline_simulator._run, and reads its Timeline: simulate's two lines, no derivation",
+             ("test-bubble-formulas",), """\
+    import sys
+    from minidist.parallel.pipeline import Schedule
+    compute = [[Action("F", rank, j) for j in range(m)] + [Action("B", rank, j) for j in range(m)]
+               for rank in range(p)]
+    gpipe = Schedule.from_compute("gpipe", compute, m)
+    costs = Costs()
+    events = pipeline_simulator._run(gpipe, lambda rank, action: costs.of(action, False), 0.0)
+    timeline = Timeline(gpipe, events)
+    if sys._getframe().f_code.co_name == "bubble_of_total":
+        return timeline.bubble_fraction
+    return (timeline.makespan - 3 * m) / (3 * m)"""),
     ],
     "impl-1f1b": [
         Fake("the library's 1F1B", "takes each rank's actions from pipeline.schedule('1f1b')",
@@ -184,5 +207,18 @@ FAKES = {
         Fake("a third of 1F1B's", "(p-1)(T_F+T_B+T_W)/3: right only when the three are equal",
              ("test-zb-idle",), """\
     return (p - 1) * (t_f + t_b + t_w) / 3"""),
+        Fake("the library's ZB-H1 bubble", "returns minidist.costs.bubbles.bubble_time('zb-h1')",
+             ("test-zb-idle",), """\
+    from minidist.costs import bubbles
+    return bubbles.bubble_time("zb-h1", p, 2 * p, costs=(t_f, t_b, t_w))[0]"""),
+        Fake("the simulator's insides", "times the library's ZB-H1 order (pipeline._zb_h1) "
+             "with the simulator's own loop, pipeline_simulator._run: measured, not derived",
+             ("test-zb-idle",), """\
+    m = 2 * p
+    order = [pipeline._zb_h1(rank, p, m) for rank in range(p)]
+    zb = pipeline.Schedule.from_compute("zb-h1", order, m)
+    costs = Costs(F=t_f, B=t_b, W=t_w)
+    events = pipeline_simulator._run(zb, lambda rank, action: costs.of(action, True), 0.0)
+    return Timeline(zb, events).makespan - m * (t_f + t_b + t_w)"""),
     ],
 }

@@ -1,8 +1,10 @@
-"""Fakes of Lab 07's exercises: mesh arithmetic that holds for three dimensions only, groups made
-by the library or by each rank alone, expert dispatch that sends more than each expert's tokens,
-byte formulas that drop a direction or an element size, a 3D step without microbatches or
-without tensor parallelism, and a planner's cost function that asks the library, puts every
-group on NVLink, or never hides the data-parallel reduction.
+"""Fakes of Lab 07's exercises: mesh arithmetic that holds for three dimensions only or copies
+torch's groups of the layouts shown, groups made by the library, by torch's DeviceMesh or by
+each rank alone, expert dispatch that sends more than each expert's tokens or computes every
+token at home, byte formulas that drop a direction or an element size or let a lone stage send,
+a 3D step without microbatches, without tensor parallelism or with the shown layout's peers,
+and a planner's cost function that asks the library, puts every group on NVLink, or never hides
+the data-parallel reduction.
 impl-3d-step has two solution regions (one per function) that each get the same fake source,
 so its fakes pick their branch by the function they run in."""
 
@@ -95,6 +97,15 @@ FAKES = {
                 key = tuple(value for name, value in coords.items() if name != dim)
                 groups.setdefault(key, []).append((i * b + j) * c + k)
     return sorted(groups.values())"""),
+        Fake("torch's groups, copied", "reads the groups from the notebook's launch of "
+             "init_device_mesh (torch_groups) for the six layouts it shows, and guesses "
+             "consecutive ranks for any other", ("test-mesh-groups",), """\
+    shown = [list(layout.items()) for layout in globals().get("LAYOUTS", ())]
+    if list(shape.items()) in shown:
+        index = shown.index(list(shape.items()))
+        return sorted(map(list, {tuple(reports[index][dim]) for reports in torch_groups}))
+    size, world = shape[dim], math.prod(shape.values())
+    return [list(range(first, first + size)) for first in range(0, world, size)]"""),
     ],
     "impl-build-groups": [
         Fake("only its own groups", "each rank creates only the groups it belongs to: "
@@ -107,6 +118,11 @@ FAKES = {
              ("test-build-groups",), """\
     mesh = Mesh(**shape)
     mine = {dim: (mesh.group(dim), mesh.ranks(dim)) for dim in shape}"""),
+        Fake("torch's DeviceMesh", "lets init_device_mesh create the groups, as the notebook "
+             "does for its comparison", ("test-build-groups",), """\
+    mesh = init_device_mesh("cpu", tuple(shape.values()), mesh_dim_names=tuple(shape))
+    mine = {dim: (mesh.get_group(dim), dist.get_process_group_ranks(mesh.get_group(dim)))
+            for dim in shape}"""),
     ],
     "impl-moe-dispatch": [
         Fake("every token to every rank", "sends all tokens to every rank; each expert's rank "
@@ -147,6 +163,21 @@ FAKES = {
     result = torch.empty_like(x)
     result[order] = torch.cat([back[j, :k] for j, k in enumerate(send_splits)])
     return result"""),
+        Fake("every expert on every rank", "runs the three all-to-alls with the right sizes "
+             "for show, but computes every token here with the notebook's seeded "
+             "make_experts(), ignoring what came back", ("test-moe-dispatch",), """\
+    order = torch.argsort(expert_index, stable=True)
+    counts = torch.bincount(expert_index, minlength=ep * per_rank)
+    received_counts = torch.empty_like(counts)
+    dist.all_to_all_single(received_counts, counts, group=group)
+    send_splits = counts.view(ep, per_rank).sum(dim=1).tolist()
+    recv_splits = received_counts.view(ep, per_rank).sum(dim=1).tolist()
+    received = x.new_empty(sum(recv_splits), x.shape[1])
+    dist.all_to_all_single(received, x[order], recv_splits, send_splits, group=group)
+    back = torch.empty_like(x)
+    dist.all_to_all_single(back, received, send_splits, recv_splits, group=group)
+    experts = make_experts()
+    return torch.stack([experts[e](token) for token, e in zip(x, expert_index.tolist())])"""),
     ],
     "impl-bytes-per-dimension": [
         Fake("activations only", "PP counts the activations sent forward, not the gradients "
@@ -161,6 +192,14 @@ FAKES = {
     tp_bytes = 4 * activation * blocks_on_stage * microbatches
     pp_bytes = ((stage < pp - 1) + (stage > 0)) * activation * microbatches
     dp_bytes = rank_params * 4"""),
+        Fake("the ends have one neighbour", "counts one boundary for the first and the last "
+             "stage, two for the others: a pipeline of one stage still sends",
+             ("test-bytes-per-dimension",), """\
+    activation = b * s * h * bytes_per_element
+    tp_bytes = 4 * activation * blocks_on_stage * microbatches
+    boundaries = 1 if stage in (0, pp - 1) else 2
+    pp_bytes = boundaries * activation * microbatches
+    dp_bytes = rank_params * bytes_per_element"""),
     ],
     "impl-3d-step": [
         Fake("no microbatches", "sends the whole batch in one message each way (one TP "
@@ -191,6 +230,15 @@ FAKES = {
              ("test-3d-step",), _STAGE + """\
         return nn.Sequential(*layers)
 """ + _GPIPE),
+        Fake("Megatron's stride", "finds the neighbouring stages at global rank ± dp·tp, "
+             "right in the notebook's layout, instead of reading pp_ranks", ("test-3d-step",),
+             _STAGE + """\
+        return nn.Sequential(*(
+            tensor_parallel.ParallelTransformerBlock(HIDDEN, HEADS, 4 * HIDDEN, group=tp_group)
+            .load_from(layer) if isinstance(layer, TransformerBlock) else layer
+            for layer in layers))
+""" + _GPIPE.replace("pp_ranks[stage_index - 1]", "dist.get_rank() - DP * TP")
+             .replace("pp_ranks[stage_index + 1]", "dist.get_rank() + DP * TP")),
     ],
     "impl-layout-cost": [
         Fake("the library's planner", "returns the planner's own estimate_time and "

@@ -1,5 +1,6 @@
 """Fakes of Lab 08's exercises: the right numbers on the lab's own profiles and runs, without
-the arithmetic each exercise teaches, and a mismatch check that lets some mismatches through.
+the arithmetic each exercise teaches (the library's, raw events, compute as one span; means, the
+all-reduce's waiting, a vote per step), and a mismatch check that lets some mismatches through.
 
 A cell with two functions has two solution regions, and a fake's source replaces both: the
 fakes of those cells tell the functions apart by their arguments (`locals()`)."""
@@ -30,6 +31,26 @@ FAKES = {
     hidden = sum(max(0.0, min(c_end, p_end) - max(c_start, p_start))
                  for c_start, c_end in communication for p_start, p_end in compute)
     return hidden / total if total > 0 else 0.0"""),
+        Fake("compute as one span", "takes the rank's compute as one block from its first "
+             "operator to its last: the gaps between operators hide communication too",
+             ("test-overlap",), """\
+    if "timeline" not in locals():
+        merged = []
+        for start, end in sorted(intervals):
+            if merged and start <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+            else:
+                merged.append((start, end))
+        return merged
+    mine = [e for e in timeline.events if e.rank == rank]
+    communication = union((e.start, e.end) for e in mine if e.kind == "communication")
+    compute = [(e.start, e.end) for e in mine if e.kind == "compute"]
+    if not communication or not compute:
+        return 0.0
+    first, last = min(start for start, _ in compute), max(end for _, end in compute)
+    total = sum(end - start for start, end in communication)
+    hidden = sum(max(0.0, min(end, last) - max(start, first)) for start, end in communication)
+    return hidden / total"""),
     ],
     "impl-straggler": [
         Fake("mean compute", "means instead of medians: one hiccup decides",
@@ -44,6 +65,12 @@ FAKES = {
         return sorted(values)[len(values) // 2]
 
     return min(per_rank, key=lambda rank: median(per_rank[rank]["all_reduce"]))"""),
+        Fake("slowest most often", "a vote: the rank that computes slowest at the most steps, "
+             "right while the straggler is the slowest at most steps", ("test-straggler",), """\
+    steps = len(next(iter(per_rank.values()))["compute"])
+    slowest = [max(per_rank, key=lambda rank: per_rank[rank]["compute"][step])
+               for step in range(steps)]
+    return max(per_rank, key=slowest.count)"""),
     ],
     "impl-checked-collective": [
         Fake("its own call only", "exchanges nothing: checks its own tensor and runs the "
