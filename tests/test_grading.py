@@ -485,13 +485,19 @@ def faked_submission(course: Course, lab: str, fakes: dict[str, Fake] | dict[str
         replaced[cell] = lines
     submission = answered(course.released, course.solution, replaced)
     if cut:
-        checking = {cell for fake in fakes.values() for cell in fake.checked_by}
-        ids = [nbgrader_meta(cell).get("grade_id") for cell in submission.cells]
-        last = max(index for index, grade_id in enumerate(ids) if grade_id in checking)
-        for cell in submission.cells[last + 1:]:
-            if cell.cell_type == "code" and not nbgrader_meta(cell).get("locked"):
-                cell.source = "pass  # cut: nothing below the last check of this round's answers"
+        cut_below(submission, {cell for fake in fakes.values() for cell in fake.checked_by})
     return submission
+
+
+def cut_below(submission: NotebookNode, checks: set[str]) -> None:
+    """Empty every cell a student may edit below the last of the test cells `checks`: what
+    they would compute grades nothing the caller looks at, and the test cells there (which
+    autograde restores) then fail at once instead of running the rest of the lab."""
+    ids = [nbgrader_meta(cell).get("grade_id") for cell in submission.cells]
+    last = max(index for index, grade_id in enumerate(ids) if grade_id in checks)
+    for cell in submission.cells[last + 1:]:
+        if cell.cell_type == "code" and not nbgrader_meta(cell).get("locked"):
+            cell.source = "pass  # cut: nothing below the last check this submission is for"
 
 
 @pytest.fixture(scope="module")

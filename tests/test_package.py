@@ -137,10 +137,65 @@ def test_one_schedule_generator_one_simulator_one_traffic_counter():
     assert counters == {"communication.counting.count_traffic"}
 
 
+def imported_at_import_time(tree: ast.Module) -> set[str]:
+    """The top-level names of the modules a module imports when it is imported (not those its
+    functions import when called)."""
+    names = set()
+    for node in tree.body:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            continue  # for the type checker alone
+        for inner in ast.walk(node) if isinstance(node, (ast.If, ast.Try)) else [node]:
+            if isinstance(inner, ast.Import):
+                names |= {alias.name.split(".")[0] for alias in inner.names}
+            elif isinstance(inner, ast.ImportFrom) and inner.level == 0 and inner.module:
+                names.add(inner.module.split(".")[0])
+    return names
+
+
+def declared_closure() -> set[str]:
+    """The import names of minidist's declared dependencies (pyproject.toml, as the course's
+    environment installed it) and of everything they require in turn."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    declared = metadata.requires("minidist") or []
+    def needed(requirements: list[str]) -> list[str]:  # on this platform, no extras
+        parsed = map(Requirement, requirements)
+        return [r.name for r in parsed if r.marker is None or r.marker.evaluate({"extra": ""})]
+
+    queue, seen, names = needed(declared), set(), set()
+    while queue:
+        name = queue.pop()
+        if name.lower() in seen:
+            continue
+        seen.add(name.lower())
+        distribution = metadata.distribution(name)
+        names |= {top for top in (distribution.read_text("top_level.txt") or "").split()}
+        names |= {file.parts[0].removesuffix(".py") for file in distribution.files or []
+                  if file.parts[0].isidentifier() or file.parts[0].endswith(".py")}
+        queue += needed(distribution.requires or [])
+    return names
+
+
+def test_every_module_imported_at_import_time_is_a_declared_dependency():
+    """`pip install .` brings pyproject.toml's dependencies: whatever minidist imports on
+    import is one of them (or theirs), or the standard library."""
+    third_party = set()
+    for name, tree in modules().items():
+        third_party |= {f"{module} (minidist.{name})" for module in imported_at_import_time(tree)
+                        if module not in sys.stdlib_module_names and module != "minidist"}
+    closure = declared_closure()
+    undeclared = sorted(entry for entry in third_party if entry.split()[0] not in closure)
+    assert not undeclared, (f"imported on import but not a dependency in pyproject.toml: "
+                            f"{undeclared}; declare it, or import it inside the function")
+
+
 @pytest.mark.timeout(900)
 def test_plain_pip_install_imports_every_public_module(tmp_path):
-    """A fresh venv with only `pip install .` (the package's declared dependencies, no
-    requirements.txt). Slow, about a minute: pip installs torch from its local cache."""
+    """A fresh venv with `pip install .` alone: every public module imports from the installed
+    package (its folders all packaged). The dependencies come from the course's environment
+    rather than a second install of torch (minutes); the test above checks they are declared."""
     source = tmp_path / "source"
     source.mkdir()
     shutil.copy(REPO / "pyproject.toml", source)
@@ -150,11 +205,20 @@ def test_plain_pip_install_imports_every_public_module(tmp_path):
     subprocess.run([sys.base_prefix + "/bin/python3", "-m", "venv", str(venv)], check=True,
                    timeout=300)
     install = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet",
-                              "--no-compile",  # no .pyc for all of torch: imported once
-                              str(source)], capture_output=True, text=True, timeout=840)
+                              "--no-deps", "--no-compile", str(source)],
+                             capture_output=True, text=True, timeout=600)
     assert install.returncode == 0, install.stderr[-3000:]
+    site = subprocess.run([str(venv / "bin" / "python"), "-c",
+                           "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    # After the venv's own site-packages, so the installed minidist comes first; a path in a
+    # .pth is not itself scanned for .pth files, so the course's editable minidist stays out.
+    dependencies = [path for path in sys.path if path.endswith("site-packages")]
+    Path(site, "course_dependencies.pth").write_text("\n".join(dependencies) + "\n")
     public = [name for name in STACK if not name.split(".")[1].startswith("_")]
-    code = "".join(f"import minidist.{name}\n" for name in public)
+    code = ("import minidist, pathlib\n"
+            f"assert pathlib.Path(minidist.__file__).is_relative_to({site!r}), minidist.__file__\n"
+            + "".join(f"import minidist.{name}\n" for name in public))
     imported = subprocess.run([str(venv / "bin" / "python"), "-c", code], cwd=tmp_path,
                               capture_output=True, text=True, timeout=300)
     assert imported.returncode == 0, imported.stderr[-3000:]

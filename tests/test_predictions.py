@@ -35,6 +35,7 @@ from test_grading import (  # noqa: E402
     REPO,
     Course,
     answered,
+    cut_below,
     nbgrader_meta,
     read_notebook,
     run_in_course,
@@ -157,6 +158,7 @@ def test_autograde_and_the_report_catch_a_prediction_changed_after_its_measureme
         if student == "rethinker":
             commit(PREDICTION, "a first guess", ledger=folder / LEDGER_NAME)
         student_session(notebook, folder, then)
+        cut_below(notebook, {f"test-prediction-{PREDICTION}"})
         course.submit(LAB, student, notebook)
         notebooks[student] = notebook
     course.run(COLLECT, LAB)
