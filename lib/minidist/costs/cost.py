@@ -12,14 +12,16 @@ b(N) * S * beta, with S the size of the full tensor and coefficients set by the 
     broadcast       binomial tree    ceil(log2 N)     ceil(log2 N)
     send            point-to-point   1                1
 
-All-reduce has several algorithms (`ALL_REDUCE_ALGORITHMS`); with p = 2^floor(log2 N) and
-f = 1 when N is not a power of two (0 when it is):
+Each collective's algorithm here is the first of `minidist.costs.algorithms.TABLE` that runs it,
+and its a(N) and b(N) are that table's. All-reduce has several algorithms: the table's rows
+for all_reduce, with a third coefficient c(N). The ones a single link can price (all but
+hierarchical, which needs the nodes) are the "flat" ones `best_all_reduce` chooses among:
 
-    algorithm            a(N)              b(N)              c(N)             fastest for
-    ring                 2(N-1)            2(N-1)/N          (N-1)/N          large S, N != 2^k
-    recursive_doubling   log2 p + 2f       log2 p + 2f       log2 p + f       small S
-    tree                 2 ceil(log2 N)    2 ceil(log2 N)    ceil(log2 N)     shared cores
-    rabenseifner         2 log2 p + 2f     2(p-1)/p + 2f     (p-1)/p + f      large S, N = 2^k
+    algorithm            fastest for
+    ring                 large S, N != 2^k
+    recursive_doubling   small S
+    tree                 shared cores
+    rabenseifner         large S, N = 2^k
 
 c(N) is Thakur's third term: the bytes the busiest rank adds up per byte of tensor, at gamma
 seconds per byte, so all-reduce takes a * alpha + b * S * beta + c * S * gamma. On a fast
@@ -75,9 +77,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from minidist.core._checks import positive_int
+from minidist.costs import algorithms
 
 __all__ = [
-    "COLLECTIVES", "RING_COLLECTIVES", "ALL_REDUCE_ALGORITHMS", "busbw_factor", "ring_bytes_sent",
+    "COLLECTIVES", "RING_COLLECTIVES", "busbw_factor", "ring_bytes_sent",
     "collective_time", "all_reduce_coefficients", "reduction_coefficient", "all_reduce_time",
     "best_all_reduce", "crossover_size", "all_reduce_bytes_sent", "AlphaBeta", "fit_alpha_beta",
     "fit_all_reduce", "AlgorithmLinks", "parameter_server_time", "exposed_time",
@@ -86,7 +89,11 @@ __all__ = [
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "send")
 RING_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
-ALL_REDUCE_ALGORITHMS = ("ring", "recursive_doubling", "tree", "rabenseifner")
+
+
+def _flat() -> tuple[str, ...]:
+    """The all-reduce algorithms one alpha-beta link can price: all but those needing nodes."""
+    return algorithms.names("all_reduce", nodes=False)
 
 
 def _check(collective: str, world_size: int, valid: tuple[str, ...] = COLLECTIVES) -> None:
@@ -96,17 +103,13 @@ def _check(collective: str, world_size: int, valid: tuple[str, ...] = COLLECTIVE
 
 
 def _coefficients(collective: str, world_size: int) -> tuple[float, float]:
-    """(a, b) such that the collective takes a * alpha + b * S * beta (table above)."""
+    """(a, b) such that the collective takes a * alpha + b * S * beta (table above): those of
+    the first algorithm in the table that runs it."""
     _check(collective, world_size)
-    n = world_size
-    if collective == "all_reduce":
-        return 2 * (n - 1), 2 * (n - 1) / n
-    if collective in ("reduce_scatter", "all_gather"):
-        return n - 1, (n - 1) / n
-    if collective == "broadcast":
-        rounds = (n - 1).bit_length()  # ceil(log2 n)
-        return rounds, rounds
-    return 1, 1  # send
+    if collective == "send":
+        return 1, 1
+    a, b, _ = algorithms.running(collective)[0].coefficients(collective, world_size)
+    return a, b
 
 
 def busbw_factor(collective: str, world_size: int) -> float:
@@ -150,57 +153,28 @@ def collective_time(
 
 
 def _check_algorithm(algorithm: str, world_size: int) -> None:
-    if algorithm not in ALL_REDUCE_ALGORITHMS:
+    if algorithm not in _flat():
         raise ValueError(
-            f"unknown all-reduce algorithm {algorithm!r}; valid ones are "
-            f"{', '.join(ALL_REDUCE_ALGORITHMS)}"
+            f"unknown all-reduce algorithm {algorithm!r}; valid ones are {', '.join(_flat())}"
         )
     positive_int(world_size=world_size)
-
-
-def _power_of_two_below(n: int) -> tuple[int, int]:
-    """(p, log2 p) for the largest power of two p <= n."""
-    log2_p = n.bit_length() - 1
-    return 1 << log2_p, log2_p
 
 
 def all_reduce_coefficients(algorithm: str, world_size: int) -> tuple[float, float]:
     """(a, b) such that all-reduce with `algorithm` takes a * alpha + b * S * beta.
 
-    The busiest rank's sequential steps (a) and bytes per byte of tensor (b), as in the
-    module's table (Thakur, Rabenseifner & Gropp 2005).
+    The busiest rank's sequential steps (a) and bytes per byte of tensor (b), as in
+    `minidist.costs.algorithms`' table (Thakur, Rabenseifner & Gropp 2005).
     """
     _check_algorithm(algorithm, world_size)
-    n = world_size
-    if n == 1:
-        return 0, 0
-    p, log2_p = _power_of_two_below(n)
-    fold = 0 if p == n else 2  # hand the tensor in before, get the result back after
-    if algorithm == "ring":
-        return 2 * (n - 1), 2 * (n - 1) / n
-    if algorithm == "recursive_doubling":
-        return log2_p + fold, log2_p + fold
-    if algorithm == "tree":
-        rounds = (n - 1).bit_length()  # ceil(log2 n)
-        return 2 * rounds, 2 * rounds
-    return 2 * log2_p + fold, 2 * (p - 1) / p + fold  # rabenseifner
+    a, b, _ = algorithms.named(algorithm).coefficients("all_reduce", world_size)
+    return a, b
 
 
 def reduction_coefficient(algorithm: str, world_size: int) -> float:
     """c such that the busiest rank adds up c * S bytes in all-reduce (the table's c(N))."""
     _check_algorithm(algorithm, world_size)
-    n = world_size
-    if n == 1:
-        return 0
-    p, log2_p = _power_of_two_below(n)
-    fold = 0 if p == n else 1  # the partner adds the tensor handed in
-    if algorithm == "ring":
-        return (n - 1) / n
-    if algorithm == "recursive_doubling":
-        return log2_p + fold
-    if algorithm == "tree":
-        return (n - 1).bit_length()  # rank 0 adds one tensor per child
-    return (p - 1) / p + fold  # rabenseifner
+    return algorithms.named(algorithm).coefficients("all_reduce", world_size)[2]
 
 
 def all_reduce_time(
@@ -217,10 +191,10 @@ def all_reduce_time(
 def best_all_reduce(
     nbytes: float, world_size: int, alpha: float, beta: float, gamma: float = 0.0
 ) -> str:
-    """The algorithm with the smallest predicted time; on a tie, the first in
-    ALL_REDUCE_ALGORITHMS."""
+    """The flat algorithm with the smallest predicted time; on a tie, the first in the
+    table."""
     return min(
-        ALL_REDUCE_ALGORITHMS,
+        _flat(),
         key=lambda name: all_reduce_time(name, nbytes, world_size, alpha, beta, gamma),
     )
 
@@ -266,7 +240,8 @@ def all_reduce_bytes_sent(algorithm: str, nbytes: float, world_size: int, rank: 
     if algorithm == "tree":
         children = sum(1 for k in range(n.bit_length()) if rank < 2**k and rank + 2**k < n)
         return (int(rank != 0) + children) * nbytes
-    p, log2_p = _power_of_two_below(n)
+    log2_p = n.bit_length() - 1
+    p = 1 << log2_p  # the largest power of two <= n
     folded = rank < 2 * (n - p)
     if folded and rank % 2 == 0:
         return nbytes
@@ -360,13 +335,13 @@ class AlgorithmLinks:
     """Each all-reduce algorithm's own fitted links on a group of `world_size` ranks.
 
     `sizes` are the tensor sizes (bytes, ascending) the algorithms were timed at; `links` pairs
-    every name in ALL_REDUCE_ALGORITHMS with its links, one per range between neighbouring
-    sizes: the alpha and beta through its two timings there (`fit_all_reduce`; the additions
-    are in beta). A size below the first range uses the first, above the last the last.
-    Where ranks share cores, an algorithm's steps and bytes cost what its own traffic pattern
-    costs there, not what the ring's do, and the cost per byte changes with size (messages
-    of 512 KiB or more travel in segments; large messages outgrow the caches): one line
-    fitted on the ring alone misleads the choice.
+    each flat all-reduce algorithm of the table with its links, one per range between
+    neighbouring sizes: the alpha and beta through its two timings there (`fit_all_reduce`; the
+    additions are in beta). A size below the first range uses the first, above the last the
+    last. Where ranks share cores, an algorithm's steps and bytes cost what its own traffic
+    pattern costs there, not what the ring's do, and the cost per byte changes with size
+    (messages of 512 KiB or more travel in segments; large messages outgrow the caches): one
+    line fitted on the ring alone misleads the choice.
     """
 
     world_size: int
@@ -375,10 +350,8 @@ class AlgorithmLinks:
 
     def __post_init__(self) -> None:
         names = tuple(name for name, _ in self.links)
-        if sorted(names) != sorted(ALL_REDUCE_ALGORITHMS):
-            raise ValueError(
-                f"links must name each of {', '.join(ALL_REDUCE_ALGORITHMS)} once, got {names}"
-            )
+        if sorted(names) != sorted(_flat()):
+            raise ValueError(f"links must name each of {', '.join(_flat())} once, got {names}")
         if len(self.sizes) < 2 or list(self.sizes) != sorted(set(self.sizes)):
             raise ValueError(f"sizes must be at least 2 increasing sizes, got {self.sizes}")
         ranges = len(self.sizes) - 1
@@ -393,7 +366,7 @@ class AlgorithmLinks:
         return cls(world_size, tuple(sizes), tuple(
             (name, tuple(fit_all_reduce(name, world_size, sizes[i:i + 2], times[name][i:i + 2])
                          for i in range(len(sizes) - 1)))
-            for name in ALL_REDUCE_ALGORITHMS
+            for name in _flat()
         ))
 
     def link(self, algorithm: str, nbytes: float) -> AlphaBeta:
@@ -409,17 +382,17 @@ class AlgorithmLinks:
 
     def best_all_reduce(self, nbytes: float, world_size: int) -> str:
         """The algorithm predicted fastest for an `nbytes` tensor; on a tie, the first in
-        ALL_REDUCE_ALGORITHMS. `world_size` must be the one the links were fitted on."""
+        the table. `world_size` must be the one the links were fitted on."""
         if world_size != self.world_size:
             raise ValueError(
                 f"these links were fitted on {self.world_size} ranks, not world_size="
                 f"{world_size}; fit them on the group that all-reduces"
             )
-        return min(ALL_REDUCE_ALGORITHMS, key=lambda name: self.predict(name, nbytes))
+        return min(_flat(), key=lambda name: self.predict(name, nbytes))
 
     def __str__(self) -> str:
         """A table: at each measured size, each algorithm's predicted time and the fastest."""
-        widths = {name: max(len(name), 10) for name in ALL_REDUCE_ALGORITHMS}
+        widths = {name: max(len(name), 10) for name in _flat()}
         lines = [f"{'size':>8}" + "".join(f"  {name:>{width}}" for name, width in widths.items())
                  + "  fastest"]
         for nbytes in self.sizes:
