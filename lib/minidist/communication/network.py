@@ -43,6 +43,8 @@ from minidist.costs.cost import AlphaBeta
 
 __all__ = ["TwoTier", "hierarchical_bytes"]
 
+_ALL_REDUCE = algorithms.names("all_reduce")  # the flat ones and hierarchical
+
 
 @dataclass(frozen=True)
 class TwoTier:
@@ -145,9 +147,8 @@ class TwoTier:
         port for a tier carries its channels' messages one after another, so the step lasts as
         long as the busiest port: alpha + (its messages) * S/(cN) * beta. With c = 1 that is
         the plain ring on its slowest link."""
-        if algorithm not in algorithms.names("all_reduce"):
-            raise ValueError(f"algorithm={algorithm!r}: choose one of "
-                             f"{', '.join(algorithms.names('all_reduce'))}")
+        if algorithm not in _ALL_REDUCE:
+            raise ValueError(f"algorithm={algorithm!r}: choose one of {', '.join(_ALL_REDUCE)}")
         positive_int(channels=channels)
         if channels != 1 and algorithm != "ring":
             raise ValueError(f"channels={channels}: only the flat ring runs on channels; "
@@ -189,8 +190,7 @@ class TwoTier:
     def best_all_reduce(self, nbytes: float, world_size: int) -> str:
         """The all-reduce algorithm this model predicts fastest, hierarchical included (the
         first in the table on a tie)."""
-        return min(algorithms.names("all_reduce"),
-                   key=lambda name: self.all_reduce_time(name, nbytes, world_size))
+        return min(_ALL_REDUCE, key=lambda name: self.all_reduce_time(name, nbytes, world_size))
 
     def slowest_link(self, pairs: list[tuple[int, int]]) -> AlphaBeta:
         """The slowest link among `pairs` (global ranks): what one step of an algorithm

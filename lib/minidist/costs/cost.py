@@ -91,9 +91,7 @@ COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "send"
 RING_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 
 
-def _flat() -> tuple[str, ...]:
-    """The all-reduce algorithms one alpha-beta link can price: all but those needing nodes."""
-    return algorithms.names("all_reduce", nodes=False)
+_FLAT = algorithms.names("all_reduce", nodes=False)  # what one link prices: all but hierarchical
 
 
 def _check(collective: str, world_size: int, valid: tuple[str, ...] = COLLECTIVES) -> None:
@@ -153,9 +151,9 @@ def collective_time(
 
 
 def _check_algorithm(algorithm: str, world_size: int) -> None:
-    if algorithm not in _flat():
+    if algorithm not in _FLAT:
         raise ValueError(
-            f"unknown all-reduce algorithm {algorithm!r}; valid ones are {', '.join(_flat())}"
+            f"unknown all-reduce algorithm {algorithm!r}; valid ones are {', '.join(_FLAT)}"
         )
     positive_int(world_size=world_size)
 
@@ -194,7 +192,7 @@ def best_all_reduce(
     """The flat algorithm with the smallest predicted time; on a tie, the first in the
     table."""
     return min(
-        _flat(),
+        _FLAT,
         key=lambda name: all_reduce_time(name, nbytes, world_size, alpha, beta, gamma),
     )
 
@@ -350,8 +348,8 @@ class AlgorithmLinks:
 
     def __post_init__(self) -> None:
         names = tuple(name for name, _ in self.links)
-        if sorted(names) != sorted(_flat()):
-            raise ValueError(f"links must name each of {', '.join(_flat())} once, got {names}")
+        if sorted(names) != sorted(_FLAT):
+            raise ValueError(f"links must name each of {', '.join(_FLAT)} once, got {names}")
         if len(self.sizes) < 2 or list(self.sizes) != sorted(set(self.sizes)):
             raise ValueError(f"sizes must be at least 2 increasing sizes, got {self.sizes}")
         ranges = len(self.sizes) - 1
@@ -366,7 +364,7 @@ class AlgorithmLinks:
         return cls(world_size, tuple(sizes), tuple(
             (name, tuple(fit_all_reduce(name, world_size, sizes[i:i + 2], times[name][i:i + 2])
                          for i in range(len(sizes) - 1)))
-            for name in _flat()
+            for name in _FLAT
         ))
 
     def link(self, algorithm: str, nbytes: float) -> AlphaBeta:
@@ -388,11 +386,11 @@ class AlgorithmLinks:
                 f"these links were fitted on {self.world_size} ranks, not world_size="
                 f"{world_size}; fit them on the group that all-reduces"
             )
-        return min(_flat(), key=lambda name: self.predict(name, nbytes))
+        return min(_FLAT, key=lambda name: self.predict(name, nbytes))
 
     def __str__(self) -> str:
         """A table: at each measured size, each algorithm's predicted time and the fastest."""
-        widths = {name: max(len(name), 10) for name in _flat()}
+        widths = {name: max(len(name), 10) for name in _FLAT}
         lines = [f"{'size':>8}" + "".join(f"  {name:>{width}}" for name, width in widths.items())
                  + "  fastest"]
         for nbytes in self.sizes:
