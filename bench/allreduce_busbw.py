@@ -51,12 +51,12 @@ import argparse
 import statistics
 
 from minidist.communication.bandwidth import Row, measure, measure_links
-from minidist.costs.cost import ALL_REDUCE_ALGORITHMS
+from minidist.costs import algorithms
 
 TARGET_RATIO = 0.8
 TARGET_WORLD_SIZES = (2, 4)
-OURS = ("auto", *ALL_REDUCE_ALGORITHMS)
-SHORT = {"ring": "ring", "recursive_doubling": "rd", "tree": "tree", "rabenseifner": "rab"}
+OURS = ("auto", *algorithms.names("all_reduce", nodes=False))
+SHORT = {"recursive_doubling": "rd", "rabenseifner": "rab"}  # column labels; others as named
 
 
 def _size(nbytes: int) -> str:
@@ -87,7 +87,7 @@ def ratio_table(
         lines.append(
             f"{_size(nbytes):>8} | {gloo.busbw / 1e9:>10.3g} | "
             + " ".join(f"{ratio:>18.2f}" for ratio in ratios)
-            + " | " + " ".join(SHORT[name] for name in picks[nbytes])
+            + " | " + " ".join(SHORT.get(name, name) for name in picks[nbytes])
         )
     return "\n".join(lines), auto_ratios
 

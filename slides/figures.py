@@ -24,12 +24,10 @@ from matplotlib.patches import FancyArrowPatch, Rectangle  # noqa: E402
 
 from minidist.communication.comm import chunk_bounds  # noqa: E402
 from minidist.communication.mesh import group_ranks  # noqa: E402
-from minidist.communication.network import ALGORITHMS as TWO_TIER_ALGORITHMS  # noqa: E402
 from minidist.communication.network import TwoTier, hierarchical_bytes  # noqa: E402
 from minidist.core.timeline import Event, plot_events  # noqa: E402
-from minidist.costs import flops, memory, tiers, traffic  # noqa: E402
+from minidist.costs import algorithms, flops, memory, tiers, traffic  # noqa: E402
 from minidist.costs.cost import (  # noqa: E402
-    ALL_REDUCE_ALGORITHMS,
     all_reduce_time,
     busbw_factor,
     collective_time,
@@ -304,7 +302,7 @@ def all_reduce_algorithms() -> Figure:
     n, beta = 8, 1 / BANDWIDTH
     fig, ax = plt.subplots(figsize=(10, 4))
     sizes = _sizes()
-    for algorithm in ALL_REDUCE_ALGORITHMS:
+    for algorithm in algorithms.names("all_reduce", nodes=False):
         ax.plot(sizes, [all_reduce_time(algorithm, s, n, ALPHA, beta) * 1e3 for s in sizes],
                 lw=2.5, label=algorithm.replace("_", " "))
     crossover = crossover_size("recursive_doubling", "rabenseifner", n, ALPHA, beta)
@@ -1649,7 +1647,7 @@ def two_tier_time_against_size() -> Figure:
     and what auto picks."""
     fig, ax = plt.subplots(figsize=(10, 4.2))
     sizes = [2.0**k for k in range(10, 27)]
-    for algorithm in TWO_TIER_ALGORITHMS:
+    for algorithm in algorithms.names("all_reduce"):
         ax.loglog(sizes, [LAB_NETWORK.all_reduce_time(algorithm, s, 4) * 1e3 for s in sizes],
                   lw=2.5 if algorithm in ("ring", "hierarchical") else 1.5, label=algorithm)
     ax.loglog(sizes, [LAB_NETWORK.all_reduce_time("ring", s, 4, channels=2) * 1e3 for s in sizes],

@@ -18,7 +18,10 @@ from minidist.communication.bandwidth import (
     plot,
 )
 from minidist.core.launch import RankError
-from minidist.costs.cost import ALL_REDUCE_ALGORITHMS, AlgorithmLinks, AlphaBeta, busbw_factor
+from minidist.costs import algorithms
+from minidist.costs.cost import AlgorithmLinks, AlphaBeta, busbw_factor
+
+FLAT = algorithms.names("all_reduce", nodes=False)
 
 matplotlib.use("Agg")
 
@@ -59,7 +62,7 @@ def test_auto_is_timed_with_the_links_given_or_its_own_fit() -> None:
         assert [(r.implementation, r.nbytes) for r in rows] == [("auto", size) for size in SIZES]
     # The ranks decide with the very links passed in: ones fitted on 3 ranks are refused there.
     three_ranks = AlgorithmLinks(3, (2**12, 2**22), tuple(
-        (name, (AlphaBeta(1e-5, 1e-9),)) for name in ALL_REDUCE_ALGORITHMS))
+        (name, (AlphaBeta(1e-5, 1e-9),)) for name in FLAT))
     with pytest.raises(RankError, match="fitted on 3 ranks"):
         measure(2, SIZES, implementations=("auto",), iters=1, repeats=1, link=three_ranks)
 

@@ -75,7 +75,7 @@ def _every_path_to_a_refused_answer(rank, world_size):
         "from-import": lambda: imported_by_name(t),
         "alias": lambda: alias(t),
         "functools.partial": lambda: partial(t),
-        "private helper": lambda: comm._ring(t, ring, False),
+        "private helper": lambda: comm._fold_in(t, ring, comm.WHOLE),
         "distributed_c10d": lambda: c10d_all_reduce(t),
         "process group": lambda: world.allreduce([t]).wait(),
         "functional collective": lambda: functional.all_reduce(t, "sum", world),

@@ -15,18 +15,20 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minidist.communication import collectives, comm, streaming
+from minidist.communication import collectives, comm, impls, streaming
 from minidist.communication.counting import count_traffic
 from minidist.core import interposer
 from minidist.core.launch import RankError, run
+from minidist.costs import algorithms
 from minidist.costs.cost import (
-    ALL_REDUCE_ALGORITHMS,
     AlgorithmLinks,
     AlphaBeta,
     all_reduce_bytes_sent,
     ring_bytes_sent,
 )
 from minidist.costs.traffic import Collective
+
+FLAT = algorithms.names("all_reduce", nodes=False)  # the all-reduce algorithms of one link
 
 WORLD_SIZES = (1, 2, 3, 4, 5)
 SIZES = (1, 7, 1000, 2**20 + 3)
@@ -70,8 +72,9 @@ def _check_all_reduce_algorithms(rank: int, world_size: int) -> list[str]:
     """Every implementation through the layer (minidist's streamed ones and torch's), and every
     plain algorithm of comm, equals torch's all-reduce."""
     failures = []
-    plain = {f"plain {name}": algorithm for name, algorithm in comm.ALGORITHMS.items()}
-    for impl in (*collectives.IMPLS["all_reduce"], *plain):
+    plain = {f"plain {row.name}": row.plain["all_reduce"] for row in impls.TABLE
+             if "all_reduce" in row.plain}
+    for impl in (*impls.choices("all_reduce"), *plain):
         for numel in SIZES:
             for dtype in DTYPES:
                 for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG, "sum", "avg"):
@@ -121,7 +124,7 @@ def _all_reduce_messages(algorithm: str, rank: int, world_size: int) -> int:
 def _check_all_reduce_bytes(rank: int, world_size: int) -> list[str]:
     failures = []
     everyone = tuple(range(world_size))
-    for algorithm in ALL_REDUCE_ALGORITHMS:
+    for algorithm in FLAT:
         for numel in (240, *SIZES):  # 240: every N in 1..5 and every p in 1, 2, 4 divide it
             expected = all_reduce_bytes_sent(algorithm, numel * 4, world_size, rank)
             messages = _all_reduce_messages(algorithm, rank, world_size)
@@ -133,7 +136,8 @@ def _check_all_reduce_bytes(rank: int, world_size: int) -> list[str]:
             with count_traffic() as counter:
                 collectives.all_reduce(torch.zeros(numel), impl=algorithm)
             with count_traffic() as plain:
-                comm.ALGORITHMS[algorithm](torch.zeros(numel), comm.ring_of(), False)
+                impls.implementation(algorithm).plain["all_reduce"](
+                    torch.zeros(numel), comm.ring_of(), False)
             record = counter.collectives[0] if len(counter.collectives) == 1 else None
             if (abs(counter.bytes_sent - expected) > slack
                     or (counter.messages != messages if fits else counter.messages < messages)
@@ -154,8 +158,8 @@ def _check_all_reduce_bytes(rank: int, world_size: int) -> list[str]:
 def _check_auto(rank: int, world_size: int) -> list[str]:
     failures = []
     with count_traffic() as fitting:
-        links = streaming.fit_links()
-    if streaming.fit_links() is not links:
+        links = impls.fit_links()
+    if impls.fit_links() is not links:
         failures.append("fit_links measured again instead of keeping the group's links")
     if fitting.bytes_sent or fitting.collectives:
         failures.append(f"fit_links' own timings were counted: {fitting}")
@@ -171,7 +175,7 @@ def _check_auto(rank: int, world_size: int) -> list[str]:
     # bytes sent show which algorithm ran (sizes that every chunking divides).
     cheap_tree = AlgorithmLinks(world_size, (2**12, 2**22), tuple(
         (name, (AlphaBeta(1e-9, 1e-12) if name == "tree" else AlphaBeta(1e-3, 1e-6),))
-        for name in ALL_REDUCE_ALGORITHMS))
+        for name in FLAT))
     for given, numel in ((AlphaBeta(alpha=1e-3, beta=1e-12), 3840),
                          (AlphaBeta(alpha=1e-9, beta=1e-6), 3840), (cheap_tree, 3840),
                          (links, 240), (links, 240 * 4096)):
@@ -223,7 +227,7 @@ def _check_reduce_scatter_and_all_gather(rank: int, world_size: int) -> list[str
                 failures.append(f"all_gather numel={numel}: differs from torch's")
 
         # The layer: a new tensor, this rank's shard, from either implementation.
-        for impl in collectives.IMPLS["reduce_scatter"]:
+        for impl in impls.choices("reduce_scatter"):
             shard = collectives.reduce_scatter(data, impl=impl)
             if not torch.equal(shard, total[start:end]) or shard.data_ptr() == data.data_ptr():
                 failures.append(f"collectives.reduce_scatter impl={impl} numel={numel}")
@@ -239,7 +243,7 @@ def _check_reduce_scatter_and_all_gather(rank: int, world_size: int) -> list[str
     mean = torch.full((end - start,), (world_size - 1) / 2)  # the mean of the ranks 0..N-1
     if not torch.allclose(comm.ring_reduce_scatter(torch.full((10,), float(rank)), "avg"), mean):
         failures.append("reduce_scatter avg")
-    for impl in collectives.IMPLS["reduce_scatter"]:
+    for impl in impls.choices("reduce_scatter"):
         shard = collectives.reduce_scatter(torch.full((10,), float(rank)), impl=impl, op="avg")
         if not torch.allclose(shard, mean):
             failures.append(f"collectives.reduce_scatter avg, impl={impl}")
@@ -264,7 +268,7 @@ def _check_broadcast(rank: int, world_size: int) -> list[str]:
             dist.broadcast(theirs, src)
             if comm.tree_broadcast(ours, src) is not ours or not torch.equal(ours, theirs):
                 failures.append(f"src={src}, numel={numel}")
-            for impl in collectives.IMPLS["broadcast"]:
+            for impl in impls.choices("broadcast"):
                 ours = torch.full((numel,), float(rank))
                 if not torch.equal(collectives.broadcast(ours, src, impl=impl), theirs):
                     failures.append(f"collectives.broadcast impl={impl} src={src}")
@@ -419,7 +423,7 @@ def _check_subgroup(rank: int, world_size: int) -> list[str]:
             return [] if "not a member" in str(error) else [f"unclear message: {error}"]
         return ["all_reduce on a group this rank is not in: no error"]
     failures = []
-    for algorithm in (*ALL_REDUCE_ALGORITHMS, "auto"):
+    for algorithm in (*FLAT, "auto"):
         ours = _integers(1001, rank, torch.float32)
         theirs = ours.clone()
         dist.all_reduce(theirs, group=group)
@@ -499,13 +503,31 @@ def _all_reduce_sizes_differ(rank: int, world_size: int, algorithm: str) -> list
     return tensor[:2].tolist()
 
 
-@pytest.mark.parametrize("algorithm", ALL_REDUCE_ALGORITHMS)
+@pytest.mark.parametrize("algorithm", FLAT)
 def test_sizes_that_differ_across_ranks_fail_loudly(algorithm: str) -> None:
     # gloo aborts a rank that receives a larger message than it posted a buffer for ("Received
     # data size doesn't match expected size"); every algorithm sends whole tensors or chunks
     # both ways along each edge, so some rank always sees one.
     with pytest.raises(RankError):
         run(_all_reduce_sizes_differ, 3, algorithm, timeout=20)
+
+
+def test_one_table_of_algorithms_joined_to_its_code() -> None:
+    """impls.TABLE is costs.algorithms.TABLE, row for row, each with code for every collective
+    the row runs; a collective's choices are "torch", "auto" for all_reduce, then the table's
+    names; a wrong impl names them."""
+    assert [row.algorithm for row in impls.TABLE] == list(algorithms.TABLE)
+    for row in impls.TABLE:
+        assert set(row.streamed) == set(row.algorithm.collectives), row.name
+        assert set(row.plain) <= set(row.algorithm.collectives), row.name
+    assert impls.choices("all_reduce") == (
+        "torch", "auto", "ring", "recursive_doubling", "tree", "rabenseifner", "hierarchical")
+    assert impls.choices("reduce_scatter") == impls.choices("all_gather") == ("torch", "ring")
+    assert impls.choices("broadcast") == ("torch", "tree")
+    assert impls.choices("all_to_all") == ("torch", "pairwise")
+    with pytest.raises(ValueError, match="impl='butterfly': all_reduce runs with one of 'torch', "
+                                         "'auto', 'ring'"):
+        impls.check_impl("all_reduce", "butterfly")
 
 
 def test_chunk_bounds() -> None:

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
+from minidist.costs import algorithms
 from minidist.costs.cost import (
-    ALL_REDUCE_ALGORITHMS,
     COLLECTIVES,
     AlgorithmLinks,
     AlphaBeta,
@@ -24,7 +24,29 @@ from minidist.costs.cost import (
     ring_bytes_sent,
 )
 
+FLAT = algorithms.names("all_reduce", nodes=False)  # what one alpha-beta link prices
+
 MB = 2**20
+
+
+def test_the_algorithm_table_names_each_algorithm_once_and_prices_what_it_runs() -> None:
+    names = [algorithm.name for algorithm in algorithms.TABLE]
+    assert len(names) == len(set(names)), names
+    assert FLAT == ("ring", "recursive_doubling", "tree", "rabenseifner")
+    assert algorithms.names("all_reduce") == (*FLAT, "hierarchical")
+    assert algorithms.named("tree").collectives == ("all_reduce", "broadcast")
+    # Each collective's textbook formula is its first algorithm's.
+    for collective in ("all_reduce", "reduce_scatter", "all_gather", "broadcast"):
+        first = algorithms.running(collective)[0]
+        a, b, _ = first.coefficients(collective, 6)
+        assert collective_time(collective, 1e6, 6, 1.0, 1.0) == a + b * 1e6, collective
+    # Without nodes (one rank per node) hierarchical is the ring.
+    assert algorithms.HIERARCHICAL.coefficients("all_reduce", 8) == (
+        algorithms.RING.coefficients("all_reduce", 8))
+    with pytest.raises(ValueError, match="pairwise does not run all_reduce"):
+        algorithms.PAIRWISE.coefficients("all_reduce", 4)
+    with pytest.raises(ValueError, match="minidist's are ring, recursive_doubling"):
+        algorithms.named("butterfly")
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8, 64])
@@ -202,7 +224,7 @@ def test_additions_make_the_ring_win_large_tensors_on_two_ranks() -> None:
     # Thakur's gamma term: recursive doubling adds S, the ring S/2, so with gamma > 0 the two
     # cross at S = (2 - 1) alpha / ((1 - 0.5) gamma) on 2 ranks.
     alpha, beta, gamma = 50e-6, 1e-9, 0.2e-9
-    assert [reduction_coefficient(name, 4) for name in ALL_REDUCE_ALGORITHMS] == [
+    assert [reduction_coefficient(name, 4) for name in FLAT] == [
         0.75, 2, 2, 0.75
     ]
     assert reduction_coefficient("recursive_doubling", 3) == 2  # 1 step + the fold's addition
@@ -228,8 +250,8 @@ def test_each_algorithm_fits_its_own_links_and_the_cheapest_prediction_wins() ->
     sizes = [4**k for k in range(5, 12)]
     fitted = AlgorithmLinks.fit(4, sizes, {
         name: [all_reduce_time(name, s, 4, true[name].alpha, true[name].beta) for s in sizes]
-        for name in ALL_REDUCE_ALGORITHMS})
-    for name in ALL_REDUCE_ALGORITHMS:
+        for name in FLAT})
+    for name in FLAT:
         for nbytes in (1, 5000, 4**8, 10**9):  # below, inside, on, above the measured sizes
             assert fitted.link(name, nbytes).alpha == pytest.approx(true[name].alpha, rel=1e-6)
             assert fitted.link(name, nbytes).beta == pytest.approx(true[name].beta, rel=1e-6)
@@ -238,7 +260,7 @@ def test_each_algorithm_fits_its_own_links_and_the_cheapest_prediction_wins() ->
     assert fitted.best_all_reduce(64 * MB, 4) == "tree"
     assert best_all_reduce(64 * MB, 4, 60e-6, 1.0e-9) == "rabenseifner"
     table = str(fitted).splitlines()
-    assert table[0].split() == ["size", *ALL_REDUCE_ALGORITHMS, "fastest"], table
+    assert table[0].split() == ["size", *FLAT, "fastest"], table
     assert table[1].split()[:2] == ["1", "KiB"] and table[1].split()[-1] == "recursive_doubling"
     assert table[-1].split()[:2] == ["4", "MiB"] and table[-1].split()[-1] == "tree", table
 
@@ -248,7 +270,7 @@ def test_links_bend_with_size_one_range_at_a_time() -> None:
     # line, so the predictions on each side of the bend follow their own slope.
     sizes = [2**12, 2**20, 2**22]
     times = {name: [all_reduce_time(name, s, 2, 500e-6, 1e-9) for s in sizes]
-             for name in ALL_REDUCE_ALGORITHMS}
+             for name in FLAT}
     times["ring"][2] = times["ring"][1] + 1.2e-9 * (2**22 - 2**20)
     links = AlgorithmLinks.fit(2, sizes, times)
     assert links.link("ring", 2**16).beta == pytest.approx(1e-9, rel=1e-6)
@@ -271,10 +293,10 @@ def test_fits_weigh_every_size_alike_and_bad_links_are_clear() -> None:
     with pytest.raises(ValueError, match="links must name each of"):
         AlgorithmLinks(2, (1, 2), (("ring", (link,)),))
     with pytest.raises(ValueError, match="sizes must be at least 2 increasing"):
-        AlgorithmLinks(2, (2, 1), tuple((name, (link,)) for name in ALL_REDUCE_ALGORITHMS))
+        AlgorithmLinks(2, (2, 1), tuple((name, (link,)) for name in FLAT))
     with pytest.raises(ValueError, match="one link per range"):
-        AlgorithmLinks(2, (1, 2, 3), tuple((name, (link,)) for name in ALL_REDUCE_ALGORITHMS))
-    links = AlgorithmLinks(2, (1, 2), tuple((name, (link,)) for name in ALL_REDUCE_ALGORITHMS))
+        AlgorithmLinks(2, (1, 2, 3), tuple((name, (link,)) for name in FLAT))
+    links = AlgorithmLinks(2, (1, 2), tuple((name, (link,)) for name in FLAT))
     with pytest.raises(ValueError, match="fitted on 2 ranks, not world_size=4"):
         links.best_all_reduce(1024, 4)
 

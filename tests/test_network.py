@@ -17,14 +17,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minidist.communication import collectives, comm, emulation, hierarchical, link_sweep, network
+from minidist.communication import collectives, comm, emulation, hierarchical, link_sweep
 from minidist.communication.counting import count_traffic
 from minidist.communication.emulation import Network
 from minidist.communication.mesh import Mesh
 from minidist.communication.network import TwoTier, hierarchical_bytes
 from minidist.core import interposer
 from minidist.core.launch import RankError, run
-from minidist.costs import cost
+from minidist.costs import algorithms, cost
 
 LAYOUTS = ((2, 2), (2, 3), (3, 2))  # (nodes, ranks per node)
 SIZES = (1, 7, 1000, 2**16 + 3)
@@ -407,7 +407,8 @@ def test_the_model_charges_each_step_on_its_slowest_link() -> None:
     assert 0.35 < ratio < 0.45
     assert tiers.best_all_reduce(s, 4) == "hierarchical"
     assert tiers.best_all_reduce(64, 4) == "recursive_doubling"
-    assert set(network.ALGORITHMS) == set(cost.ALL_REDUCE_ALGORITHMS) | {"hierarchical"}
+    assert {tiers.best_all_reduce(size, 4) for size in (64, s)} <= set(
+        algorithms.names("all_reduce"))
     with pytest.raises(ValueError, match="algorithm='nccl'"):
         tiers.all_reduce_time("nccl", s, 4)
 
@@ -493,3 +494,15 @@ def test_slow_nodes_names_the_node_in_every_slow_pair() -> None:
     across = {(0, 2): slow, (0, 3): slow, (1, 2): slow, (1, 3): slow, (0, 1): 1e9, (2, 3): 1e9}
     assert link_sweep.slow_nodes(across, two_nodes) == []  # no healthy pair to compare with
     assert link_sweep.slow_nodes(across, two_nodes, expected=healthy) == [0, 1]
+
+
+@pytest.mark.parametrize("n, g", [(2, 1), (4, 2), (8, 2), (8, 4), (6, 3), (12, 4)])
+def test_with_equal_tiers_the_two_tier_model_is_the_tables_alpha_beta(n: int, g: int) -> None:
+    """Every all-reduce of the algorithm table, hierarchical included, costs on two equal tiers
+    what the table's a(N) * alpha + b(N) * S * beta says on one link."""
+    same = TwoTier(ranks_per_node=g, intra_latency=1e-3, intra_bandwidth=25e6)
+    s = 16 * 2**20
+    for algorithm in algorithms.running("all_reduce"):
+        a, b, _ = algorithm.coefficients("all_reduce", n, g)
+        assert same.all_reduce_time(algorithm.name, s, n) == pytest.approx(
+            a * same.inter.alpha + b * s * same.inter.beta), algorithm.name

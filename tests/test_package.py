@@ -19,10 +19,10 @@ PACKAGE = REPO / "lib" / "minidist"
 FOLDERS = {
     "core": ["_checks", "_groups", "_fork_server_exit", "interposer", "_calls", "_diagnose",
              "_supervisor", "launch", "flat", "timeline", "refusal", "checking", "predictions"],
-    "costs": ["cost", "memory", "footprint", "flops", "overlap", "tiers", "bubbles", "traffic",
-              "planner"],
+    "costs": ["algorithms", "cost", "memory", "footprint", "flops", "overlap", "tiers", "bubbles",
+              "traffic", "planner"],
     "communication": ["comm", "counting", "timing", "streaming", "network", "emulation",
-                      "hierarchical", "link_sweep", "collectives", "mesh", "bandwidth"],
+                      "hierarchical", "link_sweep", "impls", "collectives", "mesh", "bandwidth"],
     "parallel": ["models", "compression", "ddp", "offload", "device_memory", "nvme",
                  "host_optimizer", "zero", "zero_offload", "fsdp", "fsdp1", "tensor_parallel",
                  "clipping", "pipeline", "pipeline_simulator", "pipeline_validator",

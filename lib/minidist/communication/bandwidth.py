@@ -23,9 +23,10 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm import tqdm
 
-from minidist.communication import collectives, streaming
+from minidist.communication import collectives, impls
 from minidist.communication.timing import time_in_turns
 from minidist.core.launch import device, run
+from minidist.costs import algorithms
 from minidist.costs.cost import AlgorithmLinks, busbw_factor
 
 if TYPE_CHECKING:
@@ -35,9 +36,9 @@ __all__ = ["BENCH_COLLECTIVES", "OURS", "Row", "measure", "measure_links", "form
            "plot"]
 
 BENCH_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
-OURS = {"all_reduce": "ring", "reduce_scatter": "ring", "all_gather": "ring",
-        "broadcast": "tree"}
-"""minidist's own implementation of each collective, timed by default beside torch's."""
+OURS = {collective: algorithms.names(collective)[0] for collective in BENCH_COLLECTIVES}
+"""minidist's own implementation of each collective, timed by default beside torch's: the first
+of the algorithm table that runs it (the ring; for broadcast, the tree)."""
 _MAX_ITERS = 10_000
 
 
@@ -68,7 +69,7 @@ def measure(
 ) -> list[Row]:
     """Time `collective` at each size in `sizes` (bytes) on `world_size` ranks.
 
-    implementations: names of `minidist.communication.collectives.IMPLS[collective]`, "torch" for
+    implementations: names of `minidist.communication.impls.choices(collective)`, "torch" for
     torch.distributed's own on the same backend; by default torch and minidist's own
     (`OURS`). Every call goes through `minidist.communication.collectives`, so each pays the same
     small cost of recording it. "auto" decides with `link`, by default the links `measure_links`
@@ -86,7 +87,7 @@ def measure(
             f"unknown collective {collective!r}; valid ones are {', '.join(BENCH_COLLECTIVES)}"
         )
     implementations = tuple(implementations or ("torch", OURS[collective]))
-    valid = collectives.IMPLS[collective]
+    valid = impls.choices(collective)
     unknown = [name for name in implementations if name not in valid]
     if unknown or not implementations:
         raise ValueError(
@@ -118,7 +119,7 @@ def measure(
 
 
 def measure_links(world_size: int, timeout: float | None = None) -> AlgorithmLinks:
-    """`minidist.communication.streaming.fit_links` on `world_size` fresh ranks: each all-reduce
+    """`minidist.communication.impls.fit_links` on `world_size` fresh ranks: each all-reduce
     algorithm's own links, the ones `collectives.all_reduce(impl="auto")` decides with (every rank
     fits
     the same ones)."""
@@ -126,7 +127,7 @@ def measure_links(world_size: int, timeout: float | None = None) -> AlgorithmLin
 
 
 def _fit_links_on_rank(rank: int, world_size: int) -> AlgorithmLinks:
-    return streaming.fit_links()
+    return impls.fit_links()
 
 
 def _numel(nbytes: int, collective: str, world_size: int, dtype: torch.dtype) -> int:

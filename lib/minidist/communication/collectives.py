@@ -14,13 +14,15 @@ Every module of minidist that communicates calls these functions and nothing els
   produced, the group's size and global ranks, and `when` (e.g. "forward").
 - **the implementation is chosen with one word, `impl`.** "torch" runs torch.distributed's
   collective (gloo or NCCL, in C++: a log sees the call but not its bytes on the wire); an
-  algorithm name runs minidist's own, built from point-to-point sends
-  (`minidist.communication.streaming`), whose every byte a log counts: all_reduce "ring",
-  "recursive_doubling", "tree", "rabenseifner", "hierarchical" (reduce-scatter inside each node,
-  all-reduce across nodes, all-gather inside: `minidist.communication.network`, on the nodes of
-  the `network` given, `mesh.network`) or "auto" (the one `streaming.fit_links` predicts fastest
-  on this group, or, given the job's `network`, the one its two-tier alpha-beta model does);
-  reduce_scatter and all_gather "ring"; broadcast "tree"; all_to_all "pairwise".
+  algorithm name runs minidist's own, built from point-to-point sends, whose every byte a log
+  counts. Which names each collective takes, and the code each runs, is one table:
+  `minidist.costs.algorithms` (names, costs, where each applies) joined to its code in
+  `minidist.communication.impls`: all_reduce "ring", "recursive_doubling", "tree",
+  "rabenseifner", "hierarchical" (reduce-scatter inside each node, all-reduce across nodes,
+  all-gather inside, on the nodes of the `network` given, `mesh.network`) or "auto" (the one
+  `impls.fit_links` predicts fastest on this group, or, given the job's `network`, the one its
+  two-tier alpha-beta model does); reduce_scatter and all_gather "ring"; broadcast "tree";
+  all_to_all "pairwise".
 - **`group` means one thing.** A process group (such as `mesh.group("dp")` of a
   `minidist.communication.mesh.Mesh`, the one place groups are made), or None: the default process
   group, every rank of the job.
@@ -43,43 +45,24 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from minidist.communication import streaming
-from minidist.communication.comm import Ring, binomial_broadcast, chunk_bounds, ring_of
+from minidist.communication import impls
+from minidist.communication.comm import Ring, chunk_bounds, ring_of
 from minidist.communication.counting import record
 from minidist.communication.emulation import Network
-from minidist.communication.hierarchical import hierarchical
 from minidist.core._checks import reduce_op, require_process_group
 from minidist.core._groups import per_group_cache
 from minidist.core.flat import copy_back, flat_view, flatten
 from minidist.core.timeline import Event, clock, note
-from minidist.costs.cost import ALL_REDUCE_ALGORITHMS, AlgorithmLinks, AlphaBeta
+from minidist.costs.cost import AlgorithmLinks, AlphaBeta
 
 __all__ = [
-    "IMPLS", "check_impl", "Handle", "shard_bounds", "all_reduce", "reduce_scatter", "all_gather",
+    "Handle", "shard_bounds", "all_reduce", "reduce_scatter", "all_gather",
     "all_gather_along", "reduce_scatter_along", "all_gather_overlapped",
     "reduce_scatter_overlapped", "broadcast", "broadcast_tensors", "all_to_all", "shift",
     "all_gather_object", "barrier", "in_background", "record_torch_collective",
 ]
 
-IMPLS = {
-    "all_reduce": ("torch", "auto", *ALL_REDUCE_ALGORITHMS, "hierarchical"),
-    "reduce_scatter": ("torch", "ring"),
-    "all_gather": ("torch", "ring"),
-    "broadcast": ("torch", "tree"),
-    "all_to_all": ("torch", "pairwise"),
-}
-"""The implementations each collective offers: "torch", or minidist's algorithms by name."""
-
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
-
-
-def check_impl(collective: str, impl: str) -> None:
-    """Raise unless `impl` is one of the implementations `collective` offers (`IMPLS`)."""
-    if impl not in IMPLS[collective]:
-        choices = ", ".join(map(repr, IMPLS[collective]))
-        raise ValueError(f"impl={impl!r}: {collective} runs with one of {choices} ('torch' is "
-                         f"torch.distributed's own; the others are minidist's, from send/recv, "
-                         f"whose bytes count_traffic counts)")
 
 
 # --- Running later --------------------------------------------------------------------------------
@@ -155,12 +138,12 @@ def all_reduce(tensor: torch.Tensor, op: str | dist.ReduceOp.RedOpType = "sum",
                network: Network | None = None) -> Any:
     """Sum, average or (impl="torch" only) take the max of `tensor` over `group`, in place;
     returns it (a `Handle` with async_op=True). "auto" decides with `link`, by default the
-    links `streaming.fit_links(group)` measures on the first call and keeps per group, or,
+    links `impls.fit_links(group)` measures on the first call and keeps per group, or,
     given the job's `network` (`mesh.network`) and a group spanning the job, with that
     network's two-tier model: a pure function of the size, the group and those links.
     "hierarchical" takes its nodes from `network` (without one, every rank counts as one
     node's: the ring)."""
-    check_impl("all_reduce", impl)
+    impls.check_impl("all_reduce", impl)
     flat = flat_view(tensor, "all_reduce")
     name = (reduce_op(op, tensor, ("sum", "avg", "max")) if impl == "torch" else
             reduce_op(op, tensor, ("sum", "avg"), "; 'max' runs with impl='torch'"))
@@ -177,32 +160,29 @@ def all_reduce(tensor: torch.Tensor, op: str | dist.ReduceOp.RedOpType = "sum",
         return Handle(work, finish) if async_op else finish()
     if ring.size == 1:
         return Handle(None, finish) if async_op else finish()
-    if impl == "auto" and link is None and network is not None and network.spans(group):
-        impl = network.tiers.best_all_reduce(flat.nbytes, ring.size)
-    elif impl == "auto":
-        impl = streaming.best_algorithm(link or streaming.fit_links(group), flat.nbytes,
-                                        ring.size)
-    if impl == "hierarchical":  # without a network every rank is its own node's: the ring
+    chosen = impls.choose(impl, flat.nbytes, ring, link, network)
+    steps = chosen.streamed["all_reduce"]
+    if chosen.algorithm.needs_nodes:  # without a network every rank is its own node's: the ring
         node, across = (network.rings(group) if network is not None else
                         (ring, Ring(0, 1, (ring.peer(ring.rank),), group)))
-        return _run(lambda: hierarchical(flat, node, across, name == "avg"), async_op, finish)
-    algorithm = streaming.ALGORITHMS[impl]
-    return _run(lambda: algorithm(flat, ring, name == "avg"), async_op, finish)
+        return _run(lambda: steps(flat, node, across, name == "avg"), async_op, finish)
+    return _run(lambda: steps(flat, ring, name == "avg"), async_op, finish)
 
 
 def reduce_scatter(flat: torch.Tensor, group: dist.ProcessGroup | None = None,
                    impl: str = "torch", op: str = "sum", when: str = "") -> torch.Tensor:
     """This rank's shard (`shard_bounds`) of the sum (or average) of the 1-D `flat` over
     `group`, as a new tensor; `flat` is left as it was."""
-    check_impl("reduce_scatter", impl)
+    impls.check_impl("reduce_scatter", impl)
     name = reduce_op(op, flat, ("sum", "avg"))
     ring = ring_of(group, "reduce_scatter")
     bounds = chunk_bounds(flat.numel(), ring.size)
     start, end = bounds[ring.rank]
     record("reduce_scatter", flat.nbytes, group, when)
-    if impl == "ring":
+    if impl != "torch":
+        steps = impls.implementation(impl).streamed["reduce_scatter"]
         summed = flat.reshape(-1).clone()
-        _run(lambda: streaming.reduce_scatter(summed, ring), False, lambda: None)
+        _run(lambda: steps(summed, ring), False, lambda: None)
         shard = summed[start:end].clone()
     else:
         longest = bounds[0][1] - bounds[0][0]
@@ -226,7 +206,7 @@ def all_gather(shard: torch.Tensor, numel: int, group: dist.ProcessGroup | None 
                impl: str = "torch", when: str = "", async_op: bool = False) -> Any:
     """The whole flat tensor of `numel` elements from every rank's shard (`shard_bounds`), as
     a new tensor; a `Handle` whose wait() returns it with async_op=True."""
-    check_impl("all_gather", impl)
+    impls.check_impl("all_gather", impl)
     ring = ring_of(group, "all_gather")
     bounds = chunk_bounds(numel, ring.size)
     start, end = bounds[ring.rank]
@@ -234,10 +214,11 @@ def all_gather(shard: torch.Tensor, numel: int, group: dist.ProcessGroup | None 
         raise ValueError(f"rank {ring.rank}'s shard of a {numel}-element tensor has "
                          f"{end - start} elements (shard_bounds), got {shard.numel()}")
     record("all_gather", numel * shard.element_size(), group, when)
-    if impl == "ring":
+    if impl != "torch":
+        steps = impls.implementation(impl).streamed["all_gather"]
         full = torch.empty(numel, dtype=shard.dtype, device=shard.device)
         full[start:end] = shard.reshape(-1)
-        return _run(lambda: streaming.all_gather(full, ring), async_op, lambda: full)
+        return _run(lambda: steps(full, ring), async_op, lambda: full)
     longest = bounds[0][1] - bounds[0][0]
     gathered = torch.empty(longest * ring.size, dtype=shard.dtype, device=shard.device)
     mine = shard.reshape(-1)
@@ -332,7 +313,7 @@ def broadcast(tensor: torch.Tensor, src: int | None = None,
               when: str = "") -> torch.Tensor:
     """Copy `tensor` from global rank `src` (default: the group's first rank) to every rank of
     `group`, in place; returns it."""
-    check_impl("broadcast", impl)
+    impls.check_impl("broadcast", impl)
     ring = ring_of(group, "broadcast")
     src = ring.members[0] if src is None else src
     if src not in ring.members:
@@ -342,9 +323,10 @@ def broadcast(tensor: torch.Tensor, src: int | None = None,
     if impl == "torch":
         dist.broadcast(tensor, src, group=group)
     else:
+        steps = impls.implementation(impl).streamed["broadcast"]
         flat = flat_view(tensor, "broadcast")
         root = ring.members.index(src)
-        _run(lambda: binomial_broadcast(flat, ring, root, streaming.SEGMENTS), False, lambda: None)
+        _run(lambda: steps(flat, ring, root), False, lambda: None)
     return tensor
 
 
@@ -368,7 +350,7 @@ def all_to_all(x: torch.Tensor, send_sizes: Sequence[int], receive_sizes: Sequen
     what the ranks sent here, in rank order. Recorded with the bytes that leave this rank.
     impl="pairwise" is minidist's: every rank posts a send to and a receive from every other
     rank at once, then waits for them all."""
-    check_impl("all_to_all", impl)
+    impls.check_impl("all_to_all", impl)
     ring = ring_of(group, "all_to_all")
     _check_splits(x, send_sizes, receive_sizes, ring, group)
     row_bytes = math.prod(x.shape[1:]) * x.element_size()
@@ -379,18 +361,10 @@ def all_to_all(x: torch.Tensor, send_sizes: Sequence[int], receive_sizes: Sequen
     if impl == "torch":
         dist.all_to_all_single(out, x, list(receive_sizes), list(send_sizes), group=group)
         return out
-    sends = x.split(list(send_sizes))
-    receives = out.split(list(receive_sizes))
-
-    def exchange() -> None:
-        receives[ring.rank].copy_(sends[ring.rank])
-        requests = [request for peer in range(ring.size) if peer != ring.rank for request in (
-            dist.irecv(receives[peer], ring.peer(peer), group=group),
-            dist.isend(sends[peer], ring.peer(peer), group=group))]
-        for request in requests:
-            request.wait()
-
-    return _run(exchange, False, lambda: out)
+    steps = impls.implementation(impl).streamed["all_to_all"]
+    sends = list(x.split(list(send_sizes)))
+    receives = list(out.split(list(receive_sizes)))
+    return _run(lambda: steps(sends, receives, ring), False, lambda: out)
 
 
 _split_calls = per_group_cache()  # all_to_all calls made on each group: the store's key

@@ -22,6 +22,11 @@ Every function works in place on a contiguous tensor, on `group` (None: the defa
 group, every rank of the job); ranks are counted inside the group, as torch does, and `Ring`
 is the one place that turns a group rank into the global rank send/recv address.
 
+Each all-reduce algorithm is a function f(flat, ring, average, messages) named after it
+(`ring_steps`, `tree_steps`, `recursive_doubling_steps`, `rabenseifner_steps`): sum (or average)
+the 1-D tensor `flat` over `ring`'s group in place, with `messages` carrying the point-to-point
+sends. `minidist.communication.impls` joins each to its row of `minidist.costs.algorithms`' table.
+
 This module is for reading. Every message here travels whole, one step after another.
 `minidist.communication.streaming` runs the same algorithms with messages cut into segments that
 stream, the way gloo and NCCL do; `minidist.communication.collectives` is what the rest of minidist
@@ -42,7 +47,8 @@ from minidist.core.flat import flat_view
 __all__ = [
     "chunk_bounds", "Ring", "ring_of", "Messages", "WHOLE", "ring_reduce_scatter",
     "ring_all_gather", "ring_all_reduce", "tree_broadcast", "reduce_scatter_steps",
-    "all_gather_steps", "binomial_broadcast", "ALGORITHMS",
+    "all_gather_steps", "binomial_broadcast", "ring_steps", "tree_steps",
+    "recursive_doubling_steps", "rabenseifner_steps", "pairwise_steps",
 ]
 
 
@@ -226,11 +232,11 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum",
     """
     flat = flat_view(tensor, "ring_all_reduce")
     average = reduce_op(op, tensor, ("sum", "avg"), _OTHER_REDUCTIONS) == "avg"
-    _ring(flat, ring_of(group, "ring_all_reduce"), average)
+    ring_steps(flat, ring_of(group, "ring_all_reduce"), average)
     return tensor
 
 
-def _ring(flat: torch.Tensor, ring: Ring, average: bool, messages: Messages = WHOLE) -> None:
+def ring_steps(flat: torch.Tensor, ring: Ring, average: bool, messages: Messages = WHOLE) -> None:
     """Ring all-reduce of the 1-D `flat`: the reduce-scatter's trip, then the all-gather's."""
     reduce_scatter_steps(flat, ring, messages)
     if average:
@@ -273,7 +279,7 @@ def binomial_broadcast(flat: torch.Tensor, ring: Ring, root: int,
         distance *= 2
 
 
-def _tree(flat: torch.Tensor, ring: Ring, average: bool, messages: Messages = WHOLE) -> None:
+def tree_steps(flat: torch.Tensor, ring: Ring, average: bool, messages: Messages = WHOLE) -> None:
     """A binomial-tree reduce to group rank 0, then the broadcast's tree back down.
 
     Each rank adds its children's sums (`Ring.binomial_tree`) into its own and sends the total
@@ -336,8 +342,8 @@ def _fold_out(flat: torch.Tensor, ring: Ring, core: int | None, messages: Messag
             messages.send(flat, ring, partner)
 
 
-def _recursive_doubling(flat: torch.Tensor, ring: Ring, average: bool,
-                        messages: Messages = WHOLE) -> None:
+def recursive_doubling_steps(flat: torch.Tensor, ring: Ring, average: bool,
+                             messages: Messages = WHOLE) -> None:
     """log2 p exchanges of the whole tensor with the partner 1, 2, 4, ... core ranks away."""
     core = _fold_in(flat, ring, messages)
     if core is not None:
@@ -353,8 +359,8 @@ def _recursive_doubling(flat: torch.Tensor, ring: Ring, average: bool,
     _fold_out(flat, ring, core, messages)
 
 
-def _rabenseifner(flat: torch.Tensor, ring: Ring, average: bool,
-                  messages: Messages = WHOLE) -> None:
+def rabenseifner_steps(flat: torch.Tensor, ring: Ring, average: bool,
+                       messages: Messages = WHOLE) -> None:
     """Reduce-scatter by recursive halving (each exchange sends half of what is left to the
     partner and keeps the other half), then all-gather by recursive doubling, straight into
     place: core rank c ends the first half holding the sum of chunk c."""
@@ -390,14 +396,16 @@ def _rabenseifner(flat: torch.Tensor, ring: Ring, average: bool,
     _fold_out(flat, ring, core, messages)
 
 
-ALGORITHMS = {
-    "ring": _ring,
-    "recursive_doubling": _recursive_doubling,
-    "tree": _tree,
-    "rabenseifner": _rabenseifner,
-}
-"""Each all-reduce algorithm as f(flat, ring, average, messages): sum (or average) the 1-D
-tensor `flat` over `ring`'s group in place, with `messages` carrying the point-to-point sends.
-`minidist.communication.collectives.all_reduce(t, impl=name)` runs them with
-`minidist.communication.streaming`'s
-messages."""
+# --- All-to-all -----------------------------------------------------------------------------------
+
+
+def pairwise_steps(sends: list[torch.Tensor], receives: list[torch.Tensor], ring: Ring) -> None:
+    """All-to-all, pairwise: `sends[p]` goes to group rank p and `receives[p]` is filled from
+    it. Every rank posts a send to and a receive from every other rank at once, then waits
+    for them all; its own piece it copies."""
+    receives[ring.rank].copy_(sends[ring.rank])
+    requests = [request for peer in range(ring.size) if peer != ring.rank for request in (
+        dist.irecv(receives[peer], ring.peer(peer), group=ring.group),
+        dist.isend(sends[peer], ring.peer(peer), group=ring.group))]
+    for request in requests:
+        request.wait()

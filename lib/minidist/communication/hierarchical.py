@@ -25,7 +25,7 @@ def hierarchical(flat: torch.Tensor, node: Ring, across: Ring, average: bool) ->
     streaming.reduce_scatter(flat, node)
     start, end = chunk_bounds(flat.numel(), node.size)[node.rank]
     shard = flat[start:end]
-    streaming.ALGORITHMS["ring"](shard, across, False)
+    streaming.ring_steps(shard, across, False)
     if average:
         shard.div_(node.size * across.size)
     streaming.all_gather(flat, node)

@@ -38,12 +38,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from minidist.core._checks import positive, positive_int
-from minidist.costs.cost import ALL_REDUCE_ALGORITHMS, AlphaBeta
+from minidist.costs import algorithms
+from minidist.costs.cost import AlphaBeta
 
-__all__ = ["TwoTier", "ALGORITHMS", "hierarchical_bytes"]
+__all__ = ["TwoTier", "hierarchical_bytes"]
 
-ALGORITHMS = (*ALL_REDUCE_ALGORITHMS, "hierarchical")
-"""All-reduce algorithms the two-tier model predicts: the flat ones and the hierarchical one."""
+_ALL_REDUCE = algorithms.names("all_reduce")  # the flat ones and hierarchical
 
 
 @dataclass(frozen=True)
@@ -139,17 +139,19 @@ class TwoTier:
     def all_reduce_time(self, algorithm: str, nbytes: float, world_size: int,
                         channels: int = 1) -> float:
         """Seconds the two-tier model predicts for all-reduce of `nbytes` over `world_size`
-        ranks (the whole job) with `algorithm` (`ALGORITHMS`): each step costs alpha + bytes *
-        beta on the slowest link any rank uses in it. The busiest rank's bytes are the
-        cost.all_reduce_coefficients ones; additions are left out.
+        ranks (the whole job) with `algorithm`, any all-reduce of `minidist.costs.algorithms`'
+        table (flat or hierarchical): each step costs alpha + bytes * beta on the slowest link
+        any rank uses in it. The busiest rank's bytes are the table's b(N); additions are left
+        out. With the same link inside and between nodes, this is the table's a * alpha +
+        b * S * beta.
 
         "ring" with `channels` = c runs `channels_all_reduce`: c rings (`rings`) at once, each
         on S/c; in each of its 2(N-1) steps every ring sends S/(cN) to its right, and a rank's
         port for a tier carries its channels' messages one after another, so the step lasts as
         long as the busiest port: alpha + (its messages) * S/(cN) * beta. With c = 1 that is
         the plain ring on its slowest link."""
-        if algorithm not in ALGORITHMS:
-            raise ValueError(f"algorithm={algorithm!r}: choose one of {', '.join(ALGORITHMS)}")
+        if algorithm not in _ALL_REDUCE:
+            raise ValueError(f"algorithm={algorithm!r}: choose one of {', '.join(_ALL_REDUCE)}")
         positive_int(channels=channels)
         if channels != 1 and algorithm != "ring":
             raise ValueError(f"channels={channels}: only the flat ring runs on channels; "
@@ -189,8 +191,9 @@ class TwoTier:
         return max(alpha + chunk * beta for alpha, beta in ports.values())
 
     def best_all_reduce(self, nbytes: float, world_size: int) -> str:
-        """The algorithm this model predicts fastest (first of `ALGORITHMS` on a tie)."""
-        return min(ALGORITHMS, key=lambda name: self.all_reduce_time(name, nbytes, world_size))
+        """The all-reduce algorithm this model predicts fastest, hierarchical included (the
+        first in the table on a tie)."""
+        return min(_ALL_REDUCE, key=lambda name: self.all_reduce_time(name, nbytes, world_size))
 
     def slowest_link(self, pairs: list[tuple[int, int]]) -> AlphaBeta:
         """The slowest link among `pairs` (global ranks): what one step of an algorithm

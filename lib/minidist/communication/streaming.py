@@ -4,7 +4,8 @@
 travels the CPU is idle, and while it adds the link is. gloo and NCCL cut messages into
 segments and pipeline them; this module does the same with the same algorithms, and is what
 `minidist.communication.collectives` runs for `impl="ring"`, `"tree"`, `"recursive_doubling"`,
-`"rabenseifner"` and `"auto"`:
+`"rabenseifner"` and `"auto"` (through `minidist.communication.impls`, the table that joins each
+algorithm to its code here and in comm). Each has comm's name and signature, less `messages`:
 
     SEGMENTS    comm's `Messages` with each message of 512 KiB or more cut into segments of
                 256 KiB to 1 MiB; a segment is added in as soon as it lands, while the next
@@ -17,27 +18,20 @@ segments and pipeline them; this module does the same with the same algorithms, 
                 as soon as it is made, and rank 0 sends each finished segment straight down.
     recursive doubling, Rabenseifner: comm's, with SEGMENTS.
 
-`fit_links` times the four on a group and fits each its own alpha and beta; `auto` picks the one
-its links predict fastest. What was measured on the course's 2-core machine, and why each of
-these choices was kept, is in `bench/allreduce_busbw.py`'s docstring.
+What was measured on the course's 2-core machine, and why each of these choices was kept, is
+in `bench/allreduce_busbw.py`'s docstring.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import torch.distributed as dist
 
 from minidist.communication import comm
 from minidist.communication.comm import Messages, Ring, chunk_bounds
-from minidist.communication.counting import uncounted
-from minidist.communication.timing import time_in_turns
-from minidist.core._groups import per_group_cache
-from minidist.costs.cost import AlgorithmLinks, AlphaBeta
 
-__all__ = ["SEGMENTS", "segment_count", "ALGORITHMS", "reduce_scatter", "all_gather",
-           "fit_links", "best_algorithm"]
+__all__ = ["SEGMENTS", "segment_count", "ring_steps", "reduce_scatter", "all_gather",
+           "tree_steps", "recursive_doubling_steps", "rabenseifner_steps", "broadcast_steps"]
 
 _SEGMENTS = 4
 _MIN_SEGMENT_BYTES = 1 << 18
@@ -117,7 +111,7 @@ SEGMENTS = Segments()
 # --- The ring, streamed -------------------------------------------------------------------------
 
 
-def _ring_steps(flat: torch.Tensor, ring: Ring, first: int, steps: int, reduce_steps: int,
+def _ring_stream(flat: torch.Tensor, ring: Ring, first: int, steps: int, reduce_steps: int,
                 average: bool = False) -> None:
     """`steps` steps around the ring: in step t this rank sends chunk `first` - t to its right
     and receives chunk `first` - t - 1 from its left, adding it in during the first
@@ -172,25 +166,26 @@ def _ring_steps(flat: torch.Tensor, ring: Ring, first: int, steps: int, reduce_s
         send.wait()
 
 
-def _ring(flat: torch.Tensor, ring: Ring, average: bool) -> None:
-    # The reduce-scatter's N-1 steps, then the all-gather's, as one stream.
-    _ring_steps(flat, ring, ring.rank - 1, 2 * (ring.size - 1), ring.size - 1, average)
+def ring_steps(flat: torch.Tensor, ring: Ring, average: bool) -> None:
+    """comm.ring_steps, streamed: the reduce-scatter's N-1 steps, then the all-gather's, as one
+    stream."""
+    _ring_stream(flat, ring, ring.rank - 1, 2 * (ring.size - 1), ring.size - 1, average)
 
 
 def reduce_scatter(flat: torch.Tensor, ring: Ring) -> None:
     """comm.reduce_scatter_steps, streamed: chunk `ring.rank` of `flat` ends up summed."""
-    _ring_steps(flat, ring, ring.rank - 1, ring.size - 1, ring.size - 1)
+    _ring_stream(flat, ring, ring.rank - 1, ring.size - 1, ring.size - 1)
 
 
 def all_gather(flat: torch.Tensor, ring: Ring) -> None:
     """comm.all_gather_steps, streamed: every chunk of `flat` filled from its owner."""
-    _ring_steps(flat, ring, ring.rank, ring.size - 1, 0)
+    _ring_stream(flat, ring, ring.rank, ring.size - 1, 0)
 
 
 # --- The tree, pipelined ------------------------------------------------------------------------
 
 
-def _tree(flat: torch.Tensor, ring: Ring, average: bool) -> None:
+def tree_steps(flat: torch.Tensor, ring: Ring, average: bool) -> None:
     """comm's binomial tree, pipelined: tensors of 4 MiB or more travel in segments of 2 to
     4 MiB; a rank adds a segment from each child and sends the sum up at once, and rank 0
     sends each finished segment back down while later ones are still being reduced."""
@@ -222,62 +217,19 @@ def _tree(flat: torch.Tensor, ring: Ring, average: bool) -> None:
         send.wait()
 
 
-ALGORITHMS = {
-    "ring": _ring,
-    "recursive_doubling": functools.partial(comm.ALGORITHMS["recursive_doubling"],
-                                            messages=SEGMENTS),
-    "tree": _tree,
-    "rabenseifner": functools.partial(comm.ALGORITHMS["rabenseifner"], messages=SEGMENTS),
-}
-"""comm.ALGORITHMS, fast: f(flat, ring, average)."""
+def broadcast_steps(flat: torch.Tensor, ring: Ring, root: int) -> None:
+    """comm.binomial_broadcast from group rank `root`, with SEGMENTS."""
+    comm.binomial_broadcast(flat, ring, root, SEGMENTS)
 
 
-# --- Choosing one -------------------------------------------------------------------------------
-
-# Sizes each algorithm is timed at; its links are fitted on each range between two of them.
-_FIT_SIZES = (2**12, 2**16, 2**18, 2**20, 2**22)
-_links: dict[dist.ProcessGroup, AlgorithmLinks] = per_group_cache()
+# --- Recursive doubling and Rabenseifner ---------------------------------------------------------
 
 
-def fit_links(group: dist.ProcessGroup | None = None, rounds: int = 9) -> AlgorithmLinks:
-    """Each all-reduce algorithm's own link on `group`, as "auto" sees it: measured on the
-    first call and kept per group.
-
-    Every algorithm is timed at five sizes from 4 KiB to 4 MiB, its additions included, in
-    `rounds` rounds of `timing.time_in_turns`, and fitted to its own a * alpha + b * S * beta
-    on each range between two sizes (`cost.AlgorithmLinks`). Each point is the median of its
-    rounds, on the slowest rank, so every rank fits the same links and "auto" makes the same
-    choice everywhere. About 1.5 s on 2 ranks of a 2-core laptop, 4 s on 4; every member of
-    the group must call it (as "auto" does), at the same time. Nothing it sends is counted.
-    """
-    ring = comm.ring_of(group, "fit_links")
-    key = group or dist.group.WORLD
-    if key not in _links:
-        _links[key] = _fit_links(ring, rounds)
-    return _links[key]
+def recursive_doubling_steps(flat: torch.Tensor, ring: Ring, average: bool) -> None:
+    """comm.recursive_doubling_steps, with SEGMENTS."""
+    comm.recursive_doubling_steps(flat, ring, average, SEGMENTS)
 
 
-def _fit_links(ring: Ring, rounds: int) -> AlgorithmLinks:
-    if ring.size == 1:  # nothing is ever sent
-        free = (AlphaBeta(0.0, 0.0),) * (len(_FIT_SIZES) - 1)
-        return AlgorithmLinks(1, _FIT_SIZES, tuple((name, free) for name in ALGORITHMS))
-    tensors = [torch.zeros(nbytes // 4) for nbytes in _FIT_SIZES]  # zeros never overflow
-    calls, repeat = {}, {}
-    for name, algorithm in ALGORITHMS.items():
-        for tensor in tensors:
-            point = f"{name} {tensor.numel()}"
-            calls[point] = functools.partial(algorithm, tensor, ring, False)
-            # a call of 4 KiB lasts about as long as the clock's and the barrier's jitter
-            repeat[point] = max(1, 2**12 // tensor.numel())
-    with uncounted():
-        times = time_in_turns(calls, rounds, repeat, group=ring.group)
-    medians = {name: [torch.tensor(times[f"{name} {t.numel()}"]).median().item() for t in tensors]
-               for name in ALGORITHMS}
-    return AlgorithmLinks.fit(ring.size, _FIT_SIZES, medians)
-
-
-@functools.lru_cache(maxsize=4096)
-def best_algorithm(link: AlphaBeta | AlgorithmLinks, nbytes: int, world_size: int) -> str:
-    """link.best_all_reduce, remembered: training all-reduces the same sizes every step, and a
-    small all-reduce takes only tens of microseconds."""
-    return link.best_all_reduce(nbytes, world_size)
+def rabenseifner_steps(flat: torch.Tensor, ring: Ring, average: bool) -> None:
+    """comm.rabenseifner_steps, with SEGMENTS."""
+    comm.rabenseifner_steps(flat, ring, average, SEGMENTS)

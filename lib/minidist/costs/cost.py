@@ -3,12 +3,34 @@
 Sending S bytes from one rank to another takes t = alpha + S * beta: alpha is the latency paid
 per message (software, network hops), beta the seconds per byte of the link (1/beta is its
 bandwidth). A collective is a schedule of such messages, so its time is a(N) * alpha +
+<<<<<<< HEAD
 b(N) * S * beta, with S the size of the full tensor and coefficients set by the algorithm
 (ring for all-reduce, reduce-scatter and all-gather, a binomial tree for broadcast, one
 message for send). All-reduce has several algorithms (`ALL_REDUCE_ALGORITHMS`: ring,
 recursive doubling, tree, Rabenseifner), each with its own a(N), b(N) and c(N); Lab 01 counts
 their steps and bytes before this module's formulas are used (Thakur, Rabenseifner and
 Gropp 2005).
+=======
+b(N) * S * beta, with S the size of the full tensor and coefficients set by the algorithm:
+
+    collective      algorithm        a(N)             b(N)
+    all_reduce      ring             2(N-1)           2(N-1)/N
+    reduce_scatter  ring             N-1              (N-1)/N
+    all_gather      ring             N-1              (N-1)/N
+    broadcast       binomial tree    ceil(log2 N)     ceil(log2 N)
+    send            point-to-point   1                1
+
+Each collective's algorithm here is the first of `minidist.costs.algorithms.TABLE` that runs it,
+and its a(N) and b(N) are that table's. All-reduce has several algorithms: the table's rows
+for all_reduce, with a third coefficient c(N). The ones a single link can price (all but
+hierarchical, which needs the nodes) are the "flat" ones `best_all_reduce` chooses among:
+
+    algorithm            fastest for
+    ring                 large S, N != 2^k
+    recursive_doubling   small S
+    tree                 shared cores
+    rabenseifner         large S, N = 2^k
+>>>>>>> algotable
 
 c(N) is Thakur's third term: the bytes the busiest rank adds up per byte of tensor, at gamma
 seconds per byte, so all-reduce takes a * alpha + b * S * beta + c * S * gamma. On a fast
@@ -64,9 +86,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from minidist.core._checks import positive_int
+from minidist.costs import algorithms
 
 __all__ = [
-    "COLLECTIVES", "RING_COLLECTIVES", "ALL_REDUCE_ALGORITHMS", "busbw_factor", "ring_bytes_sent",
+    "COLLECTIVES", "RING_COLLECTIVES", "busbw_factor", "ring_bytes_sent",
     "collective_time", "all_reduce_coefficients", "reduction_coefficient", "all_reduce_time",
     "best_all_reduce", "crossover_size", "all_reduce_bytes_sent", "AlphaBeta", "fit_alpha_beta",
     "fit_all_reduce", "AlgorithmLinks", "parameter_server_time", "exposed_time",
@@ -75,7 +98,9 @@ __all__ = [
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "send")
 RING_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
-ALL_REDUCE_ALGORITHMS = ("ring", "recursive_doubling", "tree", "rabenseifner")
+
+
+_FLAT = algorithms.names("all_reduce", nodes=False)  # what one link prices: all but hierarchical
 
 
 def _check(collective: str, world_size: int, valid: tuple[str, ...] = COLLECTIVES) -> None:
@@ -85,17 +110,13 @@ def _check(collective: str, world_size: int, valid: tuple[str, ...] = COLLECTIVE
 
 
 def _coefficients(collective: str, world_size: int) -> tuple[float, float]:
-    """(a, b) such that the collective takes a * alpha + b * S * beta (table above)."""
+    """(a, b) such that the collective takes a * alpha + b * S * beta (table above): those of
+    the first algorithm in the table that runs it."""
     _check(collective, world_size)
-    n = world_size
-    if collective == "all_reduce":
-        return 2 * (n - 1), 2 * (n - 1) / n
-    if collective in ("reduce_scatter", "all_gather"):
-        return n - 1, (n - 1) / n
-    if collective == "broadcast":
-        rounds = (n - 1).bit_length()  # ceil(log2 n)
-        return rounds, rounds
-    return 1, 1  # send
+    if collective == "send":
+        return 1, 1
+    a, b, _ = algorithms.running(collective)[0].coefficients(collective, world_size)
+    return a, b
 
 
 def busbw_factor(collective: str, world_size: int) -> float:
@@ -138,57 +159,28 @@ def collective_time(
 
 
 def _check_algorithm(algorithm: str, world_size: int) -> None:
-    if algorithm not in ALL_REDUCE_ALGORITHMS:
+    if algorithm not in _FLAT:
         raise ValueError(
-            f"unknown all-reduce algorithm {algorithm!r}; valid ones are "
-            f"{', '.join(ALL_REDUCE_ALGORITHMS)}"
+            f"unknown all-reduce algorithm {algorithm!r}; valid ones are {', '.join(_FLAT)}"
         )
     positive_int(world_size=world_size)
-
-
-def _power_of_two_below(n: int) -> tuple[int, int]:
-    """(p, log2 p) for the largest power of two p <= n."""
-    log2_p = n.bit_length() - 1
-    return 1 << log2_p, log2_p
 
 
 def all_reduce_coefficients(algorithm: str, world_size: int) -> tuple[float, float]:
     """(a, b) such that all-reduce with `algorithm` takes a * alpha + b * S * beta.
 
-    The busiest rank's sequential steps (a) and bytes per byte of tensor (b), as in the
-    module's table (Thakur, Rabenseifner & Gropp 2005).
+    The busiest rank's sequential steps (a) and bytes per byte of tensor (b), as in
+    `minidist.costs.algorithms`' table (Thakur, Rabenseifner & Gropp 2005).
     """
     _check_algorithm(algorithm, world_size)
-    n = world_size
-    if n == 1:
-        return 0, 0
-    p, log2_p = _power_of_two_below(n)
-    fold = 0 if p == n else 2  # hand the tensor in before, get the result back after
-    if algorithm == "ring":
-        return 2 * (n - 1), 2 * (n - 1) / n
-    if algorithm == "recursive_doubling":
-        return log2_p + fold, log2_p + fold
-    if algorithm == "tree":
-        rounds = (n - 1).bit_length()  # ceil(log2 n)
-        return 2 * rounds, 2 * rounds
-    return 2 * log2_p + fold, 2 * (p - 1) / p + fold  # rabenseifner
+    a, b, _ = algorithms.named(algorithm).coefficients("all_reduce", world_size)
+    return a, b
 
 
 def reduction_coefficient(algorithm: str, world_size: int) -> float:
     """c such that the busiest rank adds up c * S bytes in all-reduce (the table's c(N))."""
     _check_algorithm(algorithm, world_size)
-    n = world_size
-    if n == 1:
-        return 0
-    p, log2_p = _power_of_two_below(n)
-    fold = 0 if p == n else 1  # the partner adds the tensor handed in
-    if algorithm == "ring":
-        return (n - 1) / n
-    if algorithm == "recursive_doubling":
-        return log2_p + fold
-    if algorithm == "tree":
-        return (n - 1).bit_length()  # rank 0 adds one tensor per child
-    return (p - 1) / p + fold  # rabenseifner
+    return algorithms.named(algorithm).coefficients("all_reduce", world_size)[2]
 
 
 def all_reduce_time(
@@ -205,10 +197,10 @@ def all_reduce_time(
 def best_all_reduce(
     nbytes: float, world_size: int, alpha: float, beta: float, gamma: float = 0.0
 ) -> str:
-    """The algorithm with the smallest predicted time; on a tie, the first in
-    ALL_REDUCE_ALGORITHMS."""
+    """The flat algorithm with the smallest predicted time; on a tie, the first in the
+    table."""
     return min(
-        ALL_REDUCE_ALGORITHMS,
+        _FLAT,
         key=lambda name: all_reduce_time(name, nbytes, world_size, alpha, beta, gamma),
     )
 
@@ -254,7 +246,8 @@ def all_reduce_bytes_sent(algorithm: str, nbytes: float, world_size: int, rank: 
     if algorithm == "tree":
         children = sum(1 for k in range(n.bit_length()) if rank < 2**k and rank + 2**k < n)
         return (int(rank != 0) + children) * nbytes
-    p, log2_p = _power_of_two_below(n)
+    log2_p = n.bit_length() - 1
+    p = 1 << log2_p  # the largest power of two <= n
     folded = rank < 2 * (n - p)
     if folded and rank % 2 == 0:
         return nbytes
@@ -348,13 +341,13 @@ class AlgorithmLinks:
     """Each all-reduce algorithm's own fitted links on a group of `world_size` ranks.
 
     `sizes` are the tensor sizes (bytes, ascending) the algorithms were timed at; `links` pairs
-    every name in ALL_REDUCE_ALGORITHMS with its links, one per range between neighbouring
-    sizes: the alpha and beta through its two timings there (`fit_all_reduce`; the additions
-    are in beta). A size below the first range uses the first, above the last the last.
-    Where ranks share cores, an algorithm's steps and bytes cost what its own traffic pattern
-    costs there, not what the ring's do, and the cost per byte changes with size (messages
-    of 512 KiB or more travel in segments; large messages outgrow the caches): one line
-    fitted on the ring alone misleads the choice.
+    each flat all-reduce algorithm of the table with its links, one per range between
+    neighbouring sizes: the alpha and beta through its two timings there (`fit_all_reduce`; the
+    additions are in beta). A size below the first range uses the first, above the last the
+    last. Where ranks share cores, an algorithm's steps and bytes cost what its own traffic
+    pattern costs there, not what the ring's do, and the cost per byte changes with size
+    (messages of 512 KiB or more travel in segments; large messages outgrow the caches): one
+    line fitted on the ring alone misleads the choice.
     """
 
     world_size: int
@@ -363,10 +356,8 @@ class AlgorithmLinks:
 
     def __post_init__(self) -> None:
         names = tuple(name for name, _ in self.links)
-        if sorted(names) != sorted(ALL_REDUCE_ALGORITHMS):
-            raise ValueError(
-                f"links must name each of {', '.join(ALL_REDUCE_ALGORITHMS)} once, got {names}"
-            )
+        if sorted(names) != sorted(_FLAT):
+            raise ValueError(f"links must name each of {', '.join(_FLAT)} once, got {names}")
         if len(self.sizes) < 2 or list(self.sizes) != sorted(set(self.sizes)):
             raise ValueError(f"sizes must be at least 2 increasing sizes, got {self.sizes}")
         ranges = len(self.sizes) - 1
@@ -381,7 +372,7 @@ class AlgorithmLinks:
         return cls(world_size, tuple(sizes), tuple(
             (name, tuple(fit_all_reduce(name, world_size, sizes[i:i + 2], times[name][i:i + 2])
                          for i in range(len(sizes) - 1)))
-            for name in ALL_REDUCE_ALGORITHMS
+            for name in _FLAT
         ))
 
     def link(self, algorithm: str, nbytes: float) -> AlphaBeta:
@@ -397,17 +388,17 @@ class AlgorithmLinks:
 
     def best_all_reduce(self, nbytes: float, world_size: int) -> str:
         """The algorithm predicted fastest for an `nbytes` tensor; on a tie, the first in
-        ALL_REDUCE_ALGORITHMS. `world_size` must be the one the links were fitted on."""
+        the table. `world_size` must be the one the links were fitted on."""
         if world_size != self.world_size:
             raise ValueError(
                 f"these links were fitted on {self.world_size} ranks, not world_size="
                 f"{world_size}; fit them on the group that all-reduces"
             )
-        return min(ALL_REDUCE_ALGORITHMS, key=lambda name: self.predict(name, nbytes))
+        return min(_FLAT, key=lambda name: self.predict(name, nbytes))
 
     def __str__(self) -> str:
         """A table: at each measured size, each algorithm's predicted time and the fastest."""
-        widths = {name: max(len(name), 10) for name in ALL_REDUCE_ALGORITHMS}
+        widths = {name: max(len(name), 10) for name in _FLAT}
         lines = [f"{'size':>8}" + "".join(f"  {name:>{width}}" for name, width in widths.items())
                  + "  fastest"]
         for nbytes in self.sizes:

@@ -62,7 +62,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minidist.communication import collectives
+from minidist.communication import collectives, impls
 from minidist.core._checks import require_process_group
 from minidist.core.flat import copy_back, flatten
 from minidist.core.timeline import Event, clock, plot_events
@@ -128,7 +128,7 @@ def all_reduce_gradients(module: nn.Module, *, impl: str = "torch",
     Call it after backward. Parameters without a gradient (frozen or unused) are skipped, so
     every rank must have the same ones."""
     require_process_group("all_reduce_gradients")
-    collectives.check_impl("all_reduce", impl)
+    impls.check_impl("all_reduce", impl)
     for param in module.parameters():
         if param.grad is not None:
             collectives.all_reduce(param.grad, "avg", group, impl, when="gradients")
@@ -141,7 +141,7 @@ def all_reduce_gradients_flat(module: nn.Module, *, impl: str = "torch",
     All gradients must have one dtype. One collective pays the latency once, but it can only
     start when backward has finished."""
     require_process_group("all_reduce_gradients_flat")
-    collectives.check_impl("all_reduce", impl)
+    impls.check_impl("all_reduce", impl)
     grads = [param.grad for param in module.parameters() if param.grad is not None]
     if not grads:
         return
@@ -386,7 +386,7 @@ class DistributedDataParallel(nn.Module):
 
 def _check_arguments(bucket_cap_mb: float, impl: str, compression: Compression | None) -> None:
     require_process_group("DistributedDataParallel")
-    collectives.check_impl("all_reduce", impl)
+    impls.check_impl("all_reduce", impl)
     if compression is not None and not isinstance(compression, Compression):
         raise ValueError(f"compression={compression!r}: pass a minidist.parallel.compression "
                          f"object (TopK(ratio), PowerSGD(rank), Int8()) or None")

@@ -58,7 +58,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from minidist.communication import collectives
+from minidist.communication import collectives, impls
 from minidist.core._checks import require_process_group
 from minidist.core.flat import flatten, views
 from minidist.parallel.ddp import broadcast_parameters, check_same_model
@@ -318,8 +318,7 @@ class FullyShardedDataParallel(nn.Module):
                  reshard_after_forward: bool = True):
         super().__init__()
         require_process_group("FullyShardedDataParallel")
-        if impl not in collectives.IMPLS["all_gather"]:
-            raise ValueError(f"impl={impl!r}: choose one of {collectives.IMPLS['all_gather']}")
+        impls.check_impl("all_gather", impl)
         self.group, self.impl, self.prefetch = group, impl, prefetch
         if not isinstance(reshard_after_forward, bool):
             raise ValueError(f"reshard_after_forward={reshard_after_forward!r}: True (free each "

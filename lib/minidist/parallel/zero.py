@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from minidist.communication import collectives
+from minidist.communication import collectives, impls
 from minidist.core._checks import require_process_group
 
 __all__ = ["ZeroOptimizer"]
@@ -65,8 +65,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if not self.params:
             raise ValueError("ZeroOptimizer got no parameters that require gradients")
         require_process_group("ZeroOptimizer")
-        if impl not in collectives.IMPLS["reduce_scatter"]:
-            raise ValueError(f"impl={impl!r}: choose one of {collectives.IMPLS['reduce_scatter']}")
+        impls.check_impl("reduce_scatter", impl)
         self.stage, self.group, self.impl = stage, group, impl
         self.world_size = dist.get_world_size(group)
         # The fp32 master slice of each parameter: what the wrapped optimizer updates.
