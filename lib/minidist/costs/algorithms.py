@@ -10,27 +10,16 @@ that runs an algorithm lives above it, in communication/, and points back to its
 
 An algorithm's cost on one link is a(N) * alpha + b(N) * S * beta + c(N) * S * gamma: a the
 busiest rank's sequential steps, b the bytes it sends per byte of the tensor S, c the bytes it
-adds up per byte of S (Thakur, Rabenseifner & Gropp 2005). With p = 2^floor(log2 N) and f = 1
-when N is not a power of two (0 when it is):
-
-    algorithm           collective      a(N)              b(N)              c(N)
-    ring                all_reduce      2(N-1)            2(N-1)/N          (N-1)/N
-                        reduce_scatter  N-1               (N-1)/N           (N-1)/N
-                        all_gather      N-1               (N-1)/N           0
-    recursive_doubling  all_reduce      log2 p + 2f       log2 p + 2f       log2 p + f
-    tree                all_reduce      2 ceil(log2 N)    2 ceil(log2 N)    ceil(log2 N)
-                        broadcast       ceil(log2 N)      ceil(log2 N)      0
-    rabenseifner        all_reduce      2 log2 p + 2f     2(p-1)/p + 2f     (p-1)/p + f
-    hierarchical        all_reduce      2(g-1) + 2(n-1)   2(g-1)/g          (g-1)/g
-                                                          + 2(n-1)/(ng)     + (n-1)/(ng)
-    pairwise            all_to_all      N-1               (N-1)/N           0
+adds up per byte of S (Thakur, Rabenseifner & Gropp 2005). Each row's `costs` holds them as
+functions of N (and g, the ranks per node); the docstrings do not spell them out, because Lab 01
+(the flat algorithms) and Lab 11 (hierarchical) ask for them before the library is used.
 
 Where each applies:
 - recursive doubling and Rabenseifner pair ranks by XOR, so they run on a power of two of
   ranks p: when N is not one, the first 2(N-p) ranks fold in pairs before (the even one hands
-  its tensor to the odd one) and get the result back after, the f terms (`folds`);
-- hierarchical needs the job's nodes (`needs_nodes`): n nodes of g ranks each, g dividing N, given
-  by the network a Mesh was built with (`mesh.network`), over the whole job. Its row above
+  its tensor to the odd one) and get the result back after (`folds`);
+- hierarchical needs the job's nodes (`needs_nodes`): n nodes of g ranks each, g dividing N,
+  given by the network a Mesh was built with (`mesh.network`), over the whole job. Its row
   prices every step on one link; `TwoTier.all_reduce_time` prices its phases on their own tier
   (inside the node, then across). Without nodes (g = 1) it is the ring;
 - pairwise's row assumes even splits, S being the rows this rank holds: its N-1 messages of

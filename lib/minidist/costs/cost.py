@@ -3,34 +3,14 @@
 Sending S bytes from one rank to another takes t = alpha + S * beta: alpha is the latency paid
 per message (software, network hops), beta the seconds per byte of the link (1/beta is its
 bandwidth). A collective is a schedule of such messages, so its time is a(N) * alpha +
-<<<<<<< HEAD
-b(N) * S * beta, with S the size of the full tensor and coefficients set by the algorithm
-(ring for all-reduce, reduce-scatter and all-gather, a binomial tree for broadcast, one
-message for send). All-reduce has several algorithms (`ALL_REDUCE_ALGORITHMS`: ring,
-recursive doubling, tree, Rabenseifner), each with its own a(N), b(N) and c(N); Lab 01 counts
-their steps and bytes before this module's formulas are used (Thakur, Rabenseifner and
-Gropp 2005).
-=======
-b(N) * S * beta, with S the size of the full tensor and coefficients set by the algorithm:
-
-    collective      algorithm        a(N)             b(N)
-    all_reduce      ring             2(N-1)           2(N-1)/N
-    reduce_scatter  ring             N-1              (N-1)/N
-    all_gather      ring             N-1              (N-1)/N
-    broadcast       binomial tree    ceil(log2 N)     ceil(log2 N)
-    send            point-to-point   1                1
-
-Each collective's algorithm here is the first of `minidist.costs.algorithms.TABLE` that runs it,
-and its a(N) and b(N) are that table's. All-reduce has several algorithms: the table's rows
-for all_reduce, with a third coefficient c(N). The ones a single link can price (all but
-hierarchical, which needs the nodes) are the "flat" ones `best_all_reduce` chooses among:
-
-    algorithm            fastest for
-    ring                 large S, N != 2^k
-    recursive_doubling   small S
-    tree                 shared cores
-    rabenseifner         large S, N = 2^k
->>>>>>> algotable
+b(N) * S * beta, with S the size of the full tensor and coefficients set by the algorithm.
+Each collective's algorithm here is the first row of `minidist.costs.algorithms.TABLE` that
+runs it (ring for all-reduce, reduce-scatter and all-gather, a binomial tree for broadcast, one
+message for send), with that row's a(N) and b(N). All-reduce has several algorithms: the
+table's rows for all_reduce, each with a third coefficient c(N); the ones a single link can
+price (all but hierarchical, which needs the nodes) are those `best_all_reduce` chooses among.
+Lab 01 counts their steps and bytes before this module's formulas are used (Thakur,
+Rabenseifner and Gropp 2005).
 
 c(N) is Thakur's third term: the bytes the busiest rank adds up per byte of tensor, at gamma
 seconds per byte, so all-reduce takes a * alpha + b * S * beta + c * S * gamma. On a fast
