@@ -1,7 +1,7 @@
-"""All-reduce that knows the nodes: hierarchical (reduce-scatter inside each node, all-reduce
-across nodes, all-gather inside) and the flat ring on g channels, one per node port, as NCCL
-runs a channel per NIC (REFERENCES.md#horovod, REFERENCES.md#nccl-channels). Both take the
-job's network, `mesh.network`.
+"""The flat ring on g channels, one per node port, as NCCL runs a channel per NIC
+(REFERENCES.md#nccl-channels): the all-reduce that uses every port of a node, beside the
+hierarchical one (`streaming.hierarchical_steps`, run by `collectives.all_reduce(...,
+impl="hierarchical", network=mesh.network)`). It takes the job's network, `mesh.network`.
 """
 
 from __future__ import annotations
@@ -9,26 +9,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from minidist.communication import streaming
-from minidist.communication.comm import Ring, chunk_bounds
+from minidist.communication.comm import chunk_bounds
 from minidist.communication.emulation import Network
 
-__all__ = ["hierarchical", "channels_all_reduce"]
-
-
-def hierarchical(flat: torch.Tensor, node: Ring, across: Ring, average: bool) -> None:
-    """Sum (or average) the 1-D `flat` over every rank, in place, in three phases built from
-    minidist.communication.streaming's ring: reduce-scatter over `node` (the ranks of this node;
-    rank l ends holding chunk l summed over the node), ring all-reduce of that chunk over `across`
-    (the
-    ranks holding chunk l on every node), all-gather over `node`."""
-    streaming.reduce_scatter(flat, node)
-    start, end = chunk_bounds(flat.numel(), node.size)[node.rank]
-    shard = flat[start:end]
-    streaming.ring_steps(shard, across, False)
-    if average:
-        shard.div_(node.size * across.size)
-    streaming.all_gather(flat, node)
+__all__ = ["channels_all_reduce"]
 
 
 def channels_all_reduce(tensor: torch.Tensor, *, network: Network, channels: int | None = None,

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from minidist.communication import comm, hierarchical, streaming
+from minidist.communication import comm, streaming
 from minidist.communication.comm import Ring
 from minidist.communication.counting import uncounted
 from minidist.communication.emulation import Network
@@ -73,7 +73,7 @@ TABLE = (
         plain={"all_reduce": comm.rabenseifner_steps}),
     Implementation(  # f(flat, node, across, average): needs the job's nodes
         algorithms.HIERARCHICAL,
-        streamed={"all_reduce": hierarchical.hierarchical},
+        streamed={"all_reduce": streaming.hierarchical_steps},
         plain={}),
     Implementation(  # f(sends, receives, ring): nothing to stream, both are comm's
         algorithms.PAIRWISE,

@@ -31,7 +31,8 @@ from minidist.communication import comm
 from minidist.communication.comm import Messages, Ring, chunk_bounds
 
 __all__ = ["SEGMENTS", "segment_count", "ring_steps", "reduce_scatter", "all_gather",
-           "tree_steps", "recursive_doubling_steps", "rabenseifner_steps", "broadcast_steps"]
+           "tree_steps", "recursive_doubling_steps", "rabenseifner_steps", "broadcast_steps",
+           "hierarchical_steps"]
 
 _SEGMENTS = 4
 _MIN_SEGMENT_BYTES = 1 << 18
@@ -233,3 +234,20 @@ def recursive_doubling_steps(flat: torch.Tensor, ring: Ring, average: bool) -> N
 def rabenseifner_steps(flat: torch.Tensor, ring: Ring, average: bool) -> None:
     """comm.rabenseifner_steps, with SEGMENTS."""
     comm.rabenseifner_steps(flat, ring, average, SEGMENTS)
+
+
+# --- Hierarchical: the ring's pieces on the two tiers -----------------------------------------
+
+
+def hierarchical_steps(flat: torch.Tensor, node: Ring, across: Ring, average: bool) -> None:
+    """Sum (or average) the 1-D `flat` over every rank, in place, in three phases of this
+    module's ring: reduce-scatter over `node` (the ranks of this node; rank l ends holding
+    chunk l summed over the node), ring all-reduce of that chunk over `across` (the ranks
+    holding chunk l on every node), all-gather over `node` (REFERENCES.md#horovod)."""
+    reduce_scatter(flat, node)
+    start, end = chunk_bounds(flat.numel(), node.size)[node.rank]
+    shard = flat[start:end]
+    ring_steps(shard, across, False)
+    if average:
+        shard.div_(node.size * across.size)
+    all_gather(flat, node)
