@@ -102,7 +102,8 @@ def _check_all_reduce_algorithms(rank: int, world_size: int) -> list[str]:
     if not torch.equal(collectives.all_reduce(matrix, impl="rabenseifner"), expected):
         failures.append("2-D tensor")
     maxima = torch.full((3,), float(rank))
-    if not torch.equal(collectives.all_reduce(maxima, "max"), torch.full((3,), world_size - 1.0)):
+    if not torch.equal(collectives.all_reduce(maxima, op="max"),
+                       torch.full((3,), world_size - 1.0)):
         failures.append("max, impl='torch'")
     return failures
 
@@ -270,10 +271,10 @@ def _check_broadcast(rank: int, world_size: int) -> list[str]:
                 failures.append(f"src={src}, numel={numel}")
             for impl in impls.choices("broadcast"):
                 ours = torch.full((numel,), float(rank))
-                if not torch.equal(collectives.broadcast(ours, src, impl=impl), theirs):
+                if not torch.equal(collectives.broadcast(ours, src=src, impl=impl), theirs):
                     failures.append(f"collectives.broadcast impl={impl} src={src}")
     for broadcast in (lambda t: comm.tree_broadcast(t, src=world_size - 1),
-                      lambda t: collectives.broadcast(t, world_size - 1, impl="tree")):
+                      lambda t: collectives.broadcast(t, src=world_size - 1, impl="tree")):
         with count_traffic() as counter:
             broadcast(torch.zeros(100))
         # Every rank but src receives the tensor exactly once, so the sends add up to (N-1) * S.
@@ -397,7 +398,7 @@ def _check_errors(rank: int, world_size: int) -> list[str]:
         ("unknown impl", lambda: collectives.all_gather(torch.zeros(4), 4, impl="tree"),
          "'ring'"),
         ("avg on ints, tree", lambda: collectives.all_reduce(
-            torch.zeros(4, dtype=torch.int64), "avg", impl="tree"), "floating-point"),
+            torch.zeros(4, dtype=torch.int64), op="avg", impl="tree"), "floating-point"),
         ("wrong shard", lambda: collectives.all_gather(torch.zeros(5), 4 * world_size),
          "shard_bounds"),
     ]

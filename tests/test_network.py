@@ -51,7 +51,7 @@ def _check_equal_to_torch(rank: int, net: Network) -> list[str]:
                 dist.all_reduce(expected)
                 if op == "avg":
                     expected /= dist.get_world_size()
-                returned = collectives.all_reduce(ours, op, impl="hierarchical", network=net)
+                returned = collectives.all_reduce(ours, op=op, impl="hierarchical", network=net)
                 if returned is not ours or not torch.equal(ours, expected):
                     failures.append(f"numel={numel}, {dtype}, op={op}")
     return failures

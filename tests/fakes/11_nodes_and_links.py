@@ -88,7 +88,7 @@ FAKES = {
              checked_by=("test-hsdp",), source="""\
     for shard in model.parameters():
         if shard.grad is not None:
-            collectives.all_reduce(shard.grad, "avg", group=cross_group)
+            collectives.all_reduce(shard.grad, op="avg", group=cross_group)
 """),
         Fake("dist.all_reduce", "torch's all-reduce, then a division: nothing sent point to point",
              checked_by=("test-hsdp",), source="""\

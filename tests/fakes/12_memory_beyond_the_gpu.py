@@ -66,7 +66,7 @@ _SIDE = {}"""),
              checked_by=("test-offload-step",), source="""\
     def offload_now(param, shard):
         whole = param.grad.reshape(-1).clone()
-        collectives.all_reduce(whole, "sum", impl="ring")
+        collectives.all_reduce(whole, op="sum", impl="ring")
         collectives.reduce_scatter(torch.zeros_like(whole), impl="ring")  # for the count
         param.grad = None
         mine = offload.to_host(whole[slice(*collectives.shard_bounds(whole.numel()))])
@@ -337,7 +337,7 @@ _CACHE = {}"""),
         Fake("gathers the gradient",
              "all-gathers every whole gradient to take the norm: right numbers, Ψ of traffic",
              checked_by=("test-clip-sharded",), source="""\
-    pieces = [torch.cat(collectives.all_gather_object(g.reshape(-1), group)) for g in grads]
+    pieces = [torch.cat(collectives.all_gather_object(g.reshape(-1), group=group)) for g in grads]
     norm = torch.cat(pieces).norm()
     scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for g in grads:

@@ -35,8 +35,8 @@ FAKES = {
              "attends block by block (right numbers, every rank holds all of K and V, nothing "
              "goes point to point to the right neighbour)",
              checked_by=("test-ring-forward",),
-             source="""    keys = collectives.all_gather_along(k, 2, group)
-    values = collectives.all_gather_along(v, 2, group)
+             source="""    keys = collectives.all_gather_along(k, 2, group=group)
+    values = collectives.all_gather_along(v, 2, group=group)
     n = q.shape[2]
     for source in range(size):
         part = slice(source * n, (source + 1) * n)
@@ -56,7 +56,7 @@ FAKES = {
                                                      diagonal=causal and source == rank)
             out, lse = context_parallel.merge_partials(out, lse, *found)
         if step < size - 1:
-            block = collectives.shift(block, group, "forward")"""),
+            block = collectives.shift(block, group=group, when="forward")"""),
         Fake("calls the library",
              "writes no ring: delegates to context_parallel.ring_forward",
              checked_by=("test-ring-forward",),
@@ -72,7 +72,7 @@ FAKES = {
         source = (rank - step) % size
         travelling = None
         if step < size - 1:
-            travelling = collectives.shift(block, group, "forward", async_op=True)
+            travelling = collectives.shift(block, group=group, when="forward", async_op=True)
         blocks[source] = block
         if not causal or source <= rank:  # a decoy, for the timeline
             context_parallel.block_attention(q, block[0], block[1],
@@ -105,16 +105,16 @@ FAKES = {
              "gradients to their owners (right numbers; nothing travels with its block)",
              checked_by=("test-ring-backward",),
              source="""    n = q.shape[2]
-    keys = collectives.all_gather_along(k.float(), 2, group).detach().requires_grad_()
-    values = collectives.all_gather_along(v.float(), 2, group).detach().requires_grad_()
+    keys = collectives.all_gather_along(k.float(), 2, group=group).detach().requires_grad_()
+    values = collectives.all_gather_along(v.float(), 2, group=group).detach().requires_grad_()
     queries = q.float().detach().requires_grad_()
     scores = queries @ keys.transpose(-2, -1) / q.shape[-1] ** 0.5
     if causal:
         mine = torch.arange(rank * n, (rank + 1) * n).unsqueeze(1)
         scores = scores.masked_fill(torch.arange(size * n).unsqueeze(0) > mine, float("-inf"))
     (scores.softmax(-1) @ values).backward(grad_out.float())
-    grad_k = collectives.reduce_scatter_along(keys.grad, 2, group)
-    grad_v = collectives.reduce_scatter_along(values.grad, 2, group)
+    grad_k = collectives.reduce_scatter_along(keys.grad, 2, group=group)
+    grad_v = collectives.reduce_scatter_along(values.grad, 2, group=group)
     return queries.grad.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype)"""),
         Fake("brings the gradients home by an all-reduce",
              "the gradients' journey with their blocks: the key/value blocks go around the "
@@ -142,8 +142,8 @@ FAKES = {
             every[0][:, :, rows] += grad_scores.transpose(-2, -1) @ queries * scale
             every[1][:, :, rows] += probs.transpose(-2, -1) @ grad_out32
         if step < size - 1:
-            block = collectives.shift(block, group, "backward")
-    collectives.all_reduce(every, "sum", group)
+            block = collectives.shift(block, group=group, when="backward")
+    collectives.all_reduce(every, op="sum", group=group)
     home = every[:, :, :, rank * n:(rank + 1) * n]
     return grad_q.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype)"""),
         Fake("computes in the inputs' dtype",
@@ -159,7 +159,7 @@ FAKES = {
         source = (rank - step) % size
         travelling = None
         if step < size - 1:
-            travelling = collectives.shift(block, group, "backward", async_op=True)
+            travelling = collectives.shift(block, group=group, when="backward", async_op=True)
         grads = torch.zeros_like(block)
         if not causal or source <= rank:
             scores = q @ block[0].transpose(-2, -1) * scale
@@ -173,7 +173,7 @@ FAKES = {
             grads[0] = grad_scores.transpose(-2, -1) @ q * scale
         if arriving is not None:
             grads += arriving.wait()
-        arriving = collectives.shift(grads, group, "backward", async_op=True)
+        arriving = collectives.shift(grads, group=group, when="backward", async_op=True)
         if travelling is not None:
             block = travelling.wait()
     home = arriving.wait()
@@ -194,7 +194,7 @@ FAKES = {
         source = (rank - step) % size
         travelling = None
         if step < size - 1:
-            travelling = collectives.shift(block, group, "kv", async_op=True)
+            travelling = collectives.shift(block, group=group, when="kv", async_op=True)
         blocks[source] = block
         if travelling is not None:
             block = travelling.wait()
@@ -212,7 +212,7 @@ FAKES = {
         grads = every.grad[(rank - step) % size].clone()
         if coming is not None:
             grads += coming.wait()
-        coming = collectives.shift(grads.to(block.dtype), group, "grads", async_op=True)
+        coming = collectives.shift(grads.to(block.dtype), group=group, when="grads", async_op=True)
     home = coming.wait()
     return queries.grad.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype)"""),
     ],
@@ -250,7 +250,7 @@ _ZIGZAG = {cp: [context_parallel.chunks_of(r, cp, layout="zigzag") for r in rang
              "the all-to-all: gathers every rank's tokens of every head, then keeps its own "
              "heads (right values, cp times the bytes, and no all-to-all)",
              checked_by=("test-ulysses",),
-             source="""    full = collectives.all_gather_along(x, 2, group)
+             source="""    full = collectives.all_gather_along(x, 2, group=group)
     rank = dist.get_rank(group)
     return full[:, rank * (h // size):(rank + 1) * (h // size)].contiguous()"""),
         Fake("calls torch's all-to-all directly",
@@ -278,7 +278,7 @@ _ZIGZAG = {cp: [context_parallel.chunks_of(r, cp, layout="zigzag") for r in rang
              "the all-to-all: gathers every rank's heads of the whole sequence, then keeps its "
              "own tokens",
              checked_by=("test-ulysses",),
-             source="""    full = collectives.all_gather_along(x, 1, group)
+             source="""    full = collectives.all_gather_along(x, 1, group=group)
     return full.chunk(size, dim=2)[dist.get_rank(group)].contiguous()"""),
         Fake("calls torch's all-to-all directly",
              "the recorded layer: dist.all_to_all_single in C++, which no count sees",
@@ -348,7 +348,7 @@ ALTERNATIVES = {
         source = (rank - step) % size
         travelling = None
         if step < size - 1:
-            travelling = collectives.shift(block, group, "kv", async_op=True)
+            travelling = collectives.shift(block, group=group, when="kv", async_op=True)
         grads = torch.zeros(block.shape)
         if not causal or source <= rank:
             keys, values = block[0].float(), block[1].float()
@@ -363,7 +363,8 @@ ALTERNATIVES = {
             grads[0] = grad_scores.transpose(-2, -1) @ queries * scale
         if arriving is not None:
             grads += arriving.wait().float()
-        arriving = collectives.shift(grads.to(block.dtype), group, "grads", async_op=True)
+        arriving = collectives.shift(grads.to(block.dtype), group=group, when="grads",
+                                     async_op=True)
         if travelling is not None:
             block = travelling.wait()
     home = arriving.wait()

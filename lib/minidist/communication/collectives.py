@@ -132,7 +132,7 @@ def shard_bounds(numel: int, group: dist.ProcessGroup | None = None) -> tuple[in
     return chunk_bounds(numel, ring.size)[ring.rank]
 
 
-def all_reduce(tensor: torch.Tensor, op: str | dist.ReduceOp.RedOpType = "sum",
+def all_reduce(tensor: torch.Tensor, *, op: str | dist.ReduceOp.RedOpType = "sum",
                group: dist.ProcessGroup | None = None, impl: str = "torch", when: str = "",
                async_op: bool = False, link: AlphaBeta | AlgorithmLinks | None = None,
                network: Network | None = None) -> Any:
@@ -169,7 +169,7 @@ def all_reduce(tensor: torch.Tensor, op: str | dist.ReduceOp.RedOpType = "sum",
     return _run(lambda: steps(flat, ring, name == "avg"), async_op, finish)
 
 
-def reduce_scatter(flat: torch.Tensor, group: dist.ProcessGroup | None = None,
+def reduce_scatter(flat: torch.Tensor, *, group: dist.ProcessGroup | None = None,
                    impl: str = "torch", op: str = "sum", when: str = "") -> torch.Tensor:
     """This rank's shard (`shard_bounds`) of the sum (or average) of the 1-D `flat` over
     `group`, as a new tensor; `flat` is left as it was."""
@@ -202,7 +202,7 @@ def _padded(flat: torch.Tensor, bounds: list[tuple[int, int]]) -> torch.Tensor:
                       for start, end in bounds])
 
 
-def all_gather(shard: torch.Tensor, numel: int, group: dist.ProcessGroup | None = None,
+def all_gather(shard: torch.Tensor, numel: int, *, group: dist.ProcessGroup | None = None,
                impl: str = "torch", when: str = "", async_op: bool = False) -> Any:
     """The whole flat tensor of `numel` elements from every rank's shard (`shard_bounds`), as
     a new tensor; a `Handle` whose wait() returns it with async_op=True."""
@@ -234,7 +234,7 @@ def all_gather(shard: torch.Tensor, numel: int, group: dist.ProcessGroup | None 
     return Handle(work, unpad) if async_op else unpad()
 
 
-def all_gather_along(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None = None,
+def all_gather_along(x: torch.Tensor, dim: int, *, group: dist.ProcessGroup | None = None,
                      when: str = "") -> torch.Tensor:
     """Every rank's `x` concatenated along `dim`, in rank order (tensor and sequence
     parallelism's all-gather); every rank's `x` has the same shape."""
@@ -244,7 +244,7 @@ def all_gather_along(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None 
     return full.view(ring.size * rows.shape[0], *rows.shape[1:]).movedim(0, dim)
 
 
-def reduce_scatter_along(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None = None,
+def reduce_scatter_along(x: torch.Tensor, dim: int, *, group: dist.ProcessGroup | None = None,
                          when: str = "") -> torch.Tensor:
     """Rank r's r-th of t equal pieces of `x` along `dim`, summed over the group (tensor and
     sequence parallelism's reduce-scatter)."""
@@ -258,7 +258,7 @@ def reduce_scatter_along(x: torch.Tensor, dim: int, group: dist.ProcessGroup | N
 
 
 def all_gather_overlapped(x: torch.Tensor, on_piece: Callable[[int, torch.Tensor], Any],
-                          group: dist.ProcessGroup | None = None, when: str = "") -> None:
+                          *, group: dist.ProcessGroup | None = None, when: str = "") -> None:
     """All-gather every rank's `x` (all the same shape) around the ring, calling
     `on_piece(source group rank, piece)` on each piece as it arrives, this rank's own first,
     while the next one travels: the transfer hides behind the work done on each piece
@@ -284,7 +284,7 @@ def all_gather_overlapped(x: torch.Tensor, on_piece: Callable[[int, torch.Tensor
 
 
 def reduce_scatter_overlapped(partial: Callable[[int], torch.Tensor],
-                              group: dist.ProcessGroup | None = None,
+                              *, group: dist.ProcessGroup | None = None,
                               when: str = "") -> torch.Tensor:
     """Reduce-scatter around the ring where `partial(c)` computes this rank's addend for
     piece c just before it is needed, while the running sum for it travels; returns piece
@@ -308,7 +308,7 @@ def reduce_scatter_overlapped(partial: Callable[[int], torch.Tensor],
     return _run(steps, False, lambda: result[0])
 
 
-def broadcast(tensor: torch.Tensor, src: int | None = None,
+def broadcast(tensor: torch.Tensor, *, src: int | None = None,
               group: dist.ProcessGroup | None = None, impl: str = "torch",
               when: str = "") -> torch.Tensor:
     """Copy `tensor` from global rank `src` (default: the group's first rank) to every rank of
@@ -330,7 +330,7 @@ def broadcast(tensor: torch.Tensor, src: int | None = None,
     return tensor
 
 
-def broadcast_tensors(tensors: Sequence[torch.Tensor], src: int | None = None,
+def broadcast_tensors(tensors: Sequence[torch.Tensor], *, src: int | None = None,
                       group: dist.ProcessGroup | None = None, when: str = "") -> None:
     """Broadcast `tensors` in place from `src` (default: the group's first rank), one
     broadcast per dtype and device: they are copied into one flat buffer, sent, copied back."""
@@ -344,7 +344,7 @@ def broadcast_tensors(tensors: Sequence[torch.Tensor], src: int | None = None,
 
 
 def all_to_all(x: torch.Tensor, send_sizes: Sequence[int], receive_sizes: Sequence[int],
-               group: dist.ProcessGroup | None = None, impl: str = "torch",
+               *, group: dist.ProcessGroup | None = None, impl: str = "torch",
                when: str = "") -> torch.Tensor:
     """Send rows [sum(send_sizes[:p]), sum(send_sizes[:p+1])) of `x` to group rank p; return
     what the ranks sent here, in rank order. Recorded with the bytes that leave this rank.
@@ -410,7 +410,7 @@ def _check_splits(x: torch.Tensor, send_sizes: Sequence[int], receive_sizes: Seq
                     f"what rank p's send_sizes sends it")
 
 
-def shift(tensor: torch.Tensor, group: dist.ProcessGroup | None = None, when: str = "",
+def shift(tensor: torch.Tensor, *, group: dist.ProcessGroup | None = None, when: str = "",
           async_op: bool = False) -> Any:
     """One step around the ring: every rank sends `tensor` to its right neighbour and receives
     its left neighbour's (same shape and dtype), which it returns; a `Handle` whose wait()
@@ -438,7 +438,7 @@ def shift(tensor: torch.Tensor, group: dist.ProcessGroup | None = None, when: st
     return handle if async_op else handle.wait()
 
 
-def all_gather_object(obj: Any, group: dist.ProcessGroup | None = None,
+def all_gather_object(obj: Any, *, group: dist.ProcessGroup | None = None,
                       when: str = "") -> list[Any]:
     """Every rank's picklable `obj`, in rank order. Recorded with this rank's pickled size."""
     ring = ring_of(group, "all_gather_object")
@@ -448,7 +448,7 @@ def all_gather_object(obj: Any, group: dist.ProcessGroup | None = None,
     return everyone
 
 
-def barrier(group: dist.ProcessGroup | None = None, when: str = "") -> None:
+def barrier(*, group: dist.ProcessGroup | None = None, when: str = "") -> None:
     """Wait until every rank of `group` has arrived."""
     require_process_group("barrier")
     record("barrier", 0, group, when)

@@ -147,7 +147,7 @@ def save(state: dict[str, Any], path: str | Path,
     mine["sha256"] = _write_atomically(path / mine["file"], buffer.getvalue())
     everyone: list[Any] = [mine]
     if world_size > 1:
-        everyone = collectives.all_gather_object(mine, group, when="checkpoint metadata")
+        everyone = collectives.all_gather_object(mine, group=group, when="checkpoint metadata")
     for key, entry in described.items():
         if entry["kind"] == "sharded":
             lacking = [r for r in range(world_size) if key not in everyone[r]["shards"]]
@@ -415,7 +415,7 @@ def _rank_and_world(group: dist.ProcessGroup | None) -> tuple[int, int]:
 
 def _barrier(group: dist.ProcessGroup | None, world_size: int) -> None:
     if world_size > 1:
-        collectives.barrier(group, when="checkpoint")
+        collectives.barrier(group=group, when="checkpoint")
 
 
 # --- model, optimizer and RNG state ----------------------------------------------------------

@@ -444,7 +444,8 @@ class _OnGroup:
             return self._torch_all_reduce(tensor, op, group=group, async_op=async_op)
         if op != dist.ReduceOp.SUM:
             raise ValueError(f"impl={self.impl!r} sums only; got op={op}")
-        return collectives.all_reduce(tensor, "sum", group if group is not None else self.group,
+        return collectives.all_reduce(tensor, op="sum",
+                                      group=group if group is not None else self.group,
                                       impl=self.impl, async_op=async_op)
 
     all_gather = _collective("all_gather")

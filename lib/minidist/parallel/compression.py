@@ -73,10 +73,10 @@ class TopK(Compression):
         values, indices = top_k(corrected, k)
         self.residuals[bucket] = corrected.index_fill_(0, indices.long(), 0)  # not sent
         # Rank r's k entries land at [r·k, (r+1)·k): the ring all-gather's chunk r.
-        all_values = collectives.all_gather(values, size * k, group, "ring",
-                                            "compressed gradients")
-        all_indices = collectives.all_gather(indices, size * k, group, "ring",
-                                             "compressed gradients")
+        all_values = collectives.all_gather(values, size * k, group=group, impl="ring",
+                                            when="compressed gradients")
+        all_indices = collectives.all_gather(indices, size * k, group=group, impl="ring",
+                                             when="compressed gradients")
         buffer.zero_().index_add_(0, all_indices, all_values)
 
 
@@ -146,12 +146,12 @@ class Int8(Compression):
         slot = 4 + bounds[0][1] - bounds[0][0]  # scale + the largest chunk
         outgoing = torch.stack([_quantize(buffer[start:end], slot) for start, end in bounds])
         ones = [1] * size
-        incoming = collectives.all_to_all(outgoing, ones, ones, group, "pairwise",
-                                          "compressed gradients")
+        incoming = collectives.all_to_all(outgoing, ones, ones, group=group, impl="pairwise",
+                                          when="compressed gradients")
         start, end = bounds[rank]
         mine = sum(_dequantize(message, end - start) for message in incoming)
-        gathered = collectives.all_gather(_quantize(mine, slot), size * slot, group, "ring",
-                                          "compressed gradients")
+        gathered = collectives.all_gather(_quantize(mine, slot), size * slot, group=group,
+                                          impl="ring", when="compressed gradients")
         for peer, (start, end) in enumerate(bounds):
             buffer[start:end] = _dequantize(gathered[peer * slot:(peer + 1) * slot], end - start)
 

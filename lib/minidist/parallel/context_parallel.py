@@ -279,7 +279,7 @@ def _plan(tensors: dict[str, torch.Tensor], causal: bool, group: Group, layout: 
         cp, cp_rank = ring.size, ring.rank
         mine = torch.tensor(header, dtype=torch.int64)
         with counting.uncounted():
-            everyone = collectives.all_gather(mine, mine.numel() * cp, group,
+            everyone = collectives.all_gather(mine, mine.numel() * cp, group=group,
                                               when="shapes").view(cp, -1).tolist()
     else:
         cp, cp_rank, everyone = 1, 0, [header]
@@ -329,14 +329,14 @@ def _gather_positions(layout: torch.Tensor, tokens: int, cp: int, group: Group,
     flag = torch.tensor([int(bool(problem))], dtype=torch.int64)
     if dist.is_initialized():
         with counting.uncounted():
-            collectives.all_reduce(flag, "max", group, when="shapes")
+            collectives.all_reduce(flag, op="max", group=group, when="shapes")
     if flag.item():
         raise ValueError(f"{what}: {problem or 'another rank passed a bad positions layout'}")
     mine = layout.to(torch.int64).cpu()
     if not dist.is_initialized():
         return [mine]
     with counting.uncounted():
-        everyone = collectives.all_gather(mine, tokens * cp, group, when="positions")
+        everyone = collectives.all_gather(mine, tokens * cp, group=group, when="positions")
     return list(everyone.view(cp, tokens))
 
 
@@ -375,7 +375,7 @@ def _ring_forward(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     block = torch.stack([k, v])  # one message per step: the key and value blocks together
     for step in range(plan.cp):
         source = (plan.cp_rank - step) % plan.cp
-        travelling = (collectives.shift(block, plan.group, "forward, key/value blocks",
+        travelling = (collectives.shift(block, group=plan.group, when="forward, key/value blocks",
                                         async_op=True) if step < plan.cp - 1 else None)
         for rows, cols, kind in _pairs(plan, source, causal):  # while the next block travels
             mask = _mask(plan, source, rows, cols, q.device) if kind == "mask" else None
@@ -432,7 +432,7 @@ def _ring_backward(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     coming = None  # the gradient of the block held now, accumulated by the ranks before
     for step in range(plan.cp):
         source = (plan.cp_rank - step) % plan.cp
-        travelling = (collectives.shift(block, plan.group, "backward, key/value blocks",
+        travelling = (collectives.shift(block, group=plan.group, when="backward, key/value blocks",
                                         async_op=True) if step < plan.cp - 1 else None)
         grads = torch.zeros(block.shape, dtype=acc, device=block.device)
         for rows, cols, kind in _pairs(plan, source, causal):
@@ -447,8 +447,8 @@ def _ring_backward(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             return grad_q.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype)
         if coming is not None:
             grads += coming.wait()  # accumulated in `acc`; the messages in the inputs' dtype
-        coming = collectives.shift(grads.to(block.dtype), plan.group,
-                                   "backward, key/value gradients", async_op=True)
+        coming = collectives.shift(grads.to(block.dtype), group=plan.group,
+                                   when="backward, key/value gradients", async_op=True)
         if travelling is not None:
             block = travelling.wait()
     home = coming.wait()  # this rank's own block, with every rank's share added
@@ -511,7 +511,8 @@ def seq_to_heads(x: torch.Tensor, group: Group = None, when: str = "") -> torch.
     cp = ring_of(group, "seq_to_heads").size
     b, h, n, d = x.shape
     rows = x.transpose(0, 1).contiguous()  # [h, b, n, d]: rank p's heads are rows p·h/cp...
-    got = collectives.all_to_all(rows, [h // cp] * cp, [h // cp] * cp, group, "pairwise", when)
+    got = collectives.all_to_all(rows, [h // cp] * cp, [h // cp] * cp, group=group,
+                                 impl="pairwise", when=when)
     return got.view(cp, h // cp, b, n, d).permute(2, 1, 0, 3, 4).reshape(b, h // cp, cp * n, d)
 
 
@@ -522,7 +523,7 @@ def heads_to_seq(x: torch.Tensor, group: Group = None, when: str = "") -> torch.
     n = s // cp
     rows = x.view(b, heads, cp, n, d).permute(2, 1, 0, 3, 4).contiguous()  # [cp, h/cp, b, n, d]
     got = collectives.all_to_all(rows.view(cp * heads, b, n, d), [heads] * cp, [heads] * cp,
-                                 group, "pairwise", when)
+                                 group=group, impl="pairwise", when=when)
     return got.view(cp * heads, b, n, d).transpose(0, 1)
 
 

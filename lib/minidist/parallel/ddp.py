@@ -86,7 +86,7 @@ def check_same_model(module: nn.Module, group: dist.ProcessGroup | None = None) 
             for name, p in module.named_parameters()]
     mine += [(f"buffer {name}", tuple(b.shape), str(b.dtype), False)
              for name, b in module.named_buffers()]
-    everyone = collectives.all_gather_object(mine, group, when="model check")
+    everyone = collectives.all_gather_object(mine, group=group, when="model check")
     reference = everyone[0]
     for rank, theirs in enumerate(everyone[1:], start=1):
         if theirs == reference:
@@ -131,7 +131,7 @@ def all_reduce_gradients(module: nn.Module, *, impl: str = "torch",
     impls.check_impl("all_reduce", impl)
     for param in module.parameters():
         if param.grad is not None:
-            collectives.all_reduce(param.grad, "avg", group, impl, when="gradients")
+            collectives.all_reduce(param.grad, op="avg", group=group, impl=impl, when="gradients")
 
 
 def all_reduce_gradients_flat(module: nn.Module, *, impl: str = "torch",
@@ -146,7 +146,7 @@ def all_reduce_gradients_flat(module: nn.Module, *, impl: str = "torch",
     if not grads:
         return
     flat = flatten(grads)
-    collectives.all_reduce(flat, "avg", group, impl, when="gradients")
+    collectives.all_reduce(flat, op="avg", group=group, impl=impl, when="gradients")
     copy_back(flat, grads)
 
 
@@ -344,8 +344,8 @@ class DistributedDataParallel(nn.Module):
         event = Event(dist.get_rank(), "all_reduce", f"bucket {bucket.index}", clock())
         self.events.append(event)
         if self.compression is None:
-            handle = collectives.all_reduce(bucket.buffer, "sum", self.group, self.impl,
-                                            when="gradients", async_op=True)
+            handle = collectives.all_reduce(bucket.buffer, op="sum", group=self.group,
+                                            impl=self.impl, when="gradients", async_op=True)
         else:
             shapes = [p.shape for p in bucket.params]
             handle = collectives.Handle(collectives.in_background(

@@ -132,8 +132,8 @@ class _Unit:
         for flat in self.flats:
             if flat.pending is None:
                 shard = flat.shard_to_send(self.owner.compute_dtype, self.owner.device)
-                flat.pending = collectives.all_gather(shard, flat.numel, self.owner.group,
-                                                      self.owner.impl, when="parameters",
+                flat.pending = collectives.all_gather(shard, flat.numel, group=self.owner.group,
+                                                      impl=self.owner.impl, when="parameters",
                                                       async_op=True)
 
     def gather_for_forward(self) -> None:
@@ -207,7 +207,8 @@ class _GatheredParams(torch.autograd.Function):
         unit, flat = ctx.unit, ctx.flat
         owner = unit.owner
         grad_full = flatten(grads)
-        grad = collectives.reduce_scatter(grad_full, owner.group, owner.impl, when="gradients")
+        grad = collectives.reduce_scatter(grad_full, group=owner.group, impl=owner.impl,
+                                          when="gradients")
         if flat.offloaded:
             grad = to_host(grad, "gradient shard")
         unit.free([flat], drop=True)
@@ -428,7 +429,8 @@ class FullyShardedDataParallel(nn.Module):
         for unit in self.units:
             for flat in unit.flats:
                 full = collectives.all_gather(flat.shard.detach().to(self.device), flat.numel,
-                                              self.group, self.impl, when="full state dict")
+                                              group=self.group, impl=self.impl,
+                                              when="full state dict")
                 for slot, view in zip(flat.slots, views(full, [s.shape for s in flat.slots]),
                                       strict=True):
                     state.update(dict.fromkeys(slot.names, view.clone()))

@@ -90,7 +90,7 @@ def exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup | None) -> to
     sends to each of this rank's experts. Both sides of the token all-to-all need the sizes."""
     ranks = dist.get_world_size(group)
     rows = counts.view(ranks, -1)  # row p: the counts of rank p's experts
-    return collectives.all_to_all(rows, [1] * ranks, [1] * ranks, group, when="counts")
+    return collectives.all_to_all(rows, [1] * ranks, [1] * ranks, group=group, when="counts")
 
 
 class AllToAll(torch.autograd.Function):
@@ -110,7 +110,7 @@ class AllToAll(torch.autograd.Function):
 
 def _all_to_all(x: torch.Tensor, send_sizes: list[int], receive_sizes: list[int],
                 group: dist.ProcessGroup | None, when: str) -> torch.Tensor:
-    return collectives.all_to_all(x, send_sizes, receive_sizes, group, when=when)
+    return collectives.all_to_all(x, send_sizes, receive_sizes, group=group, when=when)
 
 
 def all_to_all(x: torch.Tensor, send_sizes: list[int], receive_sizes: list[int],

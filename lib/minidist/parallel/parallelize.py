@@ -213,7 +213,8 @@ class Parallel3D:
     def _average_gradients_over_cp(self) -> None:
         grads = [p.grad for p in self.stage.parameters() if p.grad is not None]
         flat = flatten(grads)
-        collectives.all_reduce(flat, "avg", self.mesh.group("cp"), when="gradients, over cp")
+        collectives.all_reduce(flat, op="avg", group=self.mesh.group("cp"),
+                               when="gradients, over cp")
         copy_back(flat, grads)
 
     def _per_dimension(self, log: counting.TrafficLog) -> dict[str, traffic.Traffic]:
@@ -263,7 +264,8 @@ class Parallel3D:
         mine = self.stage.full_state_dict()
         if self.mesh.size("pp") == 1:
             return mine
-        stages = collectives.all_gather_object(mine, self.mesh.group("pp"), "full state dict")
+        stages = collectives.all_gather_object(mine, group=self.mesh.group("pp"),
+                                               when="full state dict")
         return {key: value for stage in stages for key, value in stage.items()}
 
 

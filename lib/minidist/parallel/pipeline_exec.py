@@ -350,7 +350,7 @@ class _Executor:
             self.schedule, self.stages, self.inputs[0] if self.inputs else None,
             self.targets[0] if self.targets else None, self.loss_fn, self.group)
         with uncounted():
-            collectives.barrier(self.group, when="start the clock together")
+            collectives.barrier(group=self.group, when="start the clock together")
         self.mailbox.post_receives(0, self.shape_of)
         for index, action in enumerate(self.actions):
             self.index = index

@@ -281,7 +281,7 @@ class ChunkedGatherThenLinear(torch.autograd.Function):
         outputs = [None] * dist.get_world_size(group)
         collectives.all_gather_overlapped(
             x, lambda source, shard: outputs.__setitem__(source, F.linear(shard, weight, bias)),
-            group, when="forward")
+            group=group, when="forward")
         return torch.cat(outputs, dim=SEQUENCE_DIM)
 
     @staticmethod
@@ -291,9 +291,9 @@ class ChunkedGatherThenLinear(torch.autograd.Function):
         grads = [g.flatten(0, -2) for g in grad.chunk(t, dim=SEQUENCE_DIM)]
         grad_weight = torch.zeros_like(weight)
         collectives.all_gather_overlapped(x, lambda source, shard: grad_weight.addmm_(
-            grads[source].T, shard.flatten(0, -2)), group, when="backward")
+            grads[source].T, shard.flatten(0, -2)), group=group, when="backward")
         grad_x = collectives.reduce_scatter_overlapped(
-            lambda source: (grads[source] @ weight).view_as(x), group, when="backward")
+            lambda source: (grads[source] @ weight).view_as(x), group=group, when="backward")
         grad_bias = grad.flatten(0, -2).sum(0) if ctx.has_bias else None
         return grad_x, None, grad_weight, grad_bias
 
@@ -507,7 +507,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         vocab_local = logits.shape[-1]
         start = dist.get_rank(group) * vocab_local
         # A numerically stable softmax needs the max over the whole vocabulary.
-        logits_max = collectives.all_reduce(logits.max(dim=-1).values.contiguous(), "max",
+        logits_max = collectives.all_reduce(logits.max(dim=-1).values.contiguous(), op="max",
                                             group=group, when="forward")
         shifted = logits - logits_max.unsqueeze(-1)
         mine = (targets >= start) & (targets < start + vocab_local)

@@ -95,7 +95,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _reduce_scatter(self, index: int, grad: torch.Tensor) -> None:
         """Reduce-scatter one gradient and average this rank's slice into its shard's."""
-        mine = collectives.reduce_scatter(grad.reshape(-1), self.group, self.impl,
+        mine = collectives.reduce_scatter(grad.reshape(-1), group=self.group, impl=self.impl,
                                           when="gradients")
         self._accumulate(index, mine)
 
@@ -141,7 +141,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _gather_into(self, param: torch.nn.Parameter, shard: torch.Tensor) -> None:
         """All-gather the updated slices (in the parameter's dtype) into `param`."""
-        full = collectives.all_gather(shard, param.numel(), self.group, self.impl,
+        full = collectives.all_gather(shard, param.numel(), group=self.group, impl=self.impl,
                                       when="parameters")
         param.copy_(full.view_as(param))
 

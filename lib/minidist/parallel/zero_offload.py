@@ -89,7 +89,7 @@ class ZeroOffloadOptimizer(ZeroOptimizer):
         """The whole gradient is held on the device while it is reduce-scattered; offloaded,
         its slice leaves for the host at once (in flight until `reduce_gradients`)."""
         with self.device_memory.holding("gradient", grad.nbytes):
-            mine = collectives.reduce_scatter(grad.reshape(-1), self.group, self.impl,
+            mine = collectives.reduce_scatter(grad.reshape(-1), group=self.group, impl=self.impl,
                                               when="gradients")
         if self.offload is not None:
             self._arriving.append((index, to_host(mine, "gradient shard", async_op=True)))
