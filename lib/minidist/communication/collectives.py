@@ -240,7 +240,7 @@ def all_gather_along(x: torch.Tensor, dim: int, *, group: dist.ProcessGroup | No
     parallelism's all-gather); every rank's `x` has the same shape."""
     ring = ring_of(group, "all_gather_along")
     rows = x.movedim(dim, 0).contiguous()  # [x.shape[dim], ...]: each rank's piece is whole
-    full = all_gather(rows.view(-1), rows.numel() * ring.size, group, when=when)
+    full = all_gather(rows.view(-1), rows.numel() * ring.size, group=group, when=when)
     return full.view(ring.size * rows.shape[0], *rows.shape[1:]).movedim(0, dim)
 
 
@@ -253,7 +253,7 @@ def reduce_scatter_along(x: torch.Tensor, dim: int, *, group: dist.ProcessGroup 
         raise ValueError(f"dim {dim} of size {x.shape[dim]} is not divisible by the group's "
                          f"{ring.size} ranks")
     rows = x.movedim(dim, 0).contiguous()
-    shard = reduce_scatter(rows.view(-1), group, when=when)
+    shard = reduce_scatter(rows.view(-1), group=group, when=when)
     return shard.view(rows.shape[0] // ring.size, *rows.shape[1:]).movedim(0, dim)
 
 
@@ -339,7 +339,7 @@ def broadcast_tensors(tensors: Sequence[torch.Tensor], *, src: int | None = None
         kinds.setdefault((tensor.dtype, tensor.device), []).append(tensor)
     for same_kind in kinds.values():
         flat = flatten(same_kind)
-        broadcast(flat, src, group, when=when)
+        broadcast(flat, src=src, group=group, when=when)
         copy_back(flat, same_kind)
 
 
