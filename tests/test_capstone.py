@@ -307,3 +307,7 @@ def test_the_job_with_minidists_pieces_equals_one_process_and_resumes(tmp_path: 
     assert resumed["resumed_from"] == 2 and sorted(got) == [1, 2, 3, 4]
     assert max(abs(got[step + 1] - want) for step, want in enumerate(expected)) <= 1e-5
     assert all(whose.startswith("minidist's") for whose in resumed["whose"].values())
+    # The lab's tests read a checkpoint in the notebook's process, with no process group.
+    theirs = pieces.load(files["my_pieces.py"], every)
+    fc1 = theirs.load_range(tmp_path / "run" / "step_00000004", "blocks.0.mlp.fc1.weight", 0, 4096)
+    assert fc1.numel() == 4096
