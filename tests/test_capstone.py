@@ -57,8 +57,8 @@ def test_an_unfinished_piece_is_named_with_both_fixes(tmp_path: Path):
         shutil.copytree(REPO / "labs" / lab, labs / lab)  # the released labs: every stub unwritten
     text = pieces.export(labs, tmp_path / "pieces.py")
     assert set(pieces.status(text).values()) == {"unfinished"}
-    with pytest.raises(pieces.MissingPiece,
-                       match=r"(?s)tp: Lab 05_tensor_parallel.*cell impl-f-g is unfinished.*minidist_for="):
+    with pytest.raises(pieces.MissingPiece, match=r"(?s)tp: Lab 05_tensor_parallel.*"
+                                                  r"cell impl-f-g is unfinished.*minidist_for="):
         pieces.load(tmp_path / "pieces.py")
     every = tuple(p.name for p in pieces.PIECES)
     chosen = pieces.load(tmp_path / "pieces.py", minidist_for=every)

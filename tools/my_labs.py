@@ -152,11 +152,11 @@ def export() -> None:
     print(f"wrote {shown}; paste it into Lab 14's my_pieces.py cell")
     for piece in pieces.PIECES:
         state = found[piece.name]
-        cells = ", ".join(f"{cell} ({what})"
-                          for cell, what in pieces.unfinished_cells(text, piece).items())
+        lacking = pieces.unfinished_cells(text, piece)  # which of the piece's cells to finish
+        cells = ", ".join(f"{cell} ({what})" for cell, what in lacking.items())
         hint = "" if state == "finished" else (
-            f"  <- finish Lab {piece.lab[:2]} cell {cells}, or run the job "
-            f"with minidist_for=({piece.name!r},)")
+            f"  <- finish Lab {piece.lab[:2]} cell{'s' * (len(lacking) > 1)} {cells}, or run "
+            f"the job with minidist_for=({piece.name!r},)")
         print(f"  {piece.name:10s} Lab {piece.lab}: {piece.what}: {state}{hint}")
 
 
