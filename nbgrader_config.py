@@ -13,7 +13,7 @@ import nbgrader
 from nbconvert.preprocessors import CSSHTMLHeaderPreprocessor
 from nbgrader.converters import Autograde
 from nbgrader.coursedir import CourseDirectory
-from nbgrader.preprocessors import ClearSolutions, GetGrades
+from nbgrader.preprocessors import ClearSolutions, Execute, GetGrades
 
 c = get_config()  # noqa: F821  (injected by traitlets when it loads this file)
 
@@ -32,6 +32,7 @@ from grading.feedback import (  # noqa: E402
 )
 from grading.predictions import KeepPredictionRecords, RestorePredictionLedger  # noqa: E402
 from grading.stubs import name_unwritten_exercises  # noqa: E402
+from grading.timeouts import announce_timeouts  # noqa: E402
 
 from minidist.core.predictions import LEDGER_NAME  # noqa: E402
 
@@ -59,6 +60,8 @@ CELL_TIMEOUT_S = 60
 c.Execute.timeout = CELL_TIMEOUT_S
 c.Execute.interrupt_on_timeout = True
 os.environ.setdefault("MINIDIST_TIMEOUT", str(CELL_TIMEOUT_S // 2))
+# A cell stopped at the limit says so in its output, which the student's feedback shows.
+announce_timeouts(Execute)
 
 # Predictions are graded as first committed (minidist.core.predictions): the history each prediction
 # cell and measurement cell showed is kept before autograde clears the outputs, and written as

@@ -57,7 +57,8 @@ def test_an_unfinished_piece_is_named_with_both_fixes(tmp_path: Path):
         shutil.copytree(REPO / "labs" / lab, labs / lab)  # the released labs: every stub unwritten
     text = pieces.export(labs, tmp_path / "pieces.py")
     assert set(pieces.status(text).values()) == {"unfinished"}
-    with pytest.raises(pieces.MissingPiece, match=r"(?s)tp: Lab 05_tensor_parallel.*minidist_for="):
+    with pytest.raises(pieces.MissingPiece, match=r"(?s)tp: Lab 05_tensor_parallel.*"
+                                                  r"cell impl-f-g is unfinished.*minidist_for="):
         pieces.load(tmp_path / "pieces.py")
     every = tuple(p.name for p in pieces.PIECES)
     chosen = pieces.load(tmp_path / "pieces.py", minidist_for=every)
@@ -83,17 +84,66 @@ def _on_a_group(rank, world_size, path, minidist_for):
     grad = torch.full((2,), float(rank))
     on.dist.all_reduce(grad)
     return (ranks, on.dist.get_rank(), on.dist.get_world_size(), losses, grad.tolist(),
-            dist.get_rank())
+            dist.get_rank(), pieces.usage())
 
 
 @pytest.mark.parametrize("minidist_for", [(), ("mesh", "pp")])
 def test_a_piece_runs_on_its_group_yours_or_minidists(tmp_path: Path, minidist_for):
     pieces.export(REPO / "solutions", tmp_path / "pieces.py")
     results = run(_on_a_group, 4, str(tmp_path / "pieces.py"), minidist_for)
-    for ranks, group_rank, size, losses, grad, rank in results:
+    for ranks, group_rank, size, losses, grad, rank, used in results:
         assert ranks == [rank % 2, rank % 2 + 2] and group_rank == ranks.index(rank) and size == 2
         assert grad == [float(sum(ranks))] * 2  # summed over the dp group only
         assert (len(losses) == 2) == (group_rank == 1)  # the last stage reports the losses
+        # Used, not only loaded: each piece's calls, and the bytes sent on the dp group (the
+        # executor's 2 microbatches of [2, 3] floats one way, and the 8-byte all-reduce).
+        assert used["calls"]["mesh"] == 1 and used["calls"]["pp"] == 2, used
+        sent = 2 * 2 * 3 * 4 if not minidist_for else 0  # minidist's executor: not through `dist`
+        assert used["bytes"][tuple(ranks)] == sent + 8, used
+
+
+def test_usage_under_a_launcher_is_written_per_rank(tmp_path: Path, monkeypatch):
+    """MINIDIST_PIECES_USAGE: each process that loaded pieces writes what ran as it exits
+    (torchrun's ranks are not ours to return it from)."""
+    import subprocess
+    import sys
+
+    pieces.export(REPO / "solutions", tmp_path / "pieces.py")
+    script = ("from minidist.jobs import pieces\n"
+              f"loaded = pieces.load({str(tmp_path / 'pieces.py')!r})\n"
+              "loaded.mesh_groups({'dp': 2}, 'dp')\n")
+    env = {**__import__("os").environ, "MINIDIST_PIECES_USAGE": str(tmp_path / "usage"),
+           "RANK": "3", "PYTHONPATH": str(REPO / "lib")}
+    subprocess.run([sys.executable, "-c", script], check=True, env=env, timeout=120)
+    assert pieces.read_usage(tmp_path / "usage") == {3: {"calls": {"mesh": 1}, "bytes": {}}}
+
+
+def test_a_script_run_names_what_cannot_be_pickled(tmp_path: Path):
+    """`python my_job.py` whose `train` lives in __main__: run sends it by value, and a method
+    that uses `dist` and `self.config` drags in torch.distributed.config. The error names that
+    module, why it came along, and the import that avoids it."""
+    import subprocess
+    import sys
+
+    (tmp_path / "job.py").write_text(
+        "import torch.distributed as dist\n"
+        "from minidist.core.launch import run\n\n\n"
+        "class Job:\n"
+        "    def __init__(self, config):\n"
+        "        self.config = config\n\n"
+        "    def go(self):\n"
+        "        return dist.get_rank() + self.config\n\n\n"
+        "def train(rank, world_size, config):\n"
+        "    return Job(config).go()\n\n\n"
+        "if __name__ == '__main__':\n"
+        "    print(run(train, 2, 1))\n")
+    ran = subprocess.run([sys.executable, "job.py"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120, env={**__import__("os").environ,
+                                                      "PYTHONPATH": str(REPO / "lib")})
+    assert ran.returncode != 0
+    said = ran.stderr.strip().splitlines()[-1]
+    assert "torch.distributed.config" in said and "'dist'" in said, said
+    assert "from job import main" in said and "Pass plain data" not in said, said
 
 
 def test_my_labs_export_writes_beside_lab_14(tmp_path: Path, monkeypatch):
@@ -257,3 +307,7 @@ def test_the_job_with_minidists_pieces_equals_one_process_and_resumes(tmp_path: 
     assert resumed["resumed_from"] == 2 and sorted(got) == [1, 2, 3, 4]
     assert max(abs(got[step + 1] - want) for step, want in enumerate(expected)) <= 1e-5
     assert all(whose.startswith("minidist's") for whose in resumed["whose"].values())
+    # The lab's tests read a checkpoint in the notebook's process, with no process group.
+    theirs = pieces.load(files["my_pieces.py"], every)
+    fc1 = theirs.load_range(tmp_path / "run" / "step_00000004", "blocks.0.mlp.fc1.weight", 0, 4096)
+    assert fc1.numel() == 4096

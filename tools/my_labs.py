@@ -146,14 +146,17 @@ def export() -> None:
     from minidist.jobs import pieces
 
     EXPORTED.parent.mkdir(parents=True, exist_ok=True)
-    found = pieces.status(pieces.export(MINE, EXPORTED))
+    text = pieces.export(MINE, EXPORTED)
+    found = pieces.status(text)
     shown = EXPORTED.relative_to(ROOT) if EXPORTED.is_relative_to(ROOT) else EXPORTED
     print(f"wrote {shown}; paste it into Lab 14's my_pieces.py cell")
     for piece in pieces.PIECES:
         state = found[piece.name]
+        lacking = pieces.unfinished_cells(text, piece)  # which of the piece's cells to finish
+        cells = ", ".join(f"{cell} ({what})" for cell, what in lacking.items())
         hint = "" if state == "finished" else (
-            f"  <- finish Lab {piece.lab[:2]} cell(s) {', '.join(piece.cells)}, or run the job "
-            f"with minidist_for=({piece.name!r},)")
+            f"  <- finish Lab {piece.lab[:2]} cell{'s' * (len(lacking) > 1)} {cells}, or run "
+            f"the job with minidist_for=({piece.name!r},)")
         print(f"  {piece.name:10s} Lab {piece.lab}: {piece.what}: {state}{hint}")
 
 

@@ -1,9 +1,10 @@
 """Fakes of Lab 14's two exercises: the pieces (my_pieces.py) and the job (my_job.py).
 
 Each is the solution's file with one mechanism taken out, so that it still runs and still
-gets most numbers right: a job that trains the whole model on every rank, one whose pipeline
-runs every stage everywhere, a resume that replays from step 0; pieces that hard-code the
-lab's case, that schedule GPipe where 1F1B was asked, that only call minidist's. The fakes are
+gets most numbers right: a job that loads the pieces and trains the whole model on every rank
+without them, one whose pipeline runs every stage everywhere, a resume that replays from step
+0, a checkpoint of per-rank torch.save files; pieces that hard-code the lab's case, that
+schedule GPipe where 1F1B was asked, that only call minidist's. The fakes are
 made from the solution notebook's own cells, each edit checked to apply, so that a fake never
 silently becomes the solution."""
 
@@ -58,15 +59,6 @@ _EVERY_STAGE = (
      'if coords["dp"] or coords["pp"] or (kind == "whole" and coords["tp"] != 0):'),
 )
 
-# No pipeline, no data parallelism: every rank trains the whole model on the whole batch.
-_NO_MESH = _EVERY_STAGE + (
-    ("rows = slice(coords[\"dp\"] * config.batch // config.dp,\n"
-     "                     (coords[\"dp\"] + 1) * config.batch // config.dp)",
-     "rows = slice(0, config.batch)"),
-    ("            if config.dp > 1:\n"
-     "                self.dp.all_reduce_gradients_flat(self.stage)\n", ""),
-)
-
 # Replay: read the checkpoint's step, then train again from the start up to it.
 _REPLAY = (
     ("self.resumed_from = self.step_index = self.restore(found)",
@@ -74,6 +66,111 @@ _REPLAY = (
      "            for _ in range(self.resumed_from):\n"
      "                self.step()"),
 )
+
+
+def _between(text: str, start: str, end: str, new: str) -> str:
+    """`text` with everything from the line `start` up to (not including) `end` replaced."""
+    assert text.count(start) == 1 and text.count(end) == 1, (
+        f"tests/fakes/14_capstone.py: {start!r} or {end!r} is not in the solution once")
+    head, rest = text.split(start, 1)
+    return head + new + end + rest.split(end, 1)[1]
+
+
+# Loaded, never called: the tester's fake. `whose` says "yours" for every piece; every rank
+# trains the whole model on the whole batch with plain torch (so every loss equals one
+# process's), and a checkpoint is one torch.save of everything, COMPLETE after a barrier.
+_UNUSED_JOB = """class Job:
+    \"\"\"Every rank: the whole model, the whole batch; the pieces loaded for `whose` only.\"\"\"
+
+    def __init__(self, rank, world_size, config):
+        self.rank, self.config = rank, config
+        self.pieces = load(config.pieces, config.minidist_for)
+        torch.manual_seed(config.seed)
+        shape = model_shape(config)
+        self.stage = TinyGPT(shape["vocab"], config.hidden, config.heads, config.layers,
+                             shape["seq"])
+        self.optimizer = torch.optim.AdamW(self.stage.parameters(), lr=config.lr, eps=1e-5)
+        self.task = Reversal(config.digits)
+        self.stream = ProblemStream(self.task, config.seed)
+        self.coords, self.blocks, self.traffic = {}, config.layers, {}
+        self.step_index, self.resumed_from = 0, None
+        if config.checkpoint_dir and (found := latest_checkpoint(config.checkpoint_dir)):
+            saved = torch.load(found / "everything.pt", weights_only=False)
+            self.stage.load_state_dict(saved["model"])
+            self.optimizer.load_state_dict(saved["optimizer"])
+            torch.set_rng_state(saved["rng"])
+            self.stream.load_state_dict(saved["stream"])
+            self.resumed_from = self.step_index = saved["step"]
+
+    def step(self):
+        self.step_index += 1
+        loss = self.stage.loss(*self.stream.next_batch(self.config.batch))
+        self.optimizer.zero_grad()
+        loss.backward()
+        self.optimizer.step()
+        return loss.item()
+
+    def full_state(self):
+        return self.stage.state_dict()
+
+    def save(self):
+        path = Path(self.config.checkpoint_dir) / f"step_{self.step_index:08d}"
+        if self.rank == 0:
+            path.mkdir(parents=True, exist_ok=True)
+            (path / "job.json").write_text(json.dumps({"step": self.step_index,
+                                                       "model": model_shape(self.config)}))
+            torch.save({"model": self.stage.state_dict(), "optimizer": self.optimizer.state_dict(),
+                        "rng": torch.get_rng_state(), "stream": self.stream.state_dict(),
+                        "step": self.step_index}, path / "everything.pt")
+        dist.barrier()
+        if (self.config.fail_during_save and self.rank == self.config.fail_rank
+                and self.fail_once(self.step_index)):
+            os._exit(1)
+        dist.barrier()
+        if self.rank == 0:
+            (path / "COMPLETE").touch()
+        dist.barrier()
+
+    def fail_once(self, step):
+        marker = Path(self.config.checkpoint_dir or ".") / f"failed_at_{step}"
+        if step != self.config.fail_at_step or marker.exists():
+            return False
+        marker.touch()
+        return True
+
+
+"""
+
+# Each rank torch.saves its own stage, optimizer and generators: no Lab 09 save_shards,
+# load_range or capture_state; a resume works on the layout that saved it only.
+_PER_RANK_SAVE = """    def save(self):
+        step = self.step_index
+        path = Path(self.config.checkpoint_dir) / f"step_{step:08d}"
+        path.mkdir(parents=True, exist_ok=True)
+        if self.rank == 0:
+            meta = {"step": step, "model": model_shape(self.config)}
+            (path / "job.json").write_text(json.dumps(meta))
+        torch.save({"stage": self.stage.state_dict(), "optimizer": self.optimizer.state_dict(),
+                    "rng": torch.get_rng_state(), "stream": self.stream.state_dict()},
+                   path / f"rank_{self.rank}.pt")
+        dist.barrier()
+        if (self.config.fail_during_save and self.rank == self.config.fail_rank
+                and self.fail_once(step)):
+            os._exit(1)
+        dist.barrier()
+        if self.rank == 0:
+            (path / "COMPLETE").touch()
+        dist.barrier()
+
+    def restore(self, path):
+        saved = torch.load(path / f"rank_{self.rank}.pt", weights_only=False)
+        self.stage.load_state_dict(saved["stage"])
+        self.optimizer.load_state_dict(saved["optimizer"])
+        torch.set_rng_state(saved["rng"])
+        self.stream.load_state_dict(saved["stream"])
+        return json.loads((path / "job.json").read_text())["step"]
+
+"""
 
 
 def _minidist_pieces() -> str:
@@ -105,16 +202,25 @@ FAKES = {
         Fake("minidist's pieces", "every function only calls minidist's version of its piece",
              ("test-pieces",), _minidist_pieces()),
     ],
+    # The first round is graded on the whole notebook: its fake is the one every part checks.
     "impl-my-job": [
-        Fake("every stage on every rank", "the 'pipeline' holds and runs the whole model on "
-             "every rank: no stages, no activations sent", ("test-equal",),
-             _edit(_JOB, *_EVERY_STAGE)),
+        Fake("pieces loaded, never called", "the job loads the pieces (so `whose` says yours) "
+             "but every rank trains the whole model on the whole batch with plain torch and "
+             "checkpoints with one torch.save: every loss right, no piece run",
+             ("test-check", "test-equal", "test-race", "test-resume", "test-torchrun"),
+             _between(_JOB, "class TPBlock(nn.Module):", "def whole_model(state, config):",
+                      _UNUSED_JOB)),
         Fake("replayed resume", "the restarted job reads the checkpoint's step, then trains "
              "again from step 0 up to it instead of loading the state", ("test-resume",),
              _edit(_JOB, *_REPLAY)),
-        Fake("one rank's copy", "every rank trains the whole model on the whole batch by itself "
-             "and reports the same numbers: no stages, no replicas, nothing averaged",
-             ("test-equal",),
-             _edit(_JOB, *_NO_MESH)),
+        Fake("every stage on every rank", "the 'pipeline' holds and runs the whole model on "
+             "every rank: no stages, no activations sent", ("test-equal",),
+             _edit(_JOB, *_EVERY_STAGE)),
+        Fake("per-rank torch.save", "each rank torch.saves its own stage, optimizer and "
+             "generator instead of Lab 09's sharded save: the same layout resumes bit for bit, "
+             "no other layout can load it (test-resume's one-rank resume fails too; only "
+             "test-check is listed, so that this round stops there)", ("test-check",),
+             _between(_JOB, "    def save(self):", "    def full_state(self):",
+                      _PER_RANK_SAVE)),
     ],
 }

@@ -63,13 +63,17 @@ def collect(root: Path) -> list[dict]:
                          "pieces": "", "note": "no race result in the notebook"})
             continue
         plan = record["plan"]
-        mine = [name for name, whose in record.get("whose", {}).items() if whose == "yours"]
+        # The pieces that ran in the race ("used": counted per call), else every one loaded.
+        whose = record.get("whose", {})
+        ran = [name for name in record.get("used", whose) if name in whose]
+        mine = [name for name in ran if whose[name] == "yours"]
         rows.append({"student": student,
                      "layout": f"dp{plan['dp']}·pp{plan['pp']}·tp{plan['tp']} "
                                f"m={plan['microbatches']}",
                      "seconds": round(float(record["time_to_target"]), 2),
                      "steps": record.get("steps"), "pieces": f"{len(mine)} of "
-                     f"{len(record.get('whose', {}))} theirs", "note": ""})
+                     f"{len(ran)} theirs" + (" (of those that ran)" if "used" in record else ""),
+                     "note": ""})
     return sorted(rows, key=lambda row: (row["seconds"] is None, row["seconds"] or 0.0))
 
 

@@ -26,6 +26,7 @@ import time
 import traceback
 import types
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import cloudpickle
@@ -204,6 +205,82 @@ def _start(spec: _RankSpec) -> _RankProcess:
     return _RankProcess(spec.rank, process, stdout_r, stderr_r, control, lifeline)
 
 
+def _pickles(value: Any) -> Exception | None:
+    try:
+        cloudpickle.dumps(value)
+    except Exception as error:  # noqa: BLE001 (any failure is the answer)
+        return error
+    return None
+
+
+def _code_names(fn: Any) -> set[str]:
+    """The global names `fn`'s code refers to (nested functions, lambdas and comprehensions
+    included), and those of the methods of classes it refers to that live in its module."""
+    names, seen, todo = set(), set(), [fn]
+    while todo:
+        item = todo.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, type):
+            todo += [v for v in vars(item).values() if isinstance(v, (types.FunctionType,
+                                                                      staticmethod, classmethod))]
+            continue
+        item = getattr(item, "__func__", item)
+        codes = [getattr(item, "__code__", None)]
+        while codes:
+            code = codes.pop()
+            if code is None:
+                continue
+            names.update(code.co_names)
+            codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+        scope = getattr(item, "__globals__", {})
+        todo += [scope[n] for n in list(names)
+                 if isinstance(scope.get(n), (type, types.FunctionType))
+                 and getattr(scope[n], "__module__", None) == getattr(fn, "__module__", None)]
+    return names
+
+
+def _unpicklable(fn: Any, args: tuple, kwargs: dict, error: Exception) -> str:
+    """Why `run` cannot send `fn` and its arguments: the argument, or the global `fn` refers
+    to, that cannot be pickled, and the way round it."""
+    name = getattr(fn, "__name__", repr(fn))
+    for where, value in [*((f"argument {k + 1} ({type(v).__name__})", v)
+                           for k, v in enumerate(args)),
+                         *((f"argument {k}= ({type(v).__name__})", v) for k, v in kwargs.items())]:
+        if (failed := _pickles(value)) is not None:
+            return (f"cannot send {name!r}'s {where} to the ranks: {failed}. Pass plain data "
+                    f"(tensors, numbers, lists, dataclasses of them) as arguments.")
+    module = getattr(fn, "__module__", "?")
+    scope = getattr(fn, "__globals__", {})
+    names = _code_names(fn)
+    culprits = []
+    for global_name in sorted(names & scope.keys()):
+        value = scope[global_name]
+        if isinstance(value, types.ModuleType):
+            # cloudpickle sends along a module's submodules whose names the code uses
+            # (`dist.config` is torch.distributed.config whenever the code says `.config`)
+            for attr in sorted(names):
+                sub = sys.modules.get(f"{value.__name__}.{attr}")
+                if sub is not None and (failed := _pickles(sub)) is not None:
+                    culprits.append(f"the module {sub.__name__} ({failed}), which cloudpickle "
+                                    f"sends because the code uses the global {global_name!r} "
+                                    f"({value.__name__}) and the name {attr!r}")
+        elif getattr(value, "__module__", None) == module and isinstance(
+                value, (type, types.FunctionType)):
+            continue  # sent by value too: its own globals are searched above
+        elif (failed := _pickles(value)) is not None:
+            culprits.append(f"the global {global_name!r} ({type(value).__name__}: {failed})")
+    found = "; ".join(culprits) if culprits else str(error)
+    script = Path(getattr(sys.modules.get("__main__"), "__file__", None) or "my_module").stem
+    fix = (f"define it in a module the ranks can import and call it from there (a script run "
+           f"as `python {script}.py` can end with `if __name__ == \"__main__\": from {script} "
+           f"import main; main()`: `run` then gets {script}.{name}, sent by name)"
+           if module == "__main__" else "pass what it needs as arguments instead")
+    return (f"cannot send {name!r} to the ranks: {found}. {name!r} is defined in {module}, so "
+            f"cloudpickle sends it by value with the globals its code refers to; {fix}.")
+
+
 class Supervisor:
     """Starts the ranks, watches them (results, failures, progress), kills them at the end.
 
@@ -214,10 +291,7 @@ class Supervisor:
         try:
             payload = cloudpickle.dumps((fn, args, kwargs))
         except Exception as error:
-            raise ValueError(
-                f"cannot send {getattr(fn, '__name__', fn)!r} and its arguments to the ranks: "
-                f"{error}. Pass plain data (tensors, numbers, lists) as arguments."
-            ) from error
+            raise ValueError(_unpicklable(fn, args, kwargs, error)) from error
         self.world_size = world_size
         self.timeout = timeout
         # torch's own check (TORCH_DISTRIBUTED_DEBUG=DETAIL) names mismatched collectives in

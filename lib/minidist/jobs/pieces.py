@@ -29,15 +29,26 @@ minidist's version instead, with the same signature, and `whose` says so; an unf
 piece not named there stops `load` with a message naming the piece, its lab and cell, and the
 two fixes, before any rank communicates.
 
-Why one module of about 590 lines: the one path a student's piece travels: exported from a notebook,
+**Used, not only loaded.** Every call of a piece's function is counted in the process that
+makes it, and every byte a piece sends through its group's `dist` (a collective's full tensor,
+a send's payload; minidist's versions send by their own routes, uncounted) is added to that
+group's total: `usage()` returns both, `reset_usage()`
+starts them afresh. A job that loads the pieces and never runs them shows no calls and no
+bytes on its mesh's groups. Under torchrun (or any launcher) set `MINIDIST_PIECES_USAGE=prefix`:
+each process that loads pieces writes its usage to `prefix.rank<RANK>.json` when it exits.
+
+Why one module of about 700 lines: the one path a student's piece travels: exported from a notebook,
 loaded with minidist's stand-ins named, and run on its mesh dimension's group."""
 
 from __future__ import annotations
 
 import ast
+import atexit
 import json
+import os
 import re
 import types
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +59,8 @@ import torch.distributed as dist
 from minidist.communication import collectives
 from minidist.core.refusal import unavailable
 
-__all__ = ["PIECES", "Piece", "Pieces", "MissingPiece", "export", "load"]
+__all__ = ["PIECES", "Piece", "Pieces", "MissingPiece", "export", "load", "usage",
+           "reset_usage", "read_usage", "unfinished_cells"]
 
 
 @dataclass(frozen=True)
@@ -370,6 +382,20 @@ def export(labs: str | Path, target: str | Path | None = None) -> str:
     return text
 
 
+def unfinished_cells(text: str, piece: Piece) -> dict[str, str]:
+    """{cell id: "missing" or "unfinished"} of `piece`'s cells in a pieces file's text that
+    are not finished: which cell of the lab to finish."""
+    cells = _split(text)
+    found = {}
+    for grade_id in piece.cells:
+        source = cells.get((piece.lab, grade_id))
+        if source is None:
+            found[grade_id] = "missing"
+        elif "NotImplementedError" in source:
+            found[grade_id] = "unfinished"
+    return found
+
+
 def status(text: str) -> dict[str, str]:
     """Each piece's state in a pieces file's text: "finished", "unfinished" (a cell still
     raises NotImplementedError) or "missing" (a cell is not there)."""
@@ -394,6 +420,69 @@ def _split(text: str) -> dict[tuple[str, str], str]:
             for k, mark in enumerate(marks)}
 
 
+# --- what ran: calls per piece, bytes per group ---------------------------------------------
+
+_CALLS: Counter = Counter()  # {piece name: calls of its functions}, in this process
+_BYTES: Counter = Counter()  # {group's global ranks (tuple), or "world": bytes sent through it}
+_USAGE_FILE = "MINIDIST_PIECES_USAGE"
+
+
+def usage() -> dict[str, dict]:
+    """What this process ran since the last `reset_usage()`: {"calls": {piece: calls of its
+    functions}, "bytes": {group: bytes its pieces sent on it}}, a group named by its global
+    ranks as a tuple (the whole world: "world")."""
+    return {"calls": dict(_CALLS), "bytes": dict(_BYTES)}
+
+
+def reset_usage() -> None:
+    """Forget the calls and bytes counted so far in this process."""
+    _CALLS.clear()
+    _BYTES.clear()
+
+
+def _write_usage_at_exit() -> None:
+    """Under a launcher (MINIDIST_PIECES_USAGE set), write this process's usage when it exits."""
+    prefix = os.environ.get(_USAGE_FILE)
+    if not prefix or getattr(_write_usage_at_exit, "registered", False):
+        return
+    _write_usage_at_exit.registered = True  # type: ignore[attr-defined]
+
+    def write() -> None:
+        found = usage()
+        found["bytes"] = {json.dumps(list(key) if isinstance(key, tuple) else key): value
+                          for key, value in found["bytes"].items()}
+        Path(f"{prefix}.rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(found))
+
+    atexit.register(write)
+
+
+def read_usage(prefix: str | Path) -> dict[int, dict]:
+    """{rank: usage} from the files MINIDIST_PIECES_USAGE=prefix made the ranks write (groups
+    as tuples again)."""
+    found = {}
+    for path in sorted(Path(prefix).parent.glob(f"{Path(prefix).name}.rank*.json")):
+        saved = json.loads(path.read_text())
+        saved["bytes"] = {(tuple(key) if isinstance(key := json.loads(k), list) else key): v
+                          for k, v in saved["bytes"].items()}
+        found[int(path.name.rsplit(".rank", 1)[1].split(".")[0])] = saved
+    return found
+
+
+def _counted(function: Callable, piece: str) -> Callable:
+    """`function`, its calls counted as calls of `piece`."""
+    def counted(*args, **kwargs):
+        _CALLS[piece] += 1
+        return function(*args, **kwargs)
+
+    counted.__name__ = counted.__qualname__ = function.__name__
+    counted.__wrapped__ = function
+    return counted
+
+
+def _nbytes(value: Any) -> int:
+    return value.nbytes if hasattr(value, "nbytes") and hasattr(value, "dtype") else 0
+
+
 # --- run on a group --------------------------------------------------------------------------
 
 
@@ -403,6 +492,16 @@ class _OnGroup:
 
     def __init__(self, group: dist.ProcessGroup | None, impl: str = "torch"):
         self.group, self.impl = group, impl
+        self._key: Any = None
+
+    def _sent(self, nbytes: int, group=None) -> None:
+        """Count `nbytes` sent on the bound group (not on a group the call names itself)."""
+        if group is not None or not nbytes:
+            return
+        if self._key is None:
+            self._key = ("world" if self.group is None
+                         else tuple(dist.get_process_group_ranks(self.group)))
+        _BYTES[self._key] += nbytes
 
     def __getattr__(self, name: str) -> Any:
         return getattr(dist, name)
@@ -427,6 +526,8 @@ class _OnGroup:
                     kwargs[rooted] = self._global(kwargs[rooted])
                 elif len(args) >= 2:
                     args = (args[0], self._global(args[1]), *args[2:])
+            if counted is not None and len(args) > counted:
+                self._sent(_nbytes(args[counted]), group)
             group = group if group is not None else self.group
             if counted is not None and len(args) > counted:
                 tensor = args[counted]
@@ -442,6 +543,7 @@ class _OnGroup:
         ring of sends, which the emulated links delay as they would a cluster's."""
         if self.impl == "torch":
             return self._torch_all_reduce(tensor, op, group=group, async_op=async_op)
+        self._sent(_nbytes(tensor), group)
         if op != dist.ReduceOp.SUM:
             raise ValueError(f"impl={self.impl!r} sums only; got op={op}")
         return collectives.all_reduce(tensor, op="sum",
@@ -459,8 +561,16 @@ class _OnGroup:
     broadcast = _collective("broadcast", "src", counted=0)
     broadcast_object_list = _collective("broadcast_object_list", "src")
     reduce = _collective("reduce", "dst", counted=0)
-    send = _collective("send", "dst")
-    isend = _collective("isend", "dst")
+    _send = _collective("send", "dst")
+    _isend = _collective("isend", "dst")
+
+    def send(self, tensor, *args, group=None, **kwargs):
+        self._sent(_nbytes(tensor), group)
+        return self._send(tensor, *args, group=group, **kwargs)
+
+    def isend(self, tensor, *args, group=None, **kwargs):
+        self._sent(_nbytes(tensor), group)
+        return self._isend(tensor, *args, group=group, **kwargs)
     irecv = _collective("irecv", "src")
 
     def recv(self, tensor, src=None, group=None, tag=0):
@@ -516,7 +626,9 @@ class Pieces:
             if piece.name in self.minidist_for:
                 namespace = {"__name__": f"minidist_{piece.name}", "dist": bound}
                 exec("import torch\n" + _MINIDIST[piece.name], namespace)  # noqa: S102
-                names |= {name: namespace[name] for name in piece.functions}
+                names |= {name: _counted(namespace[name], piece.name)
+                          if isinstance(namespace[name], types.FunctionType) else namespace[name]
+                          for name in piece.functions}
                 continue
             if piece.lab not in namespaces:
                 namespaces[piece.lab] = self._run_lab(piece.lab, bound)
@@ -526,7 +638,7 @@ class Pieces:
 
     def _wrap(self, value: Any, piece: Piece) -> Any:
         if isinstance(value, types.FunctionType):
-            return _refusing(value, piece.library, piece.name)
+            return _counted(_refusing(value, piece.library, piece.name), piece.name)
         return value  # a class (f, g): its methods run inside the functions that apply them
 
     def _run_lab(self, lab: str, bound: _OnGroup) -> dict:
@@ -576,8 +688,10 @@ def load(path: str | Path, minidist_for: Iterable[str] = (), impl: str = "torch"
     lacking = [name for name, state in found.items()
                if state != "finished" and name not in minidist_for]
     if lacking:
-        lines = [f"  {name}: Lab {BY_NAME[name].lab} cell(s) {', '.join(BY_NAME[name].cells)} "
-                 f"({BY_NAME[name].what}) is {found[name]}" for name in lacking]
+        lines = [f"  {name}: Lab {BY_NAME[name].lab} ({BY_NAME[name].what}): " + ", ".join(
+                     f"cell {cell} is {state}"
+                     for cell, state in unfinished_cells(text, BY_NAME[name]).items())
+                 for name in lacking]
         raise MissingPiece(
             f"{path}: the job needs these pieces, which are not finished:\n" + "\n".join(lines)
             + f"\nEither finish them in their lab and export again (python tools/my_labs.py "
@@ -585,4 +699,5 @@ def load(path: str | Path, minidist_for: Iterable[str] = (), impl: str = "torch"
               f"minidist_for={tuple(lacking)!r}")
     if impl not in ("torch", "ring"):
         raise ValueError(f"impl={impl!r}: use 'torch' or 'ring'")
+    _write_usage_at_exit()
     return Pieces(text, minidist_for, str(path), impl)
