@@ -102,12 +102,9 @@ def check_impl(collective: str, impl: str) -> None:
 
 
 def implementation(name: str) -> Implementation:
-    """The row of `TABLE` called `name`."""
-    for row in TABLE:
-        if row.name == name:
-            return row
-    raise ValueError(f"unknown algorithm {name!r}; minidist's are "
-                     f"{', '.join(row.name for row in TABLE)}")
+    """The row of `TABLE` called `name` (the costs table's `named` says which names exist)."""
+    algorithm = algorithms.named(name)
+    return next(row for row in TABLE if row.algorithm is algorithm)
 
 
 # --- Choosing one: "auto" ---------------------------------------------------------------------
