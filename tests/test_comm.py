@@ -491,7 +491,9 @@ def _results(world_size: int) -> list[dict[str, list[str]]]:
     return run(_run_checks, world_size, timeout=60)
 
 
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
+# One worker runs every check of a world size: the launch behind them is cached per process.
+@pytest.mark.parametrize("world_size", [
+    pytest.param(n, marks=pytest.mark.xdist_group(f"comm-{n}")) for n in WORLD_SIZES])
 @pytest.mark.parametrize("check", CHECKS)
 def test_against_torch(check: str, world_size: int) -> None:
     failures = {rank: r[check] for rank, r in enumerate(_results(world_size)) if r[check]}

@@ -227,7 +227,9 @@ def _layout(nodes: int, g: int) -> list[dict[str, list[str]]]:
     return run(_on_layout, nodes * g, g, timeout=120)
 
 
-@pytest.mark.parametrize(("nodes", "g"), LAYOUTS)
+# One worker runs every check of a layout: the launch behind them is cached per process.
+@pytest.mark.parametrize(("nodes", "g"), [
+    pytest.param(*layout, marks=pytest.mark.xdist_group(f"layout-{layout}")) for layout in LAYOUTS])
 @pytest.mark.parametrize("check", ["equal_to_torch", "bytes_per_tier", "auto", "channels",
                                    "mesh", "emulated"])
 def test_hierarchical_all_reduce(check: str, nodes: int, g: int) -> None:
