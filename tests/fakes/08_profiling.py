@@ -7,15 +7,9 @@ fakes of those cells tell the functions apart by their arguments (`locals()`).""
 
 from fakes import Fake
 
-FAKES = {
-    "impl-overlap": [
-        Fake("the library's overlap", "writes no interval arithmetic: profiling.merge and "
-             "profiling.overlap_fraction", ("test-overlap",), """\
-    if "timeline" not in locals():
-        return profiling.merge(intervals)
-    return profiling.overlap_fraction(timeline)[rank]"""),
-        Fake("every pair of raw events", "no union per kind: events of one kind that overlap "
-             "each other are counted twice", ("test-overlap",), """\
+# The first function of the cell, `merge`, written as the lab asks: fakes of `overlap_fraction`
+# alone keep it right, so that only the second function is what they fake.
+_MERGE_RIGHTLY = """\
     if "timeline" not in locals():
         merged = []
         for start, end in sorted(intervals):
@@ -24,6 +18,17 @@ FAKES = {
             else:
                 merged.append((start, end))
         return merged
+"""
+
+FAKES = {
+    "impl-overlap": [
+        Fake("the library's overlap", "writes no interval arithmetic: profiling.merge and "
+             "profiling.overlap_fraction", ("test-overlap",), """\
+    if "timeline" not in locals():
+        return profiling.merge(intervals)
+    return profiling.overlap_fraction(timeline)[rank]"""),
+        Fake("every pair of raw events", "no union per kind: events of one kind that overlap "
+             "each other are counted twice", ("test-overlap",), _MERGE_RIGHTLY + """\
     mine = [e for e in timeline.events if e.rank == rank]
     communication = [(e.start, e.end) for e in mine if e.kind == "communication"]
     compute = [(e.start, e.end) for e in mine if e.kind == "compute"]
@@ -33,15 +38,7 @@ FAKES = {
     return hidden / total if total > 0 else 0.0"""),
         Fake("compute as one span", "takes the rank's compute as one block from its first "
              "operator to its last: the gaps between operators hide communication too",
-             ("test-overlap",), """\
-    if "timeline" not in locals():
-        merged = []
-        for start, end in sorted(intervals):
-            if merged and start <= merged[-1][1]:
-                merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-            else:
-                merged.append((start, end))
-        return merged
+             ("test-overlap",), _MERGE_RIGHTLY + """\
     mine = [e for e in timeline.events if e.rank == rank]
     communication = union((e.start, e.end) for e in mine if e.kind == "communication")
     compute = [(e.start, e.end) for e in mine if e.kind == "compute"]
