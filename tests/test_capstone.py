@@ -178,6 +178,25 @@ def write_capstone_files(folder: Path) -> dict[str, Path]:
     return written
 
 
+def one_process_losses(steps: int) -> list[float]:
+    """The loss of each of the first `steps` steps of Lab 14's model and task on one process,
+    seeded as the job seeds them: what a composed job's losses must equal."""
+    from minidist.parallel.models import TinyGPT
+
+    task = Reversal(8)
+    torch.manual_seed(0)
+    model = TinyGPT(task.vocab, 32, 4, 4, task.seq_len)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-5)
+    stream, losses = ProblemStream(task, 0), []
+    for _ in range(steps):
+        loss = model.loss(*stream.next_batch(32))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
 def test_the_solution_pieces_are_the_export_of_the_solutions(tmp_path: Path):
     """The solution's my_pieces.py cell is what `make pieces` gives for the labs' solutions,
     so that it follows them when they change."""
@@ -280,8 +299,6 @@ def test_the_job_with_minidists_pieces_equals_one_process_and_resumes(tmp_path: 
     fallbacks on real ranks, a save and a resume, against one process."""
     import sys
 
-    from minidist.parallel.models import TinyGPT
-
     files = write_capstone_files(tmp_path)
     sys.path.insert(0, str(tmp_path))
     import my_job
@@ -292,17 +309,7 @@ def test_the_job_with_minidists_pieces_equals_one_process_and_resumes(tmp_path: 
                   minidist_for=every)
     first = run(my_job.train, 4, my_job.Config(**{**common, "steps": 2}))[0]
     resumed = run(my_job.train, 4, my_job.Config(**common))[0]
-    task = Reversal(8)
-    torch.manual_seed(0)
-    model = TinyGPT(task.vocab, 32, 4, 4, task.seq_len)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-5)
-    stream, expected = ProblemStream(task, 0), []
-    for _ in range(4):
-        loss = model.loss(*stream.next_batch(32))
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        expected.append(loss.item())
+    expected = one_process_losses(4)
     got = {**first["losses"], **resumed["losses"]}
     assert resumed["resumed_from"] == 2 and sorted(got) == [1, 2, 3, 4]
     assert max(abs(got[step + 1] - want) for step, want in enumerate(expected)) <= 1e-5

@@ -143,10 +143,7 @@ def test_the_capstone_job_runs_unchanged_under_slurm(local_cluster, tmp_path):
     """Lab 14's my_job.py, as the solution writes it, under torchrun.sbatch on two nodes of two
     ranks (dp 2, pp 2): the same losses as one process, within 1e-5."""
     import torch
-    from test_capstone import write_capstone_files
-
-    from minidist.jobs.tasks import ProblemStream, Reversal
-    from minidist.parallel.models import TinyGPT
+    from test_capstone import one_process_losses, write_capstone_files
 
     folder = tmp_path / "capstone"
     folder.mkdir()
@@ -161,17 +158,7 @@ def test_the_capstone_job_runs_unchanged_under_slurm(local_cluster, tmp_path):
     )
     assert job.state == "COMPLETED", job.output
     under_slurm = torch.load(result, weights_only=False)["losses"]
-    task, expected = Reversal(8), []
-    torch.manual_seed(0)
-    model = TinyGPT(task.vocab, 32, 4, 4, task.seq_len)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-5)
-    stream = ProblemStream(task, 0)
-    for _ in range(3):
-        loss = model.loss(*stream.next_batch(32))
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        expected.append(loss.item())
+    expected = one_process_losses(3)
     assert sorted(under_slurm) == [1, 2, 3], job.output
     gaps = [abs(under_slurm[step + 1] - want) for step, want in enumerate(expected)]
     assert max(gaps) <= 1e-5, f"losses under Slurm {under_slurm}, one process {expected}"
