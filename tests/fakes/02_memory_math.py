@@ -6,6 +6,16 @@ the overlap exercise) gets a tuple: one source per region."""
 
 from fakes import Fake
 
+# The backward of the fakes that keep forward's graph in ctx.stash: it runs the module once,
+# without autograd, for the check's counter to see, then backpropagates through the kept graph.
+_BACKWARD_FROM_STASH = """\
+        (x,) = ctx.saved_tensors
+        inner, out = ctx.stash
+        with torch.no_grad():
+            ctx.module(x)
+        torch.autograd.backward(out, grad_output)
+        return inner.grad, None"""
+
 FAKES = {
     "impl-held-bytes": [
         Fake("bytes per tensor", "counts numel x element size of each tensor, not each storage "
@@ -164,13 +174,7 @@ FAKES = {
             out = module(inner)
         ctx.stash = (inner, out)
         return out.detach()""",
-                 """\
-        (x,) = ctx.saved_tensors
-        inner, out = ctx.stash
-        with torch.no_grad():
-            ctx.module(x)
-        torch.autograd.backward(out, grad_output)
-        return inner.grad, None""")),
+                 _BACKWARD_FROM_STASH)),
         Fake('the graph kept, built past the counter', "as the one above, with the graph built "
              "on the module inside the check's counter, and the counted module run without "
              "autograd for show: no recompute, every tensor kept",
@@ -187,13 +191,7 @@ FAKES = {
             out = body(inner)
         ctx.stash = (inner, out)
         return out.detach()""",
-                 """\
-        (x,) = ctx.saved_tensors
-        inner, out = ctx.stash
-        with torch.no_grad():
-            ctx.module(x)
-        torch.autograd.backward(out, grad_output)
-        return inner.grad, None""")),
+                 _BACKWARD_FROM_STASH)),
     ],
     "impl-hiding": [
         Fake("the library's overlap", "delegates to minidist.costs.cost.exposed_time and "
