@@ -93,6 +93,14 @@ class RanksStuck(Exception):
         self.mismatch_after = mismatch_after
 
 
+def quiet_profiler() -> None:
+    """Keep Kineto (torch.profiler's engine) from printing a "USDT: ... profiler_start" line on
+    stderr for every profile it starts and stops: into a rank's output, or into a notebook
+    cell, where nbgrader scores a test cell that wrote to stderr 0. Level 6 is the first above
+    those lines; Kineto reads it when the process's first profile starts, so call this before."""
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+
+
 def _fork_server() -> multiprocessing.context.ForkServerContext:
     """A process that imported torch once and forks ranks on demand; started on first use.
 
@@ -638,10 +646,7 @@ def _rank_main(spec: _RankSpec, stdout_w, stderr_w, control, lifeline) -> None:
         OMP_NUM_THREADS="1",
     )
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo" if sys.platform.startswith("linux") else "lo0")
-    # Kineto (torch.profiler's engine) prints a "USDT: ... profiler_start" line for every
-    # profile it starts and stops, into the rank's output; level 6 is the first above those
-    # lines. It reads the variable when a profiler first starts, so after this.
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    quiet_profiler()
     # glibc reports heap corruption on the terminal unless told to use stderr, where the
     # caller reads it.
     os.environ.setdefault("LIBC_FATAL_STDERR_", "1")

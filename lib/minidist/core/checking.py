@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +41,7 @@ import torch.distributed as dist
 
 from minidist.core import interposer
 from minidist.core._groups import members
+from minidist.core._supervisor import quiet_profiler
 
 __all__ = [
     "Call", "RECORDED", "recording", "Message", "messages_sent", "tampered_receives", "Seen",
@@ -199,7 +199,6 @@ def tampered_receives(*, delta: float = 1.0, nth: int | None = None) -> Iterator
     function whose result really comes from what it received changes as the library's does;
     one that computed its result another way (a formula, a side channel, a replay of data
     gathered earlier) does not."""
-    from minidist.core._groups import members
 
     sources: list[int] = []
 
@@ -381,10 +380,7 @@ def holding() -> Iterator[Held]:
     autograd's, which runs CPU backward on it); the bytes are known when the block ends."""
     from torch.profiler import ProfilerActivity, profile
 
-    # Kineto prints a "USDT: profiler_start" line on stderr for each profile unless its level is
-    # above them, which it reads when a process's first profile starts; nbgrader scores a test
-    # cell that wrote to stderr 0.
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    quiet_profiler()
     held = Held()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
         yield held

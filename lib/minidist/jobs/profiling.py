@@ -60,6 +60,7 @@ import torch
 
 from minidist.communication import collectives
 from minidist.core._checks import positive_int
+from minidist.core._supervisor import quiet_profiler
 from minidist.core.launch import run
 from minidist.core.timeline import IDLE_COLOR, Event, clock, plot_events
 from minidist.parallel.ddp import (
@@ -307,6 +308,7 @@ def _profile_rank(rank: int, world_size: int, make_step: Callable[..., Callable[
     # would first import torch._inductor, seconds per rank for nothing we use.
     from torch.autograd.profiler import profile
 
+    quiet_profiler()  # under torchrun too, where no supervisor set it
     step = make_step(rank, world_size, *args, **kwargs)
     if not callable(step):
         raise TypeError(f"make_step returned {type(step).__name__}, not a step: it should build "
