@@ -26,6 +26,29 @@ BUDGET_S = 60
 BUDGETS_S = {"14_capstone": 120}
 
 
+Span = tuple[nbformat.NotebookNode, datetime, datetime]
+
+
+def cell_spans(notebook: nbformat.NotebookNode) -> list[Span]:
+    """Each executed cell with the start and end times nbclient recorded in it."""
+    return [
+        (cell, datetime.fromisoformat(timing["iopub.execute_input"]),
+         datetime.fromisoformat(timing["shell.execute_reply"]))
+        for cell in notebook.cells
+        if "iopub.execute_input" in (timing := cell.metadata.get("execution", {}))
+    ]
+
+
+def seconds_and_slowest(notebook: nbformat.NotebookNode) -> tuple[float, float]:
+    """An executed notebook's seconds from its first cell's start to its last cell's end, and
+    its slowest cell's seconds, from the times nbclient recorded."""
+    spans = cell_spans(notebook)
+    if not spans:
+        raise ValueError("the notebook records no cell timings: was it executed?")
+    return ((spans[-1][2] - spans[0][1]).total_seconds(),
+            max((end - start).total_seconds() for _, start, end in spans))
+
+
 def run_time(lab: str) -> tuple[float, float, list[str]]:
     """(seconds top to bottom, slowest cell's seconds, the cells that raised) of `lab`'s
     solution, run in a scratch copy of its folder."""
@@ -36,15 +59,10 @@ def run_time(lab: str) -> tuple[float, float, list[str]]:
         client = NotebookClient(notebook, timeout=600, kernel_name="python3", allow_errors=True,
                                 record_timing=True, resources={"metadata": {"path": str(folder)}})
         client.execute()
-    spans = [(datetime.fromisoformat(cell.metadata.execution["iopub.execute_input"]),
-              datetime.fromisoformat(cell.metadata.execution["shell.execute_reply"]))
-             for cell in notebook.cells if "iopub.execute_input" in
-             cell.metadata.get("execution", {})]
     raised = [cell.metadata.get("nbgrader", {}).get("grade_id", f"cell {index}")
               for index, cell in enumerate(notebook.cells)
               for output in cell.get("outputs", []) if output.output_type == "error"]
-    return ((spans[-1][1] - spans[0][0]).total_seconds(),
-            max((end - start).total_seconds() for start, end in spans), raised)
+    return (*seconds_and_slowest(notebook), raised)
 
 
 def main(labs: list[str]) -> int:

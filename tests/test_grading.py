@@ -33,7 +33,6 @@ import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
-from datetime import datetime
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -48,7 +47,7 @@ sys.path.insert(0, str(REPO / "tools"))  # tools/grading/, the instructors' tool
 sys.path.insert(0, str(REPO / "bench"))  # lab_run_times: each lab's budget
 from fakes import Alternative, Fake, alternatives_of, fakes_of, rounds  # noqa: E402
 from grading.feedback import HideHiddenTests, markdown_with_mathml  # noqa: E402
-from lab_run_times import BUDGET_S, BUDGETS_S  # noqa: E402
+from lab_run_times import BUDGET_S, BUDGETS_S, cell_spans, seconds_and_slowest  # noqa: E402
 
 LABS = sorted({notebook.parent.name for notebook in REPO.glob("solutions/*/*.ipynb")})
 
@@ -405,24 +404,10 @@ class Execution:
     slowest_cell_s: float
 
 
-def cell_spans(notebook: NotebookNode) -> list[tuple[NotebookNode, datetime, datetime]]:
-    """Each executed cell with the start and end times nbclient recorded in it."""
-    return [
-        (cell, datetime.fromisoformat(timing["iopub.execute_input"]),
-         datetime.fromisoformat(timing["shell.execute_reply"]))
-        for cell in notebook.cells
-        if "iopub.execute_input" in (timing := cell.metadata.get("execution", {}))
-    ]
-
-
 def execution_times(notebook: NotebookNode) -> Execution:
     """How long an executed notebook ran, from the timestamps nbclient records in each cell."""
-    spans = cell_spans(notebook)
-    assert spans, "the autograded notebook records no cell timings"
-    return Execution(
-        (spans[-1][2] - spans[0][1]).total_seconds(),
-        max((end - start).total_seconds() for _, start, end in spans),
-    )
+    assert cell_spans(notebook), "the autograded notebook records no cell timings"
+    return Execution(*seconds_and_slowest(notebook))
 
 
 @dataclass
