@@ -10,6 +10,8 @@ below look up their check and assert that its list is empty.
 from __future__ import annotations
 
 import functools
+import sys
+import types
 
 import pytest
 import torch
@@ -579,6 +581,64 @@ def test_all_to_all_with_mismatched_splits_names_both_ranks(impl, receive_more):
         f"rank 1 expects {expected} rows from rank 0, which sends it 1" in message), message
     assert "send_sizes=[1, 1, 1]" in message, message
     assert all(f"rank {rank}" in message for rank in range(3)), message
+
+
+def _mismatched_call(rank: int, world_size: int, mistake: str) -> list[float]:
+    """Rank 1 makes one of a student's mistakes in its second collective: the first (an
+    all-reduce every rank makes alike) must run as it does without the check."""
+    collectives.all_reduce(torch.ones(3), impl="ring")
+    x = torch.ones(8)
+    if rank == 1 and mistake == "size":
+        x = torch.ones(6)
+    if rank == 1 and mistake == "dtype":  # as many bytes: gloo would sum them as floats
+        return collectives.all_reduce(torch.ones(8, dtype=torch.int32)).tolist()
+    if rank == 1 and mistake == "collective":
+        return collectives.broadcast(x).tolist()
+    impl = "torch" if rank == 1 and mistake == "impl" else "ring"
+    return collectives.all_reduce(x, impl=impl).tolist()
+
+
+@pytest.mark.parametrize("mistake, rank_1_called", [
+    ("size", "all_reduce(6 float32, op='sum', impl='ring')"),
+    ("dtype", "all_reduce(8 int32, op='sum', impl='torch')"),
+    ("impl", "all_reduce(8 float32, op='sum', impl='torch')"),
+    ("collective", "broadcast(8 float32, src=0, impl='torch')"),
+])
+def test_checked_calls_name_every_ranks_collective_before_any_byte_moves(mistake, rank_1_called):
+    """With check_calls (on in notebooks) the collective layer compares each call across its
+    group through the store first: a mismatch that would crash, hang or return garbage raises
+    on every rank, naming the calls and their ranks."""
+    with pytest.raises(RankError) as raised:
+        run(_mismatched_call, 3, mistake, timeout=20, check_calls=True)
+    message = str(raised.value)
+    assert ("CallMismatch: collective mismatch, the 2nd collective on ranks [0, 1, 2]: ranks 0, "
+            f"2 called all_reduce(8 float32, op='sum', impl='ring'), rank 1 called "
+            f"{rank_1_called}") in message, message
+    assert "SIGABRT" not in message and "did not finish" not in message, message
+
+
+def test_checked_calls_that_agree_send_what_they_send_unchecked():
+    """The comparison meets in the store: a count of the group's messages sees none of it."""
+    def counted(rank: int, world_size: int) -> tuple[list[tuple[int, int]], list[float]]:
+        with count_traffic() as log:
+            total = collectives.all_reduce(torch.arange(6.0) * (rank + 1), impl="ring")
+            collectives.all_to_all(torch.ones(3, 2), [1, 1, 1], [1, 1, 1], impl="pairwise")
+        return log.sends, total.tolist()
+
+    checked, unchecked = (run(counted, 3, check_calls=check) for check in (True, False))
+    assert checked == unchecked
+    assert checked[0][1] == [0.0, 6.0, 12.0, 18.0, 24.0, 30.0]
+
+
+def test_checked_calls_are_on_in_a_notebook_and_off_in_a_script(monkeypatch):
+    """`check_calls` defaults to whether run is called from a Jupyter kernel."""
+    with pytest.raises(RankError, match="collective mismatch"):
+        monkeypatch.setitem(sys.modules, "ipykernel", types.ModuleType("ipykernel"))
+        run(_mismatched_call, 2, "impl", timeout=20)
+    monkeypatch.delitem(sys.modules, "ipykernel")
+    with pytest.raises(RankError) as unchecked:  # gloo's own failure, later and vaguer
+        run(_mismatched_call, 2, "impl", timeout=5)
+    assert "CallMismatch" not in str(unchecked.value)
 
 
 def test_all_to_all_with_matching_uneven_splits_still_runs():

@@ -2,6 +2,7 @@
 plain `pip install .` that imports every public module."""
 
 import ast
+import os
 import re
 import shutil
 import subprocess
@@ -17,8 +18,9 @@ PACKAGE = REPO / "lib" / "minidist"
 # modules before it in its folder's list (lib/minidist/README.md draws this; each folder's
 # README lists its modules in this order).
 FOLDERS = {
-    "core": ["_checks", "_groups", "_fork_server_exit", "interposer", "_calls", "_diagnose",
-             "_supervisor", "launch", "flat", "timeline", "refusal", "checking", "predictions"],
+    "core": ["_checks", "_groups", "_fork_server_exit", "interposer", "agreement", "_calls",
+             "_diagnose", "_supervisor", "launch", "flat", "timeline", "refusal", "checking",
+             "predictions"],
     "costs": ["algorithms", "cost", "memory", "footprint", "flops", "overlap", "tiers", "bubbles",
               "traffic", "planner"],
     "communication": ["comm", "counting", "timing", "streaming", "network", "emulation",
@@ -219,6 +221,8 @@ def test_plain_pip_install_imports_every_public_module(tmp_path):
     code = ("import minidist, pathlib\n"
             f"assert pathlib.Path(minidist.__file__).is_relative_to({site!r}), minidist.__file__\n"
             + "".join(f"import minidist.{name}\n" for name in public))
+    # Without PYTHONPATH: a developer's (lib/ on it) would import the source, not the install.
+    environ = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
     imported = subprocess.run([str(venv / "bin" / "python"), "-c", code], cwd=tmp_path,
-                              capture_output=True, text=True, timeout=300)
+                              capture_output=True, text=True, timeout=300, env=environ)
     assert imported.returncode == 0, imported.stderr[-3000:]

@@ -34,7 +34,6 @@ meeting of every rank of its group.
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import math
 import pickle
 import threading
@@ -50,7 +49,7 @@ from minidist.communication.comm import Ring, chunk_bounds, ring_of
 from minidist.communication.counting import record
 from minidist.communication.emulation import Network
 from minidist.core._checks import reduce_op, require_process_group
-from minidist.core._groups import per_group_cache
+from minidist.core.agreement import CallMismatch, exchange
 from minidist.core.flat import copy_back, flat_view, flatten
 from minidist.core.timeline import Event, clock, note
 from minidist.costs.cost import AlgorithmLinks, AlphaBeta
@@ -132,6 +131,13 @@ def shard_bounds(numel: int, group: dist.ProcessGroup | None = None) -> tuple[in
     return chunk_bounds(numel, ring.size)[ring.rank]
 
 
+def _call(size: int | str, dtype: torch.dtype, **options: object) -> str:
+    """What every rank of a collective's group must agree on, as `minidist.core.agreement`
+    compares it: "8 float32, op='sum', impl='ring'"."""
+    return ", ".join([f"{size} {str(dtype).removeprefix('torch.')}",
+                      *(f"{name}={value!r}" for name, value in options.items())])
+
+
 def all_reduce(tensor: torch.Tensor, *, op: str | dist.ReduceOp.RedOpType = "sum",
                group: dist.ProcessGroup | None = None, impl: str = "torch", when: str = "",
                async_op: bool = False, link: AlphaBeta | AlgorithmLinks | None = None,
@@ -148,7 +154,8 @@ def all_reduce(tensor: torch.Tensor, *, op: str | dist.ReduceOp.RedOpType = "sum
     name = (reduce_op(op, tensor, ("sum", "avg", "max")) if impl == "torch" else
             reduce_op(op, tensor, ("sum", "avg"), "; 'max' runs with impl='torch'"))
     ring = ring_of(group, "all_reduce")
-    record("all_reduce", flat.nbytes, group, when)
+    record("all_reduce", flat.nbytes, group, when,
+           call=_call(flat.numel(), flat.dtype, op=name, impl=impl))
 
     def finish() -> torch.Tensor:
         if impl == "torch" and name == "avg":  # gloo has no AVG: sum, then divide
@@ -178,7 +185,8 @@ def reduce_scatter(flat: torch.Tensor, *, group: dist.ProcessGroup | None = None
     ring = ring_of(group, "reduce_scatter")
     bounds = chunk_bounds(flat.numel(), ring.size)
     start, end = bounds[ring.rank]
-    record("reduce_scatter", flat.nbytes, group, when)
+    record("reduce_scatter", flat.nbytes, group, when,
+           call=_call(flat.numel(), flat.dtype, op=name, impl=impl))
     if impl != "torch":
         steps = impls.implementation(impl).streamed["reduce_scatter"]
         summed = flat.reshape(-1).clone()
@@ -213,7 +221,8 @@ def all_gather(shard: torch.Tensor, numel: int, *, group: dist.ProcessGroup | No
     if shard.numel() != end - start:
         raise ValueError(f"rank {ring.rank}'s shard of a {numel}-element tensor has "
                          f"{end - start} elements (shard_bounds), got {shard.numel()}")
-    record("all_gather", numel * shard.element_size(), group, when)
+    record("all_gather", numel * shard.element_size(), group, when,
+           call=_call(numel, shard.dtype, impl=impl))
     if impl != "torch":
         steps = impls.implementation(impl).streamed["all_gather"]
         full = torch.empty(numel, dtype=shard.dtype, device=shard.device)
@@ -264,7 +273,7 @@ def all_gather_overlapped(x: torch.Tensor, on_piece: Callable[[int, torch.Tensor
     while the next one travels: the transfer hides behind the work done on each piece
     (asynchronous tensor parallelism, Wang et al. 2023). Recorded as one all_gather."""
     ring = ring_of(group, "all_gather_overlapped")
-    record("all_gather", x.nbytes * ring.size, group, when)
+    record("all_gather", x.nbytes * ring.size, group, when, call=_call(x.numel(), x.dtype))
 
     def steps() -> None:
         piece = x.contiguous()
@@ -294,7 +303,8 @@ def reduce_scatter_overlapped(partial: Callable[[int], torch.Tensor],
 
     def steps() -> None:
         running = partial((ring.rank - 1) % ring.size)
-        record("reduce_scatter", running.nbytes * ring.size, group, when)
+        record("reduce_scatter", running.nbytes * ring.size, group, when,
+               call=_call(running.numel(), running.dtype))
         for step in range(ring.size - 1):
             incoming = torch.empty_like(running)
             requests = [dist.isend(running, ring.right, group=group),
@@ -319,7 +329,8 @@ def broadcast(tensor: torch.Tensor, *, src: int | None = None,
     if src not in ring.members:
         raise ValueError(f"src={src} is not a rank of the group; its global ranks are "
                          f"{list(ring.members)}")
-    record("broadcast", tensor.nbytes, group, when)
+    record("broadcast", tensor.nbytes, group, when,
+           call=_call(tensor.numel(), tensor.dtype, src=src, impl=impl))
     if impl == "torch":
         dist.broadcast(tensor, src, group=group)
     else:
@@ -355,7 +366,8 @@ def all_to_all(x: torch.Tensor, send_sizes: Sequence[int], receive_sizes: Sequen
     _check_splits(x, send_sizes, receive_sizes, ring, group)
     row_bytes = math.prod(x.shape[1:]) * x.element_size()
     leaving = sum(send_sizes) - send_sizes[ring.rank]
-    record("all_to_all", leaving * row_bytes, group, when)
+    record("all_to_all", leaving * row_bytes, group, when,
+           call=_call(f"rows of {list(x.shape[1:])}", x.dtype, impl=impl))
     x = x.contiguous()
     out = x.new_empty(sum(receive_sizes), *x.shape[1:])
     if impl == "torch":
@@ -367,15 +379,13 @@ def all_to_all(x: torch.Tensor, send_sizes: Sequence[int], receive_sizes: Sequen
     return _run(lambda: steps(sends, receives, ring), False, lambda: out)
 
 
-_split_calls = per_group_cache()  # all_to_all calls made on each group: the store's key
-
-
 def _check_splits(x: torch.Tensor, send_sizes: Sequence[int], receive_sizes: Sequence[int],
                   ring: Ring, group: dist.ProcessGroup | None) -> None:
     """Every rank's splits against every other's, before any row moves: a rank that expects
     more rows than a peer sends it would get uninitialised memory back, one that expects fewer
-    a shape error inside torch. The splits meet in the group's store, not on its links, so
-    no count of messages or bytes sees them; every rank raises the same error."""
+    a shape error inside torch. The splits meet in the group's store (`agreement.exchange`),
+    not on its links, so no count of messages or bytes sees them; every rank raises the same
+    error."""
     me = ring.members[ring.rank]
     if len(send_sizes) != ring.size or len(receive_sizes) != ring.size:
         raise ValueError(f"all_to_all on rank {me}: send_sizes {list(send_sizes)} and "
@@ -386,22 +396,13 @@ def _check_splits(x: torch.Tensor, send_sizes: Sequence[int], receive_sizes: Seq
                          f"row counts that add up to the tensor's {x.shape[0]} rows")
     if ring.size == 1:
         return
-    key = group or dist.group.WORLD
-    call = _split_calls[key] = _split_calls.get(key, 0) + 1
-    store = dist.distributed_c10d._get_process_group_store(key)
-    mine = json.dumps({"send": list(map(int, send_sizes)),
-                       "receive": list(map(int, receive_sizes))})
-    store.set(f"minidist/all_to_all/{call}/{ring.rank}", mine)
-    keys = [f"minidist/all_to_all/{call}/{peer}" for peer in range(ring.size)]
-    store.wait(keys)
-    splits = [json.loads(value) for value in store.multi_get(keys)]
-    if call > 1:  # every rank has read the last call's splits: it has written this call's
-        store.delete_key(f"minidist/all_to_all/{call - 1}/{ring.rank}")
+    splits = exchange(group, "all_to_all", {"send": list(map(int, send_sizes)),
+                                            "receive": list(map(int, receive_sizes))})
     for receiver, theirs in enumerate(splits):
         for sender, expected in enumerate(theirs["receive"]):
             sent = splits[sender]["send"][receiver]
             if sent != expected:
-                raise ValueError(
+                raise CallMismatch(
                     f"all_to_all with mismatched splits: rank {ring.members[receiver]} expects "
                     f"{expected} rows from rank {ring.members[sender]}, which sends it {sent} "
                     f"(rank {ring.members[sender]} called it with send_sizes="
@@ -419,7 +420,7 @@ def shift(tensor: torch.Tensor, *, group: dist.ProcessGroup | None = None, when:
     bytes; the wait notes a `timeline.Event` of kind "transfer" from the send to the wait's
     return. With one rank the tensor itself comes back: there is nobody to send to."""
     ring = ring_of(group, "shift")
-    record("shift", tensor.nbytes, group, when)
+    record("shift", tensor.nbytes, group, when, call=_call(tensor.numel(), tensor.dtype))
     if ring.size == 1:
         return Handle(None, lambda: tensor) if async_op else tensor
     outgoing = tensor.contiguous()
@@ -460,4 +461,4 @@ def record_torch_collective(name: str, tensor: torch.Tensor,
     """Record a torch.distributed collective that code outside minidist runs itself (Lab 14's
     pieces: a student's own code, bound to a group), as this layer records its own: the full
     tensor's bytes, once per call."""
-    record(name, tensor.nbytes, group)
+    record(name, tensor.nbytes, group, call=_call(tensor.numel(), tensor.dtype))

@@ -76,11 +76,14 @@ class TrafficLog:
         return [c for c in self.collectives if c.op == op and when in (None, c.when)]
 
 
-def record(op: str, nbytes: int, group: dist.ProcessGroup | None, when: str = "") -> None:
+def record(op: str, nbytes: int, group: dist.ProcessGroup | None, when: str = "", *,
+           call: str = "") -> None:
     """Add one `op` collective of `nbytes` (the full tensor) over `group` to every open log.
     `minidist.communication.collectives` calls it once per collective, its own or one that
-    code outside minidist ran (`record_torch_collective`)."""
-    interposer.announce("minidist.collective", op, nbytes, group, when)
+    code outside minidist ran (`record_torch_collective`), before any byte moves; `call`
+    describes what every rank of the group must agree on ("8 float32, op='sum', impl='ring'"),
+    for `minidist.core.agreement`'s comparison."""
+    interposer.announce("minidist.collective", op, nbytes, group, when, call)
 
 
 @contextlib.contextmanager
@@ -116,7 +119,7 @@ def count_traffic() -> Iterator[TrafficLog]:
         return send(group, tensors, dst, *args, **kwargs)
 
     def count_collective(_: Callable[..., None], op: str, nbytes: int,
-                         group: dist.ProcessGroup | None, when: str) -> None:
+                         group: dist.ProcessGroup | None, when: str, call: str) -> None:
         ranks = members(group)
         log.collectives.append(Collective(op, nbytes, len(ranks), 1, when, ranks))
 

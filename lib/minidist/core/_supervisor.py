@@ -33,7 +33,7 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from minidist.core import _calls
+from minidist.core import _calls, agreement
 from minidist.core._calls import LatestCall
 from minidist.core._diagnose import conflicts, rank_list
 
@@ -142,6 +142,7 @@ class _RankSpec:
     sys_path: list[str]
     cwd: str
     calls_path: str  # where the rank records its latest call (minidist.core._calls)
+    check_calls: bool  # compare each collective across its group (minidist.core.agreement)
     # The caller's environment now: the fork server's is the one it had when it started, so a
     # variable set since (TORCH_DISTRIBUTED_DEBUG=DETAIL in a notebook) would not reach the ranks.
     environ: dict[str, str]
@@ -295,7 +296,7 @@ class Supervisor:
     Why one unit of about 190 lines: its one loop and what it does on each kind of event belong
     together; a rank's output is forwarded by the functions below it, its start by `_start`."""
 
-    def __init__(self, fn, world_size, args, kwargs, backend, timeout):
+    def __init__(self, fn, world_size, args, kwargs, backend, timeout, check_calls):
         try:
             payload = cloudpickle.dumps((fn, args, kwargs))
         except Exception as error:
@@ -315,7 +316,7 @@ class Supervisor:
         self.slots = _calls.create(self.calls_path, world_size)
         self.ranks = [_start(_RankSpec(rank, world_size, backend, self.store.port, timeout,
                                        payload, list(sys.path), os.getcwd(), self.calls_path,
-                                       dict(os.environ)))
+                                       check_calls, dict(os.environ)))
                       for rank in range(world_size)]
 
     def run(self) -> list[Any]:
@@ -669,7 +670,8 @@ def _rank_main(spec: _RankSpec, stdout_w, stderr_w, control, lifeline) -> None:
             spec.backend, store=store, rank=spec.rank, world_size=spec.world_size,
             timeout=datetime.timedelta(seconds=spec.timeout + 60),
         )
-        result = fn(spec.rank, spec.world_size, *args, **kwargs)
+        with agreement.checking_calls() if spec.check_calls else contextlib.nullcontext():
+            result = fn(spec.rank, spec.world_size, *args, **kwargs)
         payload = cloudpickle.dumps(to_cpu(result))
     except BaseException as error:
         sys.stdout.flush()

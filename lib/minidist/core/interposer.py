@@ -1,7 +1,8 @@
 """The one place minidist steps between a program and torch.distributed.
 
-Four things in minidist need to see (or delay) what a rank sends: the launcher's record of each
-rank's latest call, the labs' checks, the byte counter and the emulated network. Each subscribes
+Five things in minidist need to see (or delay) what a rank sends: the launcher's record of each
+rank's latest call, the comparison of each collective across its group, the labs' checks, the
+byte counter and the emulated network. Each subscribes
 here to a *target*, a function of torch.distributed (`"dist.all_reduce"`) or one of the two
 methods every point-to-point message ends in (`"ProcessGroup.send"`, `"ProcessGroup.recv"`,
 and `"ProcessGroup.recv_anysource"`),
@@ -17,6 +18,7 @@ order of LAYERS, outermost first, whatever order they subscribed in; inside one 
 earlier subscription is outside the later one (blocks nest as they read):
 
     calls      minidist.core._calls: each rank's latest call, for launch.run's reports
+    agreement  minidist.core.agreement: each collective compared across its group first
     recording  minidist.core.checking.recording: the torch.distributed calls a check watches
     messages   minidist.core.checking.messages_sent: each message's payload, copied
     tampering  minidist.core.checking.tampered_receives: a received message changed on arrival
@@ -44,7 +46,7 @@ import torch.distributed as dist
 
 __all__ = ["LAYERS", "ANNOUNCED", "subscribe", "subscribed", "subscribers", "muted", "announce"]
 
-LAYERS = ("calls", "recording", "messages", "tampering", "counting", "route")
+LAYERS = ("calls", "agreement", "recording", "messages", "tampering", "counting", "route")
 
 # minidist's own targets, announced, not replaced: each collective the collective layer runs,
 # each timeline Event noted (minidist.core.timeline.note), each refusal of a checked function

@@ -29,20 +29,24 @@ stderr lines, its Python stack as it died and what a known message means. A run 
 finish within `timeout` raises `RankTimeout` naming the unfinished ranks, what each waits for
 (and the cycle, when they wait on each other) and where they were stuck, ranks with the same
 stack shown once; torch's and other libraries' frames are hidden unless the environment has
-MINIDIST_FULL_STACKS=1. Ranks that call mismatched collectives (different ops, sizes, dtypes
-or roots in the same turn) are named with each call and its line: in the error when the
-mismatch crashes a rank, and as a `RankTimeout` a few seconds after they stop making progress
-when it hangs. While ranks wait without progress the cell shows one line saying so, replaced
-by the report. Either way, and on Ctrl-C (`RunInterrupted`, a KeyboardInterrupt saying so),
-every rank is stopped before `run` returns. Starting and watching the processes is the private
-`minidist.core._supervisor`'s job; recording each rank's calls, `minidist.core._calls`'.
+MINIDIST_FULL_STACKS=1. Ranks that call mismatched collectives (different ops, sizes, dtypes or
+roots in the same turn) are named with each call and its line: in the error when the mismatch
+crashes a rank, and as a `RankTimeout` a few seconds after they stop making progress when it
+hangs. In a notebook (`check_calls`) each collective of minidist's collective layer is also
+compared across its group before it runs (minidist.core.agreement), so a mismatch there raises
+`CallMismatch` at once, on every rank, before a byte moves. While ranks wait without progress
+the cell shows one line saying so, replaced by the report. Either way, and on Ctrl-C
+(`RunInterrupted`, a KeyboardInterrupt saying so), every rank is stopped before `run` returns.
+Starting and watching the processes is the private `minidist.core._supervisor`'s job; recording
+each rank's calls, `minidist.core._calls`'.
 
-Why one module of about 520 lines: `run` and the errors a student reads when ranks fail, hang or are
+Why one module of about 530 lines: `run` and the errors a student reads when ranks fail, hang or are
 interrupted; each message is kept beside the check that raises it."""
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import gc
 import inspect
@@ -77,6 +81,7 @@ from minidist.core._diagnose import (
 )
 from minidist.core._groups import forget_groups
 from minidist.core._supervisor import Failure, RanksFailed, RanksStuck, Supervisor, to_cpu
+from minidist.core.agreement import checking_calls
 
 __all__ = [
     "DEFAULT_TIMEOUT_S", "RankError", "RankTimeout", "RunInterrupted", "default_backend",
@@ -146,6 +151,7 @@ def run(
     *args: Any,
     backend: str | None = None,
     timeout: float | None = None,
+    check_calls: bool | None = None,
     **kwargs: Any,
 ) -> list[Any]:
     """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` ranks; return their results.
@@ -153,11 +159,17 @@ def run(
     The default process group is initialized on every rank before `fn` starts. Results come
     back in rank order (under torchrun/Slurm every rank gets the whole list). `backend` is
     "gloo" or "nccl" (default: `default_backend(world_size)`); `timeout` is in seconds
-    (default `DEFAULT_TIMEOUT_S`).
+    (default `DEFAULT_TIMEOUT_S`). With `check_calls`, every collective of minidist's
+    collective layer is compared across its group before it runs, and a mismatch raises
+    `minidist.core.agreement.CallMismatch` on every rank, naming each rank's call; it costs a
+    store round trip per collective, so it defaults to on in a notebook (a Jupyter kernel),
+    where mistakes are made, and off in scripts and benchmarks.
     """
     positive_int(world_size=world_size)
     _check_function(fn, world_size, args, kwargs)
     timeout = _check_timeout(timeout)
+    if check_calls is None:
+        check_calls = "ipykernel" in sys.modules
     backend = backend or default_backend(world_size)
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
@@ -170,10 +182,11 @@ def run(
         )
 
     if launched is not None:
-        return _run_in_place(fn, world_size, args, kwargs, backend, timeout, *launched)
+        return _run_in_place(fn, world_size, args, kwargs, backend, timeout, check_calls,
+                             *launched)
     __tracebackhide__ = True  # IPython hides this frame: the error carries the rank's frames
     try:
-        return Supervisor(fn, world_size, args, kwargs, backend, timeout).run()
+        return Supervisor(fn, world_size, args, kwargs, backend, timeout, check_calls).run()
     except RanksFailed as failed:
         error: BaseException = _failure_error(failed, world_size)
     except RanksStuck as stuck:
@@ -252,7 +265,8 @@ def _slurm_master_addr_and_port() -> tuple[str, str]:
     return addr, port
 
 
-def _run_in_place(fn, world_size, args, kwargs, backend, timeout, rank, env_world, local_rank):
+def _run_in_place(fn, world_size, args, kwargs, backend, timeout, check_calls, rank, env_world,
+                  local_rank):
     if world_size != env_world:
         raise ValueError(
             f"run(..., world_size={world_size}) but this job has {env_world} processes; start "
@@ -274,7 +288,8 @@ def _run_in_place(fn, world_size, args, kwargs, backend, timeout, rank, env_worl
         atexit.register(_leave_group)
     torch.set_num_threads(1)
     try:
-        result = to_cpu(fn(rank, world_size, *args, **kwargs))
+        with checking_calls() if check_calls else contextlib.nullcontext():
+            result = to_cpu(fn(rank, world_size, *args, **kwargs))
     except BaseException:
         # The job failed: its peers may be gone or stuck, and a barrier would only add a
         # second error (or wait for them). The launcher restarts or ends every rank.
