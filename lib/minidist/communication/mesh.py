@@ -94,7 +94,6 @@ class Mesh:
             network.nodes(world)  # raises if the ranks do not fill whole nodes: before any group
         self.tiers = network
         self.network: emulation.Network | None = None  # the nodes, once the groups are made
-        self.rank = dist.get_rank()
         self._groups: dict[str, dist.ProcessGroup] = {}
         self._ranks: dict[str, list[int]] = {}
         for dim in self.sizes:
@@ -141,6 +140,11 @@ class Mesh:
                              "ranks share a node: build it with Mesh(..., network="
                              "TwoTier(ranks_per_node=...))")
         return self._node_groups[name]
+
+    @property
+    def rank(self) -> int:
+        """This process's global rank."""
+        return dist.get_rank()
 
     @property
     def dims(self) -> tuple[str, ...]:

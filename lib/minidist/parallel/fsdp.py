@@ -326,7 +326,6 @@ class FullyShardedDataParallel(nn.Module):
                              f"unit after its forward, FSDP1's FULL_SHARD) or False (keep it "
                              f"gathered until its backward, SHARD_GRAD_OP)")
         self.reshard_after_forward = reshard_after_forward
-        self.world_size = dist.get_world_size(group)
         self.compute_dtype = compute_dtype or torch.float32
         self.offload = _check_offload(Offload.of(offload), module, self.world_size)
         first = next(module.parameters(), None)
@@ -346,6 +345,11 @@ class FullyShardedDataParallel(nn.Module):
         for index, unit in enumerate(self.units):
             module.get_submodule(unit.name).register_forward_pre_hook(self._before_forward(index))
             module.get_submodule(unit.name).register_forward_hook(self._after_forward(index))
+
+    @property
+    def world_size(self) -> int:
+        """The ranks every unit is sharded over: the group's size."""
+        return dist.get_world_size(self.group)
 
     def _before_forward(self, index: int):
         unit = self.units[index]

@@ -67,7 +67,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         require_process_group("ZeroOptimizer")
         impls.check_impl("reduce_scatter", impl)
         self.stage, self.group, self.impl = stage, group, impl
-        self.world_size = dist.get_world_size(group)
         # The fp32 master slice of each parameter: what the wrapped optimizer updates.
         self.shards = []
         for p in self.params:
@@ -81,6 +80,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if stage == 2:
             for index, param in enumerate(self.params):
                 param.register_post_accumulate_grad_hook(self._scatter_hook(index))
+
+    @property
+    def world_size(self) -> int:
+        """The ranks the state is sharded over: the group's size."""
+        return dist.get_world_size(self.group)
 
     def _master(self, piece: torch.Tensor) -> torch.Tensor:
         """The fp32 master copy of this rank's slice of a parameter, on the device."""
