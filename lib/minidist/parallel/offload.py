@@ -193,8 +193,9 @@ class _Moving:
         return self.host
 
 
-def to_host(tensor: torch.Tensor, when: str = "", async_op: bool = False):
-    """A copy of `tensor` in host memory, counted by every open `transfers()` log.
+def to_host(tensor: torch.Tensor, what: str = "", async_op: bool = False):
+    """A copy of `tensor` in host memory, counted by every open `transfers()` log under the
+    name `what` ("gradient shard").
 
     From a GPU the copy goes to pinned memory on a side CUDA stream, after the work already
     queued on the current stream, so the backward kernels queued next run while it copies;
@@ -211,17 +212,17 @@ def to_host(tensor: torch.Tensor, when: str = "", async_op: bool = False):
         moving = _Moving(host, stream.record_event())
     else:
         moving = _Moving(source.clone(), None)
-    record("to_host", source.nbytes, when, start)
+    record("to_host", source.nbytes, what, start)
     return moving if async_op else moving.wait()
 
 
 def to_device(tensor: torch.Tensor, device: torch.device | str | None = None,
-              when: str = "") -> torch.Tensor:
+              what: str = "") -> torch.Tensor:
     """A copy of host `tensor` on `device` (default: the one this rank computes on, its GPU
-    under NCCL), counted by every open `transfers()` log."""
+    under NCCL), counted by every open `transfers()` log under the name `what`."""
     start = clock()
     device = torch.device(device) if device is not None else compute_device()
     copy = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
     copy.copy_(tensor.detach())
-    record("to_device", tensor.nbytes, when, start)
+    record("to_device", tensor.nbytes, what, start)
     return copy
