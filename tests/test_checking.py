@@ -2,6 +2,7 @@
 torch.distributed calls, and the library's versions they make unavailable."""
 
 import inspect
+import re
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ import torch.distributed as dist
 
 from minidist.core.checking import recording, tampered_receives
 from minidist.core.launch import run
-from minidist.core.refusal import LibraryVersionUsed, unavailable
+from minidist.core.refusal import TORCH_COLLECTIVES, LibraryVersionUsed, unavailable
 from minidist.parallel import tensor_parallel
 
 
@@ -128,14 +129,20 @@ def _copies_backends_and_tampering(rank, world_size):
     spec.loader.exec_module(copy)
     source = {}
     exec(compile(inspect.getsource(comm.chunk_bounds), "<copy>", "exec"), source)
+    # The same code under other names, its locals renamed, its docstring and comments gone.
+    renamed = re.sub(r"\bbounds\b", "mine", re.sub(r'"""[^"]*"""|#.*', "", inspect.getsource(
+        comm.chunk_bounds).replace("def chunk_bounds", "def my_bounds")))
+    exec(compile(renamed, "<renamed>", "exec"), source)
     t = torch.arange(8.0) * (rank + 1)
     backend = dist.group.WORLD._get_backend(torch.device("cpu"))
     tries = {"module loaded again": lambda: copy.ring_all_reduce(t.clone()),
              "source exec'd": lambda: source["chunk_bounds"](8, 2),
-             "backend below the process group": lambda: backend.allreduce([t.clone()]).wait()}
+             "renamed copy": lambda: source["my_bounds"](8, 2),
+             "backend below the process group": lambda: backend.allreduce([t.clone()]).wait(),
+             "another torch collective": lambda: dist.all_gather_object([None] * world_size, 1)}
     for path, call in tries.items():  # one block each: a refusal ends its block too
         try:
-            with unavailable("minidist.communication.comm.*", "torch.distributed.all_reduce"):
+            with unavailable("minidist.communication.comm.*", *TORCH_COLLECTIVES):
                 call()
             found[path] = "ran"
         except LibraryVersionUsed:
@@ -156,8 +163,9 @@ def _copies_backends_and_tampering(rank, world_size):
 
 
 def test_copies_of_the_library_and_the_backend_are_refused_and_receives_can_be_tampered():
-    """Refusal by code identity catches a module loaded again and exec'd source; torch's
-    backend under the process group is refused with dist.all_reduce; tampered_receives
+    """Refusal by code identity catches a module loaded again, exec'd source and a copy
+    renamed; torch's backend under the process group is refused with dist.all_reduce, and
+    TORCH_COLLECTIVES refuses every other collective; tampered_receives
     changes what a ring receives, so its result changes; recording keeps the tensor and what
     it held."""
     for found in run(_copies_backends_and_tampering, 3):

@@ -6,17 +6,19 @@
 A student's version must not lean on the library's (or torch's) own version of the very thing it
 builds. `unavailable` makes the function objects themselves refuse, so every name, alias, copy
 and path that reaches them is caught: a Python function's code is swapped for a refusal, a copy
-of that code is refused by its fingerprint, a C function or method by its identity, and a
+of that code is refused by its fingerprint (its instructions, whatever it and its locals are
+named), a C function or method by its identity, and a
 torch.distributed collective together with what torch runs it through below. A refusal the
 checked function catches is raised again when the block ends.
 
-Why one module of about 340 lines: the refusal of each kind of callable (Python function, class
+Why one module of about 410 lines: the refusal of each kind of callable (Python function, class
 method, C function, dispatcher op, a copy's code) is one mechanism, swapped in and out together.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dis
 import functools
 import importlib
 import inspect
@@ -31,7 +33,8 @@ from torch._ops import _OpNamespace
 
 from minidist.core import interposer
 
-__all__ = ["unavailable", "Refusals", "LibraryVersionUsed", "PROCESS_STARTERS"]
+__all__ = ["unavailable", "Refusals", "LibraryVersionUsed", "PROCESS_STARTERS",
+           "TORCH_COLLECTIVES"]
 
 
 class LibraryVersionUsed(RuntimeError):
@@ -88,6 +91,17 @@ _OPS = {
 }
 
 
+TORCH_COLLECTIVES = tuple(f"torch.distributed.{name}" for name in (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+    "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "broadcast", "reduce", "gather",
+    "scatter", "all_reduce_coalesced", "all_gather_coalesced", "all_gather_object",
+    "broadcast_object_list", "gather_object", "scatter_object_list", "barrier",
+    "monitored_barrier"))
+"""Every collective of torch.distributed, to pass to `unavailable` where an exercise builds its
+communication from point-to-point sends: each is refused with what torch runs it through below,
+so no result can come from a collective while right-sized sends are made for show."""
+
+
 def _below(path: str) -> list[str]:
     """The paths below torch.distributed's collective `path` (none for anything else)."""
     prefix, _, name = path.rpartition(".")
@@ -133,7 +147,7 @@ def unavailable(*paths: str, reason: str = "", allow: Iterable[str] = (),
     undo: list[Callable[[], None]] = []
     refused_builtins: dict[int, str] = {}
     refused_methods: dict[int, str] = {}  # id of the refusal standing in a class for a C method
-    refused_code: dict[tuple[str, bytes], str] = {}
+    refused_code: dict[tuple, str] = {}  # fingerprint of a refused function's code -> its path
     refusals: list[str] = []
 
     def keep(_: Callable[..., None], message: str) -> None:
@@ -219,7 +233,7 @@ def _refusal(path: str, reason: str) -> str:
 
 
 def _refuse(path: str, reason: str, refused_builtins: dict[int, str],
-            refused_code: dict[tuple[str, bytes], str],
+            refused_code: dict[tuple, str],
             refused_methods: dict[int, str]) -> Callable[[], None]:
     """Make the function at `path` refuse; returns what undoes it. Its code's fingerprint goes
     into `refused_code`, so a copy of it (a reloaded module, exec of its source) refuses too."""
@@ -238,7 +252,7 @@ def _refuse(path: str, reason: str, refused_builtins: dict[int, str],
         # Only the innermost function's code is the library's own: a decorator's wrapper
         # (torch.no_grad's, c10d's logger) shares its code with every function it wraps.
         innermost = functions[-1].__code__
-        refused_code[innermost.co_name, innermost.co_code] = path
+        refused_code[_fingerprint(innermost)] = path
         for function, code in saved:
             function.__code__ = _refusing_code(code, _refusal(path, reason))
 
@@ -299,20 +313,49 @@ def _refusing_code(code: types.CodeType, message: str) -> types.CodeType:
                            co_filename=code.co_filename, co_firstlineno=code.co_firstlineno)
 
 
+_LOCAL_SLOTS = frozenset(("LOAD_FAST", "STORE_FAST", "DELETE_FAST", "LOAD_FAST_CHECK",
+                          "LOAD_FAST_AND_CLEAR", "LOAD_DEREF", "STORE_DEREF", "DELETE_DEREF",
+                          "LOAD_CLOSURE", "MAKE_CELL", "LOAD_CLASSDEREF"))
+
+
+def _fingerprint(code: types.CodeType) -> tuple:
+    """What every copy of `code` keeps, however it and its locals are renamed and whatever its
+    docstring and line numbers: its instructions, each with the constant, global or attribute
+    name it uses (a local by its slot), nested functions' code by their own fingerprints."""
+    instructions = []
+    for instruction in dis.get_instructions(code):
+        argument = instruction.argval
+        if instruction.opname in _LOCAL_SLOTS:
+            argument = instruction.arg
+        elif isinstance(argument, types.CodeType):
+            argument = _fingerprint(argument)
+        elif instruction.opname == "LOAD_CONST":
+            argument = repr(argument)  # a list or dict constant is not hashable
+        instructions.append((instruction.opname, argument))
+    return tuple(instructions)
+
+
 @contextlib.contextmanager
-def _refusing_copies(builtins: dict[int, str], code: dict[tuple[str, bytes], str],
+def _refusing_copies(builtins: dict[int, str], code: dict[tuple, str],
                      methods: dict[int, str], reason: str) -> Iterator[None]:
     """While the block runs, a call of a refused C function, or of any Python function whose
-    code is a refused one's (same name, same bytecode: a module reloaded or loaded again from
-    its file, its source exec'd), raises, from any caller, in this thread and in threads it
-    starts."""
+    code is a copy of a refused one's (`_fingerprint`: a module reloaded or loaded again from
+    its file, its source exec'd, the function copied under another name), raises, from any
+    caller, in this thread and in threads it starts."""
     if not builtins and not code and not methods:
         yield
         return
+    seen: dict[int, tuple[types.CodeType, str | None]] = {}  # id(code) -> (code, refused path)
+
+    def refused_copy(called: types.CodeType) -> str | None:
+        found = seen.get(id(called))
+        if found is None or found[0] is not called:
+            found = seen[id(called)] = (called, code.get(_fingerprint(called)))
+        return found[1]
 
     def profile(frame: Any, event: str, arg: Any) -> None:
         if event == "call":
-            refused = code.get((frame.f_code.co_name, frame.f_code.co_code))
+            refused = refused_copy(frame.f_code)
         elif event == "c_call":
             refused = builtins.get(id(arg))
             if refused is None and methods:
