@@ -47,6 +47,7 @@ sys.path.insert(0, str(REPO / "tools"))  # tools/grading/, the instructors' tool
 sys.path.insert(0, str(REPO / "bench"))  # lab_run_times: each lab's budget
 from fakes import Alternative, Fake, alternatives_of, fakes_of, rounds  # noqa: E402
 from grading.feedback import HideHiddenTests, markdown_with_mathml  # noqa: E402
+from grading.timeouts import timeout_message  # noqa: E402
 from lab_run_times import BUDGET_S, BUDGETS_S, cell_spans, seconds_and_slowest  # noqa: E402
 
 LABS = sorted({notebook.parent.name for notebook in REPO.glob("solutions/*/*.ipynb")})
@@ -678,6 +679,12 @@ def test_e_hangs_are_bounded_and_cleaned_up(lab: str, course: Course, mistaken: 
         f"autograde should end within 30 s of each notebook's last cell; it took "
         f"{overhead:.0f} s more for {notebooks} notebook(s)")
     assert "Interrupting kernel" in mistaken.ran.output  # the loop was stopped, the kernel kept
+    executed = read_notebook(course.root / "autograded" / "mistaken" / lab / f"{lab}.ipynb")
+    looped = next(cell for cell in executed.cells if INFINITE_LOOP[-1] in cell.source.splitlines())
+    said = "".join(output.get("text", "") for output in looped.outputs)
+    assert timeout_message(mistaken.cell_timeout_s) in said, (
+        f"the looping cell's output should say grading stopped it (tools/grading/timeouts.py); "
+        f"it shows {said[:300]!r}")
     assert {cell: submitted[cell][0] for cell in mistaken.stuck_cells} == dict.fromkeys(
         mistaken.stuck_cells, 0
     )
