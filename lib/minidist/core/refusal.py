@@ -318,6 +318,7 @@ _LOCAL_SLOTS = frozenset(("LOAD_FAST", "STORE_FAST", "DELETE_FAST", "LOAD_FAST_C
                           "LOAD_CLOSURE", "MAKE_CELL", "LOAD_CLASSDEREF"))
 
 
+@functools.lru_cache(maxsize=4096)  # a check refuses the same functions again and again
 def _fingerprint(code: types.CodeType) -> tuple:
     """What every copy of `code` keeps, however it and its locals are renamed and whatever its
     docstring and line numbers: its instructions, each with the constant, global or attribute
