@@ -3,6 +3,7 @@ torch.distributed calls, and the library's versions they make unavailable."""
 
 import inspect
 import re
+import types
 
 import pytest
 import torch
@@ -129,15 +130,20 @@ def _copies_backends_and_tampering(rank, world_size):
     spec.loader.exec_module(copy)
     source = {}
     exec(compile(inspect.getsource(comm.chunk_bounds), "<copy>", "exec"), source)
-    # The same code under other names, its locals renamed, its docstring and comments gone.
-    renamed = re.sub(r"\bbounds\b", "mine", re.sub(r'"""[^"]*"""|#.*', "", inspect.getsource(
-        comm.chunk_bounds).replace("def chunk_bounds", "def my_bounds")))
-    exec(compile(renamed, "<renamed>", "exec"), source)
+    # Pasted under another name, its locals renamed; and the same code written without the
+    # library's docstring and name, as a student may write it: that one is the student's.
+    pasted = re.sub(r"\bbounds\b", "mine", inspect.getsource(comm.chunk_bounds).replace(
+        "def chunk_bounds", "def my_bounds"))
+    exec(compile(pasted, "<pasted>", "exec"), source)
+    alike = re.sub(r'"""[^"]*"""|#.*', "", pasted).replace("def my_bounds", "def written_alike")
+    exec(compile(alike, "<alike>", "exec"), source)
+    renamed_code = types.FunctionType(comm.chunk_bounds.__code__.replace(co_name="mine"), {})
     t = torch.arange(8.0) * (rank + 1)
     backend = dist.group.WORLD._get_backend(torch.device("cpu"))
     tries = {"module loaded again": lambda: copy.ring_all_reduce(t.clone()),
              "source exec'd": lambda: source["chunk_bounds"](8, 2),
-             "renamed copy": lambda: source["my_bounds"](8, 2),
+             "pasted under another name": lambda: source["my_bounds"](8, 2),
+             "its code renamed": lambda: renamed_code(8, 2),
              "backend below the process group": lambda: backend.allreduce([t.clone()]).wait(),
              "another torch collective": lambda: dist.all_gather_object([None] * world_size, 1)}
     for path, call in tries.items():  # one block each: a refusal ends its block too
@@ -147,6 +153,8 @@ def _copies_backends_and_tampering(rank, world_size):
             found[path] = "ran"
         except LibraryVersionUsed:
             found[path] = "refused"
+    with unavailable("minidist.communication.comm.*"):
+        found["written alike, runs"] = source["written_alike"](8, 2) == [(0, 4), (4, 8)]
     reference = t.clone()
     comm.ring_all_reduce(reference)
     with tampered_receives(delta=1.0, nth=0) as sources:
@@ -163,11 +171,12 @@ def _copies_backends_and_tampering(rank, world_size):
 
 
 def test_copies_of_the_library_and_the_backend_are_refused_and_receives_can_be_tampered():
-    """Refusal by code identity catches a module loaded again, exec'd source and a copy
-    renamed; torch's backend under the process group is refused with dist.all_reduce, and
-    TORCH_COLLECTIVES refuses every other collective; tampered_receives
-    changes what a ring receives, so its result changes; recording keeps the tensor and what
-    it held."""
+    """Refusal by code identity catches a module loaded again, exec'd source, a copy pasted under
+    another name and the code object renamed, but not the same instructions written without the
+    library's name, docstring or place; torch's backend under the process group is refused with
+    dist.all_reduce, and TORCH_COLLECTIVES refuses every other collective; tampered_receives
+    changes what a ring receives, so its result changes; recording keeps the tensor and what it
+    held."""
     for found in run(_copies_backends_and_tampering, 3):
         wrong = {what: outcome for what, outcome in found.items()
                  if outcome not in ("refused", True)}

@@ -6,12 +6,12 @@
 A student's version must not lean on the library's (or torch's) own version of the very thing it
 builds. `unavailable` makes the function objects themselves refuse, so every name, alias, copy
 and path that reaches them is caught: a Python function's code is swapped for a refusal, a copy
-of that code is refused by its fingerprint (its instructions, whatever it and its locals are
-named), a C function or method by its identity, and a
-torch.distributed collective together with what torch runs it through below. A refusal the
-checked function catches is raised again when the block ends.
+of that code is refused by its fingerprint (its instructions, whatever its locals are named)
+when it keeps the original's name, docstring or place in the library's file, a C function or
+method by its identity, and a torch.distributed collective together with what torch runs it
+through below. A refusal the checked function catches is raised again when the block ends.
 
-Why one module of about 410 lines: the refusal of each kind of callable (Python function, class
+Why one module of about 440 lines: the refusal of each kind of callable (Python function, class
 method, C function, dispatcher op, a copy's code) is one mechanism, swapped in and out together.
 """
 
@@ -26,7 +26,7 @@ import sys
 import threading
 import types
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch._ops import _OpNamespace
@@ -147,7 +147,7 @@ def unavailable(*paths: str, reason: str = "", allow: Iterable[str] = (),
     undo: list[Callable[[], None]] = []
     refused_builtins: dict[int, str] = {}
     refused_methods: dict[int, str] = {}  # id of the refusal standing in a class for a C method
-    refused_code: dict[tuple, str] = {}  # fingerprint of a refused function's code -> its path
+    refused_code: dict[tuple, list[_Original]] = {}  # fingerprint -> the refused code with it
     refusals: list[str] = []
 
     def keep(_: Callable[..., None], message: str) -> None:
@@ -233,7 +233,7 @@ def _refusal(path: str, reason: str) -> str:
 
 
 def _refuse(path: str, reason: str, refused_builtins: dict[int, str],
-            refused_code: dict[tuple, str],
+            refused_code: dict[tuple, list[_Original]],
             refused_methods: dict[int, str]) -> Callable[[], None]:
     """Make the function at `path` refuse; returns what undoes it. Its code's fingerprint goes
     into `refused_code`, so a copy of it (a reloaded module, exec of its source) refuses too."""
@@ -252,7 +252,8 @@ def _refuse(path: str, reason: str, refused_builtins: dict[int, str],
         # Only the innermost function's code is the library's own: a decorator's wrapper
         # (torch.no_grad's, c10d's logger) shares its code with every function it wraps.
         innermost = functions[-1].__code__
-        refused_code[_fingerprint(innermost)] = path
+        refused_code.setdefault(_fingerprint(innermost), []).append(
+            _Original(path, *_identity(innermost)))
         for function, code in saved:
             function.__code__ = _refusing_code(code, _refusal(path, reason))
 
@@ -321,8 +322,8 @@ _LOCAL_SLOTS = frozenset(("LOAD_FAST", "STORE_FAST", "DELETE_FAST", "LOAD_FAST_C
 @functools.lru_cache(maxsize=4096)  # a check refuses the same functions again and again
 def _fingerprint(code: types.CodeType) -> tuple:
     """What every copy of `code` keeps, however it and its locals are renamed and whatever its
-    docstring and line numbers: its instructions, each with the constant, global or attribute
-    name it uses (a local by its slot), nested functions' code by their own fingerprints."""
+    line numbers: its instructions, each with the constant, global or attribute name it uses
+    (a local by its slot), nested functions' code by their own fingerprints."""
     instructions = []
     for instruction in dis.get_instructions(code):
         argument = instruction.argval
@@ -336,8 +337,40 @@ def _fingerprint(code: types.CodeType) -> tuple:
     return tuple(instructions)
 
 
+class _Original(NamedTuple):
+    """A refused function's code, as a copy of it may still show it."""
+
+    path: str
+    name: str
+    docstring: str | None
+    place: tuple[str, int]  # its file and first line
+
+
+def _identity(code: types.CodeType) -> tuple[str, str | None, tuple[str, int]]:
+    """The name, docstring and place of `code`: a copy that kept any of them is the library's
+    code; instructions alone are not enough, since short code written independently (an honest
+    student's union of intervals) can be instruction for instruction the library's."""
+    first = code.co_consts[0] if code.co_consts else None
+    return (code.co_name, first if isinstance(first, str) and first else None,
+            (code.co_filename, code.co_firstlineno))
+
+
+_SHORT = 16  # instructions: code this short (`return self.module(*args)`) is only the library's
+# own when it comes from the library's file
+
+
+def _copied(called: types.CodeType, originals: list[_Original], length: int) -> str | None:
+    """The path of the refused function `called` is a copy of, if it kept its identity."""
+    name, docstring, place = _identity(called)
+    for original in originals:
+        if place == original.place or length >= _SHORT and (
+                name == original.name or docstring is not None and docstring == original.docstring):
+            return original.path
+    return None
+
+
 @contextlib.contextmanager
-def _refusing_copies(builtins: dict[int, str], code: dict[tuple, str],
+def _refusing_copies(builtins: dict[int, str], code: dict[tuple, list[_Original]],
                      methods: dict[int, str], reason: str) -> Iterator[None]:
     """While the block runs, a call of a refused C function, or of any Python function whose
     code is a copy of a refused one's (`_fingerprint`: a module reloaded or loaded again from
@@ -351,7 +384,10 @@ def _refusing_copies(builtins: dict[int, str], code: dict[tuple, str],
     def refused_copy(called: types.CodeType) -> str | None:
         found = seen.get(id(called))
         if found is None or found[0] is not called:
-            found = seen[id(called)] = (called, code.get(_fingerprint(called)))
+            fingerprint = _fingerprint(called)
+            originals = code.get(fingerprint)
+            found = seen[id(called)] = (called, originals and _copied(called, originals,
+                                                                      len(fingerprint)))
         return found[1]
 
     def profile(frame: Any, event: str, arg: Any) -> None:
