@@ -645,7 +645,8 @@ def _step(step: Step, markdown: str | None) -> str:
         + "\n".join(f"<li>{need}</li>" for need in needs) + "\n</ul>\n"
         "<h3>You will be able to</h3>\n<ul class=\"objectives\">\n"
         + "\n".join(f"<li>{_inline(goal)}</li>" for goal in step.objectives) + "\n</ul>\n"
-        "<h3>Self-check: answer these before the next lab</h3>\n<ol class=\"self-check\">\n"
+        f"<h3>After Lab {number}: self-check, answer these before the next lab</h3>\n"
+        "<ol class=\"self-check\">\n"
         f"{gate}\n</ol>\n</section>"
     )
 
@@ -688,8 +689,9 @@ turning the page.</li>
 <li>Do the lab in your own copy. <code>make lab</code> copies every lab into
 <code>my-labs/</code> the first time (the copies appear only then) and opens JupyterLab there;
 the labs check your code.</li>
-<li>Answer its self-check questions on paper before you open an answer. Any you miss: go back to
-its deck or lab before moving on.</li>
+<li>After the lab, answer its self-check questions on paper before you open an answer: they
+review what the lab had you work out, so leave them until you have done it. Any you miss: go back
+to its deck or lab before moving on.</li>
 <li>Grade your lab: <code>make grade LAB=NN</code> (its number, e.g. <code>LAB=03</code>) runs
 the grader's hidden tests on your copy, in a scratch copy that leaves <code>my-labs/</code> as it
 is, and prints each graded cell's points and, for a failed one, the check's message. Fix and

@@ -88,7 +88,8 @@ class Model:
             raise ValueError(f"heads={self.heads} does not divide hidden={self.hidden}")
 
 
-# Published shapes (GPT-3: Brown et al. 2020, Table 2.1; Llama 2: Touvron et al. 2023).
+# Published shapes (GPT-3: Brown et al. 2020, Table 2.1; Llama 2: Touvron et al. 2023). GPT-3 XL's
+# row lists 24 heads of 128, which do not make its d_model of 2048: 16 heads of 128 do.
 MODELS = {
     "1.3B": Model(1.3e9, layers=24, hidden=2048, heads=16, seq_len=2048, vocab=50257),
     "7B": Model(6.7e9, layers=32, hidden=4096, heads=32, seq_len=4096, vocab=32000),
