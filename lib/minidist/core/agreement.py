@@ -51,9 +51,9 @@ def exchange(group: dist.ProcessGroup | None, what: str, mine: Any) -> list[Any]
     rank, size = dist.get_rank(key), dist.get_world_size(key)
     store = dist.distributed_c10d._get_process_group_store(key)
     store.set(f"minidist/{what}/{call}/{rank}", json.dumps(mine))
-    keys = [f"minidist/{what}/{call}/{peer}" for peer in range(size)]
-    store.wait(keys)
-    everyone = [json.loads(value) for value in store.multi_get(keys)]
+    # multi_get waits for every key: one round trip to the store less than wait, then get
+    everyone = [json.loads(value) for value in
+                store.multi_get([f"minidist/{what}/{call}/{peer}" for peer in range(size)])]
     if call > 1:  # every rank has read the previous call's values: it has written this call's
         store.delete_key(f"minidist/{what}/{call - 1}/{rank}")
     return everyone
