@@ -184,6 +184,22 @@ def test_copies_of_the_library_and_the_backend_are_refused_and_receives_can_be_t
 
 
 
+def test_a_renamed_copy_is_refused_with_or_without_the_modules_future_import():
+    """A function of a module with `from __future__ import annotations`, pasted under another
+    name where that import is absent (or present), builds its annotations with other
+    instructions: still refused."""
+    from minidist.parallel import pipeline
+
+    for future in ("", "from __future__ import annotations\n"):
+        namespace = dict(vars(pipeline))
+        source = inspect.getsource(pipeline._interleaved).replace("def _interleaved", "def copy")
+        exec(compile(future + source, "<copy>", "exec", dont_inherit=True), namespace)
+        with pytest.raises(LibraryVersionUsed, match="pipeline._interleaved: write your own"):
+            with unavailable("minidist.parallel.pipeline._interleaved"):
+                namespace["copy"](0, 2, 4, 2)
+    assert len(pipeline._interleaved(0, 2, 4, 2)) == 16  # and it is back
+
+
 def test_unavailable_module_star_leaves_the_allowed_functions_callable():
     """"module.*" with `allow`: the scaffolding an exercise is given still runs, and so does a
     copy of it (its code is not fingerprinted); every other function of the module refuses."""

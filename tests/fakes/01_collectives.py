@@ -85,6 +85,20 @@ FAKES = {
             w.wait()
     s, e = bounds[rank]
     flat[s:e] = sum(everyone[r][s:e] for r in range(n))"""),
+        Fake("the library's steps, renamed", "red team rt1: comm.reduce_scatter_steps (and its "
+             "neighbours) exec'd from their source under new names, run on comm.ring_of()",
+             ("test-reduce-scatter", *RING), """\
+    import inspect as _inspect
+    _ns = dict(vars(comm))
+    _src = "\\n".join(_inspect.getsource(f) for f in (
+        comm.reduce_scatter_steps, comm.all_gather_steps, comm._fold_in, comm._fold_out,
+        comm.recursive_doubling_steps))
+    for _old, _new in (("reduce_scatter_steps", "my_rs_steps"), ("all_gather_steps", "my_ag_steps"),
+                       ("_fold_in", "_my_fold_in"), ("_fold_out", "_my_fold_out"),
+                       ("recursive_doubling_steps", "my_rd_steps")):
+        _src = _src.replace(_old, _new)
+    exec(_src, _ns)
+    _ns["my_rs_steps"](flat, comm.ring_of())"""),
     ],
     "impl-all-gather": [
         Fake("the whole tensor every step", "forwards all N chunks each step instead of one",
@@ -192,6 +206,12 @@ FAKES = {
                           f"{alpha!r}, {beta!r})))"],
                          capture_output=True, text=True, check=True).stdout
     return float(out)"""),
+        Fake("the algorithm table's coefficients", "red team rt1: steps and byte factor read from "
+             "minidist.costs.algorithms.named('ring').coefficients, not derived",
+             ("test-predict",), """\
+    from minidist.costs import algorithms
+    steps, factor, _ = algorithms.named("ring").coefficients("all_reduce", world_size)
+    return steps * alpha + factor * nbytes * beta"""),
     ],
     "impl-recursive-doubling": [
         Fake("partners 2^k along the ring", "sends to rank+2^k and receives from rank-2^k "
@@ -251,6 +271,21 @@ FAKES = {
         k += 1
     flat.copy_(sum(everyone))
     return tensor"""),
+        Fake("the library's steps, renamed", "red team rt1: comm.recursive_doubling_steps, "
+             "_fold_in and _fold_out exec'd from their source under new names",
+             ("test-recursive-doubling",), """\
+    import inspect as _inspect
+    _ns = dict(vars(comm))
+    _src = "\\n".join(_inspect.getsource(f) for f in (
+        comm.reduce_scatter_steps, comm.all_gather_steps, comm._fold_in, comm._fold_out,
+        comm.recursive_doubling_steps))
+    for _old, _new in (("reduce_scatter_steps", "my_rs_steps"), ("all_gather_steps", "my_ag_steps"),
+                       ("_fold_in", "_my_fold_in"), ("_fold_out", "_my_fold_out"),
+                       ("recursive_doubling_steps", "my_rd_steps")):
+        _src = _src.replace(_old, _new)
+    exec(_src, _ns)
+    _ns["my_rd_steps"](tensor.view(-1), comm.ring_of(), False)
+    return tensor"""),
     ],
     "impl-crossover": [
         Fake("the library's crossover", "delegates to minidist.costs.cost.crossover_size",
@@ -280,5 +315,14 @@ FAKES = {
     sys.modules[spec.name] = copy
     spec.loader.exec_module(copy)
     return copy.crossover_size("recursive_doubling", "ring", world_size, alpha, beta)"""),
+        Fake("the algorithm table's coefficients", "red team rt1: both algorithms' steps and byte "
+             "factors read from minidist.costs.algorithms, not derived",
+             ("test-crossover",), """\
+    from minidist.costs import algorithms
+    a_rd, b_rd, _ = algorithms.named("recursive_doubling").coefficients("all_reduce", world_size)
+    a_ring, b_ring, _ = algorithms.named("ring").coefficients("all_reduce", world_size)
+    if b_rd <= b_ring:
+        return math.inf
+    return (a_ring - a_rd) * alpha / ((b_rd - b_ring) * beta)"""),
     ],
 }

@@ -178,6 +178,56 @@ FAKES = {
     dist.all_to_all_single(back, received, send_splits, recv_splits, group=group)
     experts = make_experts()
     return torch.stack([experts[e](token) for token, e in zip(x, expert_index.tolist())])"""),
+        Fake("the world group", "red team rt1: the real dispatch, but every all-to-all on the "
+             "default group: the group argument ignored", ("test-moe-dispatch",), """\
+    order = torch.argsort(expert_index, stable=True)
+    xs = x[order]
+    counts = torch.bincount(expert_index, minlength=ep * per_rank)
+    recv_counts = torch.empty_like(counts)
+    dist.all_to_all_single(recv_counts, counts)
+    send_splits = counts.view(ep, per_rank).sum(1).tolist()
+    rc = recv_counts.view(ep, per_rank)
+    recv_splits = rc.sum(1).tolist()
+    received = x.new_empty(sum(recv_splits), x.shape[1])
+    dist.all_to_all_single(received, xs, recv_splits, send_splits)
+    out = torch.empty_like(received)
+    offset = 0
+    for s in range(ep):
+        for e in range(per_rank):
+            n = int(rc[s, e])
+            if n:
+                out[offset:offset + n] = local_experts[e](received[offset:offset + n])
+            offset += n
+    back = torch.empty_like(xs)
+    dist.all_to_all_single(back, out, send_splits, recv_splits)
+    result = torch.empty_like(x)
+    result[order] = back
+    return result"""),
+        Fake("experts from a side channel", "red team rt1: every expert fetched with "
+             "dist.all_gather_object, every token computed locally; the three all-to-alls carry "
+             "the right sizes for show, the last one the unprocessed tokens",
+             ("test-moe-dispatch",), """\
+    import copy
+    everyone = [None] * ep
+    dist.all_gather_object(everyone, [e.state_dict() for e in local_experts], group=group)
+    experts = []
+    for states in everyone:
+        for state in states:
+            expert = copy.deepcopy(local_experts[0])
+            expert.load_state_dict(state)
+            experts.append(expert)
+    result = torch.stack([experts[int(e)](token) for token, e in zip(x, expert_index)])
+    order = torch.argsort(expert_index, stable=True)
+    counts = torch.bincount(expert_index, minlength=ep * per_rank)
+    recv_counts = torch.empty_like(counts)
+    dist.all_to_all_single(recv_counts, counts, group=group)
+    send_splits = counts.view(ep, per_rank).sum(1).tolist()
+    recv_splits = recv_counts.view(ep, per_rank).sum(1).tolist()
+    got = x.new_empty(sum(recv_splits), x.shape[1])
+    dist.all_to_all_single(got, x[order], recv_splits, send_splits, group=group)
+    back = x.new_empty(x.shape)
+    dist.all_to_all_single(back, got, send_splits, recv_splits, group=group)
+    return result"""),
     ],
     "impl-bytes-per-dimension": [
         Fake("activations only", "PP counts the activations sent forward, not the gradients "
@@ -252,5 +302,38 @@ FAKES = {
         Fake("the reduction never hidden", "exposes the whole data-parallel reduction instead "
              "of what outlasts the last microbatch's backward", ("test-layout-cost",),
              _COST.replace("backward = 2 / 3 * compute / m", "backward = 0.0")),
+        Fake("the planner's source, renamed", "red team rt1: planner.estimate_time and "
+             "pipeline_rank_memory exec'd from their source under new names",
+             ("test-layout-cost",), """\
+    import inspect as _inspect
+    _ns = dict(vars(planner))
+    source = (_inspect.getsource(planner.pipeline_rank_memory)
+              .replace("def pipeline_rank_memory", "def my_rank_memory") + "\\n"
+              + _inspect.getsource(planner.estimate_time)
+              .replace("def estimate_time", "def my_estimate_time"))
+    exec(source, _ns)
+    t = _ns["my_estimate_time"](layout, model, cluster, global_batch, efficiency)
+    memory = max(_ns["my_rank_memory"](layout, model, r).total for r in {0, pp - 1})
+    return {"memory": memory, "compute": t.compute, "bubble": t.bubble, "tp": t.tp_comm,
+            "pp": t.pp_comm, "dp": t.dp_comm}"""),
+        Fake("a table of the planner's answers", "red team rt1: the planner's costs of every "
+             "candidate layout, model, the notebook's clusters and batches, tabulated once, "
+             "then looked up", ("test-layout-cost",), """\
+    g = globals()
+    if "_COSTS" not in g:
+        g["_COSTS"] = {}
+        for _cluster in (planner.Cluster.dgx_h100(64), planner.Cluster.dgx_a100(32)):
+            for _gb in (256, 512):
+                for _layout in planner.candidate_layouts(_cluster, _gb):
+                    for _model in planner.MODELS.values():
+                        try:
+                            _t = planner.estimate_time(_layout, _model, _cluster, _gb)
+                            g["_COSTS"][repr(_layout), repr(_model), repr(_cluster), _gb] = {
+                                "memory": planner.estimate_memory(_layout, _model).total,
+                                "compute": _t.compute, "bubble": _t.bubble, "tp": _t.tp_comm,
+                                "pp": _t.pp_comm, "dp": _t.dp_comm}
+                        except Exception:
+                            pass
+    return dict(_COSTS[repr(layout), repr(model), repr(cluster), global_batch])"""),
     ],
 }

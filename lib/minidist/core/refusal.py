@@ -16,6 +16,7 @@ method, C function, dispatcher op, a copy's code) is one mechanism, swapped in a
 """
 
 from __future__ import annotations
+import __future__
 
 import contextlib
 import dis
@@ -23,6 +24,7 @@ import functools
 import importlib
 import inspect
 import sys
+import textwrap
 import threading
 import types
 from collections.abc import Callable, Iterable, Iterator
@@ -252,8 +254,9 @@ def _refuse(path: str, reason: str, refused_builtins: dict[int, str],
         # Only the innermost function's code is the library's own: a decorator's wrapper
         # (torch.no_grad's, c10d's logger) shares its code with every function it wraps.
         innermost = functions[-1].__code__
-        refused_code.setdefault(_fingerprint(innermost), []).append(
-            _Original(path, *_identity(innermost)))
+        for compiled in _compiled_both_ways(innermost):
+            refused_code.setdefault(_fingerprint(compiled), []).append(
+                _Original(path, *_identity(innermost)))
         for function, code in saved:
             function.__code__ = _refusing_code(code, _refusal(path, reason))
 
@@ -317,6 +320,25 @@ def _refusing_code(code: types.CodeType, message: str) -> types.CodeType:
 _LOCAL_SLOTS = frozenset(("LOAD_FAST", "STORE_FAST", "DELETE_FAST", "LOAD_FAST_CHECK",
                           "LOAD_FAST_AND_CLEAR", "LOAD_DEREF", "STORE_DEREF", "DELETE_DEREF",
                           "LOAD_CLOSURE", "MAKE_CELL", "LOAD_CLASSDEREF"))
+
+
+@functools.lru_cache(maxsize=4096)
+def _compiled_both_ways(code: types.CodeType) -> tuple[types.CodeType, ...]:
+    """`code`, and its source compiled with the other reading of annotations: a copy pasted
+    into a notebook (or exec'd) without its module's `from __future__ import annotations`
+    builds its annotations with other instructions, so its fingerprint differs."""
+    try:
+        source = textwrap.dedent(inspect.getsource(code))
+        other = code.co_flags & _FUTURE_ANNOTATIONS ^ _FUTURE_ANNOTATIONS
+        module = compile(source, code.co_filename, "exec", flags=other, dont_inherit=True)
+    except (OSError, TypeError, SyntaxError):  # no source to read: its own code only
+        return (code,)
+    again = [c for c in module.co_consts
+             if isinstance(c, types.CodeType) and c.co_name == code.co_name]
+    return (code, *again[:1])
+
+
+_FUTURE_ANNOTATIONS = __future__.annotations.compiler_flag
 
 
 @functools.lru_cache(maxsize=4096)  # a check refuses the same functions again and again
