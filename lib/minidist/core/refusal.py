@@ -366,27 +366,33 @@ class _Original(NamedTuple):
     name: str
     docstring: str | None
     place: tuple[str, int]  # its file and first line
+    local_names: tuple[str, ...]
 
 
-def _identity(code: types.CodeType) -> tuple[str, str | None, tuple[str, int]]:
-    """The name, docstring and place of `code`: a copy that kept any of them is the library's
-    code; instructions alone are not enough, since short code written independently (an honest
-    student's union of intervals) can be instruction for instruction the library's."""
+def _identity(code: types.CodeType) -> tuple[str, str | None, tuple[str, int],
+                                             tuple[str, ...]]:
+    """The name, docstring, place and local names of `code`: a copy that kept them is the
+    library's code; instructions alone are not enough, since short code written independently
+    (an honest student's union of intervals) can be instruction for instruction the library's."""
     first = code.co_consts[0] if code.co_consts else None
     return (code.co_name, first if isinstance(first, str) and first else None,
-            (code.co_filename, code.co_firstlineno))
+            (code.co_filename, code.co_firstlineno), code.co_varnames)
 
 
-_SHORT = 16  # instructions: code this short (`return self.module(*args)`) is only the library's
-# own when it comes from the library's file
+# Instructions: code this short (`return self.module(*args)`) is the library's only when it comes
+# from the library's file; code this long that keeps every local's name was not written anew.
+_SHORT, _LONG = 16, 80
 
 
 def _copied(called: types.CodeType, originals: list[_Original], length: int) -> str | None:
-    """The path of the refused function `called` is a copy of, if it kept its identity."""
-    name, docstring, place = _identity(called)
+    """The path of the refused function `called` is a copy of, if it kept its identity: its
+    place; or, unless it is short, its name or docstring; or, if it is long, its locals' names."""
+    name, docstring, place, local_names = _identity(called)
     for original in originals:
-        if place == original.place or length >= _SHORT and (
-                name == original.name or docstring is not None and docstring == original.docstring):
+        if (place == original.place
+                or length >= _SHORT and (name == original.name or docstring is not None
+                                         and docstring == original.docstring)
+                or length >= _LONG and local_names == original.local_names):
             return original.path
     return None
 
