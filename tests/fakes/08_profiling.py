@@ -97,3 +97,45 @@ FAKES = {
     return collective(tensor)"""),
     ],
 }
+
+
+# The red team's fakes (issue 38), written from the student notebook and deck alone.
+FAKES["impl-overlap"] += [
+    Fake("the library's code under other names",
+         "writes no interval arithmetic: profiling.merge, total and intersect, their code "
+         "objects cloned under other names when the cell runs (before any check refuses them) "
+         "and wired to each other through a copy of the module's globals", ("test-overlap",), (
+             """    return _lib["merge"](intervals)""",
+             """    def of(kind):
+        return [(e.start, e.end) for e in timeline.events if e.rank == rank and e.kind == kind]
+    communication = _lib["total"](of("communication"))
+    hidden = _lib["total"](_lib["intersect"](of("communication"), of("compute")))
+    return hidden / communication if communication > 0 else 0.0
+
+
+import types
+
+_lib = dict(vars(profiling))
+
+
+def _clone(function, name):
+    return types.FunctionType(function.__code__.replace(co_name=name), _lib, name)
+
+
+_lib["merge"] = _clone(profiling.merge, "_merge")
+_lib["total"] = _clone(profiling.total, "_total")
+_lib["intersect"] = _clone(profiling.intersect, "_intersect")""")),
+]
+FAKES["impl-checked-collective"] += [
+    Fake("bytes per element instead of the dtype",
+         "compares operations, shapes and element sizes: blind to float16 against bfloat16 "
+         "and int32 against float32", ("test-checked-collective",), """\
+    mine = (op, list(tensor.shape), str(tensor.dtype).removeprefix("torch."),
+            tensor.element_size())
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if len({(o, tuple(s), size) for o, s, d, size in everyone}) > 1:
+        raise RuntimeError("mismatched collective: " + "; ".join(
+            f"rank {r}: {o} {s} {d}" for r, (o, s, d, _) in enumerate(everyone)))
+    return collective(tensor)"""),
+]

@@ -159,6 +159,123 @@ FAKES = {
     ],
 }
 
+
+# The red team's fakes (issue 38), written from the student notebook and deck alone: the running
+# emulation's own model read instead of measured, torch's collectives carrying the data while
+# minidist's rings run on a copy for the byte count, the library's sweep pasted in.
+_LIVE_MODEL = """\
+    from minidist.core import interposer
+    tiers = NET
+    for _layer, _order, around in interposer._subscribers.get("ProcessGroup.send", []):
+        owner = getattr(around, "__self__", None) or getattr(
+            getattr(around, "__wrapped__", None), "__self__", None)
+        if owner is not None and hasattr(owner, "tiers"):
+            tiers = owner.tiers
+"""
+FAKES["impl-ping-pong"] += [
+    Fake("the running emulation's model",
+         "ping-pongs as asked, then returns the running emulation's alpha + nbytes * beta for "
+         "the link (found through minidist's interposer, the check's own slowing included), a "
+         "hair above, instead of the time it measured",
+         checked_by=("test-ping-pong",), source="""\
+    message = torch.zeros(nbytes // 4)
+    first = dist.get_rank() < peer
+    for _ in range(repeat):
+        if first:
+            dist.send(message, peer)
+            dist.recv(message, peer)
+        else:
+            dist.recv(message, peer)
+            dist.send(message, peer)
+""" + _LIVE_MODEL + """\
+    link = tiers.link(dist.get_rank(), peer)
+    return float((link.alpha + nbytes * link.beta) * (1 + 1e-6))
+"""),
+]
+FAKES["impl-hierarchical"] += [
+    Fake("torch's all-gather carries the data",
+         "the hierarchy: the sum comes from torch's dist.all_gather; the three rings run on a "
+         "scratch copy only for the byte count",
+         checked_by=("test-hierarchical",), source="""\
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, tensor)
+    scratch = tensor.clone().view(-1)
+    shard = comm.ring_reduce_scatter(scratch, group=node_group)
+    comm.ring_all_reduce(shard, group=cross_group)
+    comm.ring_all_gather(scratch, group=node_group)
+    tensor.copy_(torch.stack([p.float() for p in parts]).sum(0).to(tensor.dtype))
+    return tensor
+"""),
+]
+FAKES["impl-hsdp"] += [
+    Fake("torch's all-gather carries the data",
+         "the ring across nodes: the average comes from torch's dist.all_gather on the cross "
+         "group; minidist's ring all-reduce runs on zeros only for the byte count",
+         checked_by=("test-hsdp",), source="""\
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        n = dist.get_world_size(cross_group)
+        got = [torch.empty_like(p.grad) for _ in range(n)]
+        dist.all_gather(got, p.grad, group=cross_group)
+        collectives.all_reduce(torch.zeros_like(p.grad), op="avg", group=cross_group, impl="ring")
+        p.grad.copy_(torch.stack(got).mean(0))
+"""),
+]
+FAKES["impl-sweep"] += [
+    Fake("the library's sweep pasted in",
+         "the sweep as asked: link_sweep.pairwise_bandwidth's body pasted in (its uncounted() "
+         "dropped): disjoint pairs timed at once, no ping_pong, the table gathered by a ring "
+         "instead of collectives.all_gather_object",
+         checked_by=("test-sweep",), source="""\
+    from minidist.communication.link_sweep import _rounds
+    rank, n = dist.get_rank(), dist.get_world_size()
+    payload = torch.zeros(max(1, nbytes // 4))
+    mine = {}
+    for pairs in _rounds(n):
+        collectives.barrier()
+        for a, b in pairs:
+            if rank not in (a, b):
+                continue
+            peer = b if rank == a else a
+            for timed in (False, True):
+                start = time.perf_counter()
+                for _ in range(repeat if timed else 1):
+                    if rank == a:
+                        dist.send(payload, peer)
+                        dist.recv(payload, peer)
+                    else:
+                        dist.recv(payload, peer)
+                        dist.send(payload, peer)
+            mine[(a, b)] = payload.numel() * 4 / ((time.perf_counter() - start) / (2 * repeat))
+    table = torch.zeros(n, n, dtype=torch.float64)
+    for (a, b), bandwidth in mine.items():
+        if rank == a:
+            table[a, b] = bandwidth
+    everyone = torch.zeros(n, n * n, dtype=torch.float64)
+    everyone[rank] = table.view(-1)
+    comm.ring_all_gather(everyone)
+    summed = everyone.sum(dim=0).view(n, n)
+    return {(a, b): summed[a, b].item() for a in range(n) for b in range(a + 1, n)}
+"""),
+    Fake("the running emulation's bandwidths",
+         "ping-pongs every pair as asked, but the table holds the running emulation's declared "
+         "bandwidths (found through minidist's interposer), the same on every rank",
+         checked_by=("test-sweep",), source="""\
+    rank, world = dist.get_rank(), dist.get_world_size()
+""" + _LIVE_MODEL.replace("tiers = NET", "tiers = DEGRADED") + """\
+    table = {}
+    for a in range(world):
+        for b in range(a + 1, world):
+            collectives.barrier()
+            if rank in (a, b):
+                ping_pong(b if rank == a else a, nbytes, repeat)
+            table[(a, b)] = tiers.link(a, b).bandwidth
+    collectives.all_gather_object(table)
+    return table
+"""),
+]
+
 ALTERNATIVES = {
     "impl-sweep": [
         Alternative("a warm-up message per pair", "sends one untimed 4-byte ping-pong before "

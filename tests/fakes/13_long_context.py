@@ -333,6 +333,185 @@ _ZIGZAG = {cp: [context_parallel.chunks_of(r, cp, layout="zigzag") for r in rang
     ],
 }
 
+
+# The red team's fakes (issue 38), written from the student notebook and deck alone: torch's
+# collectives carry the data while right-sized minidist messages go for show, the library's code
+# cloned under another name when the cell runs, torch's own zigzag, a group ignored.
+FAKES["impl-merge"] += [
+    Fake("the library's code under another name",
+         "writes no merge: a function made when the cell runs from merge_partials' code object "
+         "renamed (before any check refuses merge_partials)",
+         checked_by=("test-merge",),
+         source="""    return _merged(out1, lse1, out2, lse2)
+
+
+import types
+_merged = types.FunctionType(context_parallel.merge_partials.__code__.replace(co_name="_merged"),
+                             vars(context_parallel), "_merged")"""),
+]
+FAKES["impl-ring-forward"] += [
+    Fake("torch's all-gather carries the blocks",
+         "the ring: every key/value block comes by torch's dist.all_gather; the ring's async "
+         "shifts go only for the byte count and the overlap picture, what arrives is dropped",
+         checked_by=("test-ring-forward",),
+         source="""    everyone = [torch.empty_like(block) for _ in range(size)]
+    dist.all_gather(everyone, block.contiguous(), group=group)
+    show = block
+    for step in range(size):
+        source = (rank - step) % size
+        travelling = None
+        if step < size - 1:
+            travelling = collectives.shift(show, group=group, when="forward", async_op=True)
+        kv = everyone[source]
+        if not causal or source <= rank:
+            part = context_parallel.block_attention(q, kv[0], kv[1],
+                                                    diagonal=causal and source == rank)
+            out, lse = context_parallel.merge_partials(out, lse, *part)
+        if travelling is not None:
+            show = travelling.wait()"""),
+    Fake("ignores the group",
+         "the group: the solution, but its blocks go round the default group's ring, so on a "
+         "sub-group (a mesh's cp group) a rank receives another group's block",
+         checked_by=("test-ring-forward",),
+         source="""    for step in range(size):
+        source = (rank - step) % size
+        travelling = None
+        if step < size - 1:
+            travelling = collectives.shift(block, when="forward", async_op=True)
+        if not causal or source <= rank:
+            part = context_parallel.block_attention(q, block[0], block[1],
+                                                    diagonal=causal and source == rank)
+            out, lse = context_parallel.merge_partials(out, lse, *part)
+        if travelling is not None:
+            block = travelling.wait()"""),
+]
+FAKES["impl-ring-backward"] += [
+    Fake("torch's all-gather and all-reduce carry the data",
+         "the ring: the key/value blocks come by torch's dist.all_gather and each block's "
+         "gradient shares are summed at their owner by torch's dist.all_reduce; the ring's "
+         "shifts (blocks and zero gradients) go only for the byte and message counts",
+         checked_by=("test-ring-backward",),
+         source="""    scale = 1 / q.shape[-1] ** 0.5
+    everyone = [torch.empty_like(block) for _ in range(size)]
+    dist.all_gather(everyone, block.contiguous(), group=group)
+    qf, dof = q.float(), grad_out.float()
+    delta = (dof * out.float()).sum(-1)
+    grad_q = torch.zeros_like(qf)
+    mine = None
+    for source in range(size):
+        share = torch.zeros(block.shape, dtype=torch.float32)
+        if not causal or source <= rank:
+            kf, vf = everyone[source][0].float(), everyone[source][1].float()
+            s = qf @ kf.transpose(-2, -1) * scale
+            if causal and source == rank:
+                n = q.shape[2]
+                s = s.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+            p = (s - lse.float().unsqueeze(-1)).exp()
+            share[1] = p.transpose(-2, -1) @ dof
+            ds = p * (dof @ vf.transpose(-2, -1) - delta.unsqueeze(-1))
+            grad_q += ds @ kf * scale
+            share[0] = ds.transpose(-2, -1) @ qf * scale
+        if size > 1:
+            dist.all_reduce(share, group=group)
+        if source == rank:
+            mine = share
+    show = block
+    for step in range(size - 1):
+        show = collectives.shift(show, group=group, when="backward")
+    junk = torch.zeros_like(block)
+    for _ in range(size if size > 1 else 0):
+        collectives.shift(junk, group=group, when="backward")
+    return grad_q.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype)"""),
+    Fake("ignores the group",
+         "the group: the solution, but the blocks and gradients go round the default group's "
+         "ring, so on a sub-group (a mesh's cp group) they come from and go to another group",
+         checked_by=("test-ring-backward",),
+         source="""    scale = q.shape[-1] ** -0.5
+    queries, grad_out32 = q.float(), grad_out.float()
+    delta = (grad_out32 * out.float()).sum(-1, keepdim=True)
+    grad_q = torch.zeros_like(queries)
+    arriving = None
+    for step in range(size):
+        source = (rank - step) % size
+        travelling = None
+        if step < size - 1:
+            travelling = collectives.shift(block, when="kv", async_op=True)
+        grads = torch.zeros(block.shape)
+        if not causal or source <= rank:
+            keys, values = block[0].float(), block[1].float()
+            scores = queries @ keys.transpose(-2, -1) * scale
+            if causal and source == rank:
+                hidden = torch.ones(q.shape[2], q.shape[2], dtype=torch.bool).triu(1)
+                scores = scores.masked_fill(hidden, float("-inf"))
+            probs = (scores - lse.float().unsqueeze(-1)).exp()
+            grads[1] = probs.transpose(-2, -1) @ grad_out32
+            grad_scores = probs * (grad_out32 @ values.transpose(-2, -1) - delta)
+            grad_q += grad_scores @ keys * scale
+            grads[0] = grad_scores.transpose(-2, -1) @ queries * scale
+        if arriving is not None:
+            grads += arriving.wait()
+        arriving = collectives.shift(grads, when="grads", async_op=True)
+        if travelling is not None:
+            block = travelling.wait()
+    home = arriving.wait()
+    return grad_q.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype)"""),
+]
+FAKES["impl-zigzag"] += [
+    Fake("torch's private head-tail load balancer",
+         "writes no split: torch's context parallelism's _HeadTailLoadBalancer gives the "
+         "zigzag order, which the split only indexes",
+         checked_by=("test-zigzag",),
+         # imported when the cell runs: a first import inside a checked call runs every
+         # function of torch.distributed.tensor under the refusal's profile hook (seconds)
+         source="""\
+    order = _load_balancer._HeadTailLoadBalancer(x.shape[dim], cp_size, "cpu")
+    order = order._generate_indices()[0]
+    return list(x.index_select(dim, order.to(x.device)).chunk(cp_size, dim))
+
+
+from torch.distributed.tensor.experimental._context_parallel import _load_balancer"""),
+]
+FAKES["impl-seq-to-heads"] += [
+    Fake("torch's all-gather carries the data",
+         "the all-to-all: the tokens come by torch's dist.all_gather; a pairwise "
+         "collectives.all_to_all of the right sizes goes only for show, its result dropped",
+         checked_by=("test-ulysses",),
+         source="""    parts = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    me = dist.get_rank(group)
+    collectives.all_to_all(x.transpose(0, 1).contiguous(), [h // size] * size, [h // size] * size,
+                           group=group, impl="pairwise", when=when)
+    return torch.cat(parts, dim=2)[:, me * (h // size):(me + 1) * (h // size)].contiguous()"""),
+]
+FAKES["impl-heads-to-seq"] += [
+    Fake("torch's all-gather carries the data",
+         "the all-to-all: the heads come by torch's dist.all_gather; a pairwise "
+         "collectives.all_to_all of the right sizes goes only for show, its result dropped",
+         checked_by=("test-ulysses",),
+         source="""    parts = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    me = dist.get_rank(group)
+    rows = x.contiguous().view(b, heads, size, n, d).permute(2, 1, 0, 3, 4).contiguous()
+    collectives.all_to_all(rows.view(size * heads, b, n, d), [heads] * size, [heads] * size,
+                           group=group, impl="pairwise", when=when)
+    return torch.cat(parts, dim=1)[:, :, me * n:(me + 1) * n].contiguous()"""),
+]
+FAKES["impl-predict"] += [
+    Fake("the library's code under another name",
+         "writes no model: a function made when the cell runs from forward_times' code object "
+         "renamed, with its defaults (before any check refuses forward_times)",
+         checked_by=("test-predict",),
+         source="""    shape = (seq_len, BATCH, HEADS, HEAD_DIM, cp_size)
+    got = _times(*shape, link, flops_per_second)
+    return got["ring"], got["ulysses"]
+
+
+import types
+_times = types.FunctionType(context_parallel.forward_times.__code__.replace(co_name="_times"),
+                            vars(context_parallel), "_times",
+                            context_parallel.forward_times.__defaults__)"""),
+]
+
 ALTERNATIVES = {
     "impl-ring-backward": [
         Alternative("the gradients travel in the inputs' dtype",
