@@ -256,7 +256,7 @@ def _refuse(path: str, reason: str, refused_builtins: dict[int, str],
         innermost = functions[-1].__code__
         for compiled in _compiled_both_ways(innermost):
             refused_code.setdefault(_fingerprint(compiled), []).append(
-                _Original(path, *_identity(innermost)))
+                _Original(path, *_identity(innermost), len(compiled.co_code)))
         for function, code in saved:
             function.__code__ = _refusing_code(code, _refusal(path, reason))
 
@@ -367,6 +367,7 @@ class _Original(NamedTuple):
     docstring: str | None
     place: tuple[str, int]  # its file and first line
     local_names: tuple[str, ...]
+    size: int  # bytes of its bytecode, the same in every copy: a quick first test
 
 
 def _identity(code: types.CodeType) -> tuple[str, str | None, tuple[str, int],
@@ -408,10 +409,14 @@ def _refusing_copies(builtins: dict[int, str], code: dict[tuple, list[_Original]
         yield
         return
     seen: dict[int, tuple[types.CodeType, str | None]] = {}  # id(code) -> (code, refused path)
+    sizes = {original.size for originals in code.values() for original in originals}
 
     def refused_copy(called: types.CodeType) -> str | None:
         found = seen.get(id(called))
         if found is None or found[0] is not called:
+            if len(called.co_code) not in sizes:  # most code: no disassembly needed
+                seen[id(called)] = (called, None)
+                return None
             fingerprint = _fingerprint(called)
             originals = code.get(fingerprint)
             found = seen[id(called)] = (called, originals and _copied(called, originals,
