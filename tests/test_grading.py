@@ -63,7 +63,11 @@ AUTOGRADE = '.venv/bin/nbgrader autograde "$LAB"'
 FEEDBACK = '.venv/bin/nbgrader generate_feedback "$LAB"'
 EXPORT = ".venv/bin/nbgrader export"
 
-COMMAND_LIMIT_S = 600  # a grading command that runs longer is killed: the test must not hang
+COMMAND_LIMIT_S = 1200  # a grading command that runs longer is killed: the test must not hang
+# The first test of a lab builds its fixtures: a generate, the solution's autograde and the
+# autograde of every round of fakes, each bounded by COMMAND_LIMIT_S (a lab with seven rounds,
+# on a busy machine, passed pytest's default of 600 s for the whole setup).
+pytestmark = pytest.mark.timeout(3 * COMMAND_LIMIT_S)
 EXIT_GRACE_S = 5  # processes that exit this soon after their command are not left behind
 MARKER = "SCALING_LAB_GRADING_TEST"  # env var tagging every process a command starts
 
