@@ -3,6 +3,20 @@ model they teach."""
 
 from fakes import Fake
 
+# The red team's copy of comm's steps, exec'd from their source under new names into _ns: the
+# start of two fakes' cells.
+RENAMED_STEPS = """\
+    import inspect as _inspect
+    _ns = dict(vars(comm))
+    _src = "\\n".join(_inspect.getsource(f) for f in (
+        comm.reduce_scatter_steps, comm.all_gather_steps, comm._fold_in, comm._fold_out,
+        comm.recursive_doubling_steps))
+    for _old, _new in (("reduce_scatter_steps", "my_rs_steps"), ("all_gather_steps", "my_ag_steps"),
+                       ("_fold_in", "_my_fold_in"), ("_fold_out", "_my_fold_out"),
+                       ("recursive_doubling_steps", "my_rd_steps")):
+        _src = _src.replace(_old, _new)
+    exec(_src, _ns)
+"""
 RING = ("test-ring-all-reduce",)  # my_ring_all_reduce is made of the two phases
 
 FAKES = {
@@ -87,17 +101,7 @@ FAKES = {
     flat[s:e] = sum(everyone[r][s:e] for r in range(n))"""),
         Fake("the library's steps, renamed", "red team rt1: comm.reduce_scatter_steps (and its "
              "neighbours) exec'd from their source under new names, run on comm.ring_of()",
-             ("test-reduce-scatter", *RING), """\
-    import inspect as _inspect
-    _ns = dict(vars(comm))
-    _src = "\\n".join(_inspect.getsource(f) for f in (
-        comm.reduce_scatter_steps, comm.all_gather_steps, comm._fold_in, comm._fold_out,
-        comm.recursive_doubling_steps))
-    for _old, _new in (("reduce_scatter_steps", "my_rs_steps"), ("all_gather_steps", "my_ag_steps"),
-                       ("_fold_in", "_my_fold_in"), ("_fold_out", "_my_fold_out"),
-                       ("recursive_doubling_steps", "my_rd_steps")):
-        _src = _src.replace(_old, _new)
-    exec(_src, _ns)
+             ("test-reduce-scatter", *RING), RENAMED_STEPS + """\
     _ns["my_rs_steps"](flat, comm.ring_of())"""),
     ],
     "impl-all-gather": [
@@ -273,17 +277,7 @@ FAKES = {
     return tensor"""),
         Fake("the library's steps, renamed", "red team rt1: comm.recursive_doubling_steps, "
              "_fold_in and _fold_out exec'd from their source under new names",
-             ("test-recursive-doubling",), """\
-    import inspect as _inspect
-    _ns = dict(vars(comm))
-    _src = "\\n".join(_inspect.getsource(f) for f in (
-        comm.reduce_scatter_steps, comm.all_gather_steps, comm._fold_in, comm._fold_out,
-        comm.recursive_doubling_steps))
-    for _old, _new in (("reduce_scatter_steps", "my_rs_steps"), ("all_gather_steps", "my_ag_steps"),
-                       ("_fold_in", "_my_fold_in"), ("_fold_out", "_my_fold_out"),
-                       ("recursive_doubling_steps", "my_rd_steps")):
-        _src = _src.replace(_old, _new)
-    exec(_src, _ns)
+             ("test-recursive-doubling",), RENAMED_STEPS + """\
     _ns["my_rd_steps"](tensor.view(-1), comm.ring_of(), False)
     return tensor"""),
     ],

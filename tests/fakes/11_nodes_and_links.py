@@ -4,6 +4,19 @@ hierarchy's shard, the cross-node ring, every pair of the sweep."""
 
 from fakes import Alternative, Fake
 
+# The ping-pong a fake runs as asked before returning a number it did not measure.
+PING_PONG_FOR_SHOW = """\
+    message = torch.zeros(nbytes // 4)
+    first = dist.get_rank() < peer
+    for _ in range(repeat):
+        if first:
+            dist.send(message, peer)
+            dist.recv(message, peer)
+        else:
+            dist.recv(message, peer)
+            dist.send(message, peer)
+"""
+
 FAKES = {
     "impl-ping-pong": [
         Fake("predicts instead of measuring",
@@ -15,16 +28,7 @@ FAKES = {
         Fake("the notebook's network",
              "ping-pongs as asked, then returns the notebook's network model of the link "
              "instead of the time it measured",
-             checked_by=("test-ping-pong",), source="""\
-    message = torch.zeros(nbytes // 4)
-    first = dist.get_rank() < peer
-    for _ in range(repeat):
-        if first:
-            dist.send(message, peer)
-            dist.recv(message, peer)
-        else:
-            dist.recv(message, peer)
-            dist.send(message, peer)
+             checked_by=("test-ping-pong",), source=PING_PONG_FOR_SHOW + """\
     link = NET.link(dist.get_rank(), peer)
     return link.alpha + nbytes * link.beta
 """),
@@ -177,17 +181,7 @@ FAKES["impl-ping-pong"] += [
          "ping-pongs as asked, then returns the running emulation's alpha + nbytes * beta for "
          "the link (found through minidist's interposer, the check's own slowing included), a "
          "hair above, instead of the time it measured",
-         checked_by=("test-ping-pong",), source="""\
-    message = torch.zeros(nbytes // 4)
-    first = dist.get_rank() < peer
-    for _ in range(repeat):
-        if first:
-            dist.send(message, peer)
-            dist.recv(message, peer)
-        else:
-            dist.recv(message, peer)
-            dist.send(message, peer)
-""" + _LIVE_MODEL + """\
+         checked_by=("test-ping-pong",), source=PING_PONG_FOR_SHOW + _LIVE_MODEL + """\
     link = tiers.link(dist.get_rank(), peer)
     return float((link.alpha + nbytes * link.beta) * (1 + 1e-6))
 """),

@@ -322,6 +322,9 @@ _LOCAL_SLOTS = frozenset(("LOAD_FAST", "STORE_FAST", "DELETE_FAST", "LOAD_FAST_C
                           "LOAD_CLOSURE", "MAKE_CELL", "LOAD_CLASSDEREF"))
 
 
+_FUTURE_ANNOTATIONS = __future__.annotations.compiler_flag
+
+
 @functools.lru_cache(maxsize=4096)
 def _compiled_both_ways(code: types.CodeType) -> tuple[types.CodeType, ...]:
     """`code`, and its source compiled with the other reading of annotations: a copy pasted
@@ -336,9 +339,6 @@ def _compiled_both_ways(code: types.CodeType) -> tuple[types.CodeType, ...]:
     again = [c for c in module.co_consts
              if isinstance(c, types.CodeType) and c.co_name == code.co_name]
     return (code, *again[:1])
-
-
-_FUTURE_ANNOTATIONS = __future__.annotations.compiler_flag
 
 
 @functools.lru_cache(maxsize=4096)  # a check refuses the same functions again and again
