@@ -27,9 +27,11 @@ def plain(heading: str) -> str:
 
 
 def stub_message(heading: str, grade_id: str) -> str:
-    """What an unwritten exercise's stub says."""
-    return (f"the exercise under '{plain(heading)}' (cell {grade_id}) is not written yet: "
-            "write your code in place of this raise. Run All stops at the first check that "
+    """What an unwritten exercise's (or question's) stub says."""
+    question = grade_id.startswith(("answer-", "prediction-"))
+    what, yours = ("the answer to the question", "answer") if question else ("the exercise", "code")
+    return (f"{what} under '{plain(heading)}' (cell {grade_id}) is not written yet: "
+            f"write your {yours} in place of this raise. Run All stops at the first check that "
             "calls an unwritten exercise; to run the cells below it anyway, click the next cell "
             "and choose Run > Run Selected Cell and All Below.")
 

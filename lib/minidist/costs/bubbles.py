@@ -44,12 +44,10 @@ def bubble_time(schedule: str, ranks: int, microbatches: int, chunks: int = 1,
 
     `costs` = (T_F, T_B, T_W): forward, backward for the input, backward for the weights, per
     microbatch per stage. Schedules that do not split the backward run B and W as one pass of
-    T_B + T_W. Ideal = m(T_F + T_B + T_W), the rank's own work. Bubble:
-
-        gpipe, 1f1b    (p-1)(T_F + T_B + T_W)         GPipe; Narayanan §2.2.1
-        interleaved    (p-1)(T_F + T_B + T_W) / v     Narayanan §2.2.2 (m a multiple of p)
-        zb-h1          (p-1)(T_F + T_B - T_W)         ZB §2.1 (m >= p)
-        zb-h2          0                              ZB §2.2, the ideal handcrafted schedule
+    T_B + T_W. Ideal = m(T_F + T_B + T_W), the rank's own work. The bubble of each schedule is
+    what Lab 06 derives (its Exercises 1 and 6 and its predictions), from GPipe, Narayanan
+    §2.2.1–2.2.2 (interleaved: m a multiple of p) and Zero Bubble §2.1–2.2 (ZB-H1: m >= p;
+    ZB-H2 is the ideal handcrafted schedule).
     """
     _check_schedule(schedule, ranks, microbatches, chunks)
     positive(T_F=costs[0], T_B=costs[1], T_W=costs[2])

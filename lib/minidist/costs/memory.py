@@ -100,14 +100,9 @@ def model_state_bytes(num_params: float, zero_stage: int = 0, dp: int = 1,
     """Bytes per rank of parameters, gradients and optimizer state (ZeRO §5, Figure 1).
 
     ZeRO partitions over the N = `dp` data-parallel ranks: stage 1 the optimizer state,
-    stage 2 also the gradients, stage 3 (FSDP) also the parameters. With mixed-precision
-    Adam (2 + 2 + 12 bytes per parameter):
-
-        stage 0  16Ψ           stage 2  2Ψ + 14Ψ/N
-        stage 1  4Ψ + 12Ψ/N    stage 3  16Ψ/N
-
-    Shards are Ψ/N exactly (real implementations pad to a multiple of N). E.g. Ψ = 7.5e9,
-    N = 64: 120, 31.4, 16.6 and 1.9 GB (ZeRO Figure 1).
+    stage 2 also the gradients, stage 3 (FSDP) also the parameters (what each stage then holds
+    per parameter is Lab 04's prediction). Shards are Ψ/N exactly (real implementations pad to a
+    multiple of N). E.g. Ψ = 7.5e9, N = 64: 120, 31.4, 16.6 and 1.9 GB (ZeRO Figure 1).
     """
     positive(num_params=num_params)
     positive_int(dp=dp)

@@ -285,10 +285,9 @@ def mesh_traffic(*, stage: int, pp: int, dp: int, tp: int, blocks: int, num_para
 def parameter_server_traffic(nbytes: float, workers: int, servers: int = 1) -> dict[str, Traffic]:
     """What one synchronous parameter-server step sends, per role: {"worker": ..., "server": ...}.
 
-    Li et al. 2014: every worker pushes its S-byte gradient, cut into one S/k shard per server,
-    and each of the k servers sends its S/k parameter shard back to each of the N workers. A
-    worker sends S; a server sends N·S/k (and receives as much): one server's link carries N
-    times the gradient, where ring all-reduce sends 2(N-1)/N·S per rank.
+    Li et al. 2014: every worker pushes its `nbytes` gradient, cut into one shard per server,
+    and each server sends its parameter shard back to each worker (what that adds up to per
+    role is Lab 10's first prediction).
     """
     positive(nbytes=nbytes)
     positive_int(workers=workers, servers=servers)

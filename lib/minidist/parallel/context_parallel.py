@@ -581,13 +581,8 @@ def forward_times(seq_len: int, batch: int, heads: int, head_dim: int, cp: int,
     """Seconds of one forward of attention without a causal mask on each of cp ranks, by the
     α-β model: {"ring": ..., "ulysses": ...}.
 
-    A rank holds B = b·h·(s/cp)·d·bytes of each of q, k, v, and computes 4·b·h·(s/cp)·s·d
-    FLOPs of attention either way, at `flops_per_second`.
-    ring     cp steps of t_step = 4·b·h·(s/cp)²·d / flops; in each of the first cp - 1 the next
-             key/value pair (2B) travels meanwhile, so a step lasts the longer of the two:
-             t_step + (cp-1)·max(t_step, α + 2B·β).
-    ulysses  4 all-to-alls before and after the attention, none hidden, each sending (cp-1)/cp
-             of B at once: 4·(α + (cp-1)/cp·B·β) + cp·t_step.
+    Ring attention overlaps each key/value transfer with a block's attention; Ulysses' all-to-
+    alls are not hidden. The model itself is Lab 13's Exercise 6, which derives it.
     """
     step = 4 * batch * heads * (seq_len / cp) ** 2 * head_dim / flops_per_second
     if cp == 1:

@@ -18,11 +18,11 @@ group; each rank routes its own tokens, and one forward is
     all-to-all back the outputs return along the same splits, reversed
     combine         each token's output is the weighted sum of its experts' outputs
 
-Per layer that is two all-to-alls forward (dispatch, combine) and two backward (GShard;
-REFERENCES.md#gshard): the backward of an all-to-all is the all-to-all with the splits swapped.
-Each runs through `minidist.communication.collectives`, recorded as an "all_to_all" with the bytes
-that leave the rank, `when` "forward", "backward", or "counts" for the exchange of the sizes. Each
-step is a small function here, so that a lab can have students write it and check it.
+How many all-to-alls one layer runs in a training step, and why, is Lab 07's Q3 (GShard;
+REFERENCES.md#gshard). Each runs through `minidist.communication.collectives`, recorded as an
+"all_to_all" with the bytes that leave the rank, `when` "forward", "backward", or "counts" for the
+exchange of the sizes. Each step is a small function here, so that a lab can have students write
+it and check it.
 
 `group` is the expert-parallel group (e.g. `mesh.group("ep")`); None: the default process group,
 every rank, or this process alone when torch.distributed is not initialized.

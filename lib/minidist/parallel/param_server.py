@@ -2,17 +2,11 @@
 
 Li et al. (OSDI 2014): server ranks hold the parameters, worker ranks compute gradients. Every
 step each worker pushes its gradient to the servers and pulls the updated parameters back. With
-k servers, server j holds shard j of the flat parameter vector (`comm.chunk_bounds`), so for a
-gradient of S bytes and N workers, per step:
-
-    rank          sends           receives
-    worker        S (k shards)    S
-    each server   N·S/k           N·S/k
-
-One server's link carries N times the gradient each way, where ring all-reduce sends
-2(N-1)/N·S per rank whatever N is: that is why data parallelism on dense models moved to
-all-reduce. `minidist.costs.traffic.parameter_server_traffic` and
-`minidist.costs.cost.parameter_server_time` state the formulas this module is measured against.
+k servers, server j holds shard j of the flat parameter vector (`comm.chunk_bounds`). What each
+role's link carries per step, against ring all-reduce, and so why data parallelism on dense
+models moved to all-reduce, is Lab 10's first prediction;
+`minidist.costs.traffic.parameter_server_traffic` and `minidist.costs.cost.parameter_server_time`
+count it, and this module is measured against them.
 
     ps = ParameterServer(model, workers=[0, 1, 2, 3], servers=[4],
                          optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
