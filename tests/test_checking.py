@@ -200,6 +200,50 @@ def test_a_renamed_copy_is_refused_with_or_without_the_modules_future_import():
     assert len(pipeline._interleaved(0, 2, 4, 2)) == 16  # and it is back
 
 
+def test_a_refused_class_refuses_through_an_alias_an_instance_and_a_property():
+    """Refusing a class refuses every method it defines: an alias of the class taken before the
+    block, an instance made before it and a property all meet the refusal; after it they work."""
+    from minidist.jobs import tasks
+
+    alias, made_before = tasks.Reversal, tasks.Reversal(digits=3)
+    tries = {"an alias": lambda: alias(digits=3), "a method": lambda: made_before.held_out(4),
+             "a property": lambda: made_before.answer}  # each one's refusal names Reversal
+    for call in tries.values():
+        with pytest.raises(LibraryVersionUsed, match="Reversal"):
+            with unavailable("minidist.jobs.tasks.Reversal"):
+                call()
+    assert made_before.answer == slice(3, 6) and alias(digits=3).held_out(4)[0].shape == (4, 6)
+
+
+def test_a_copy_keeping_the_librarys_layout_is_refused_however_it_was_renamed():
+    """Code of some length whose instructions are the library's and whose tokens stand where
+    the library's do is a copy: a code object cloned under another name, place and docstring, or
+    the source pasted under another name without its docstring. Written anew (another layout),
+    the same instructions are the student's."""
+    from minidist.parallel import pipeline
+
+    original = pipeline._interleaved
+    cloned = types.FunctionType(original.__code__.replace(
+        co_name="mine", co_qualname="mine", co_filename="<cell>", co_firstlineno=1,
+        co_consts=(None, *original.__code__.co_consts[1:])), vars(pipeline))
+    source = re.sub(r'(?s)""".*?"""\n', "", inspect.getsource(original), count=1).replace(
+        "def _interleaved", "def pasted")  # without its docstring
+    namespace = dict(vars(pipeline))
+    exec(compile(source, "<cell>", "exec"), namespace)
+    # The same instructions elsewhere: every line indented once more, a local renamed.
+    anew = dict(vars(pipeline))
+    exec(compile("if True:\n" + "\n".join("    " + line for line in re.sub(
+        r"\bops\b", "actions", source).splitlines()).replace("def pasted", "def anew"),
+        "<cell>", "exec"), anew)
+    for copy in (cloned, namespace["pasted"]):
+        with pytest.raises(LibraryVersionUsed, match="_interleaved: write your own"):
+            with unavailable("minidist.parallel.pipeline._interleaved"):
+                copy(0, 2, 4, 2)
+    expected = original(0, 2, 4, 2)
+    with unavailable("minidist.parallel.pipeline._interleaved"):
+        assert anew["anew"](0, 2, 4, 2) == expected
+
+
 def test_unavailable_module_star_leaves_the_allowed_functions_callable():
     """"module.*" with `allow`: the scaffolding an exercise is given still runs, and so does a
     copy of it (its code is not fingerprinted); every other function of the module refuses."""

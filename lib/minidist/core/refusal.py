@@ -7,9 +7,10 @@ A student's version must not lean on the library's (or torch's) own version of t
 builds. `unavailable` makes the function objects themselves refuse, so every name, alias, copy
 and path that reaches them is caught: a Python function's code is swapped for a refusal, a copy
 of that code is refused by its fingerprint (its instructions, whatever its locals are named)
-when it keeps the original's name, docstring or place in the library's file, a C function or
-method by its identity, and a torch.distributed collective together with what torch runs it
-through below. A refusal the checked function catches is raised again when the block ends.
+when it keeps the original's name, docstring, place in the library's file or the layout of its
+source, a class by every method it defines, a C function or method by its identity, and a
+torch.distributed collective together with what torch runs it through below. A refusal the
+checked function catches is raised again when the block ends.
 
 Why one module of about 440 lines: the refusal of each kind of callable (Python function, class
 method, C function, dispatcher op, a copy's code) is one mechanism, swapped in and out together.
@@ -200,12 +201,24 @@ class Refusals:
 
 
 def _expand(path: str) -> list[str]:
-    """`path`, or for "module.*" the path of every function the module defines."""
-    if not path.endswith(".*"):
+    """`path`, or for "module.*" the path of every function the module defines; a Python class
+    refuses by every function it defines (its methods, static and class methods, properties),
+    then by its name: an alias of the class taken before the block, or an instance made before
+    it, meets the refusal in whichever method it calls."""
+    if path.endswith(".*"):
+        module = importlib.import_module(path[:-2])
+        return [f"{path[:-2]}.{name}" for name, value in vars(module).items()
+                if inspect.isfunction(value) and value.__module__ == module.__name__]
+    try:
+        owner, attribute = _owner(path)
+    except (AttributeError, ModuleNotFoundError, RuntimeError):
         return [path]
-    module = importlib.import_module(path[:-2])
-    return [f"{path[:-2]}.{name}" for name, value in vars(module).items()
-            if inspect.isfunction(value) and value.__module__ == module.__name__]
+    value = getattr(owner, attribute)
+    if not inspect.isclass(value) or not hasattr(sys.modules.get(value.__module__), "__file__"):
+        return [path]
+    methods = [f"{path}.{name}" for name, member in vars(value).items()
+               if _python_functions(member)]
+    return [*methods, path]
 
 
 def _resolvable(path: str) -> bool:
@@ -289,10 +302,10 @@ def _refuse(path: str, reason: str, refused_builtins: dict[int, str],
 
 
 def _python_functions(value: Any) -> list[Any]:
-    """The Python function objects behind `value` (unwrapping methods, staticmethods and
-    functools.wraps chains), [] for a C function."""
+    """The Python function objects behind `value` (unwrapping methods, staticmethods,
+    properties' getters and functools.wraps chains), [] for a C function."""
     functions = []
-    value = getattr(value, "__func__", value)
+    value = value.fget if isinstance(value, property) else getattr(value, "__func__", value)
     while inspect.isfunction(value) and value not in functions:
         functions.append(value)
         value = getattr(value, "__wrapped__", None)
@@ -367,17 +380,33 @@ class _Original(NamedTuple):
     docstring: str | None
     place: tuple[str, int]  # its file and first line
     local_names: tuple[str, ...]
+    layout: tuple[tuple[int | None, ...], ...]
     size: int  # bytes of its bytecode, the same in every copy: a quick first test
 
 
 def _identity(code: types.CodeType) -> tuple[str, str | None, tuple[str, int],
-                                             tuple[str, ...]]:
-    """The name, docstring, place and local names of `code`: a copy that kept them is the
-    library's code; instructions alone are not enough, since short code written independently
-    (an honest student's union of intervals) can be instruction for instruction the library's."""
+                                             tuple[str, ...], tuple[tuple[int | None, ...], ...]]:
+    """The name, docstring, place, local names and layout of `code`: a copy that kept one of
+    them is the library's code; instructions alone are not enough, since short code written
+    independently (an honest student's union of intervals) can be instruction for instruction
+    the library's."""
     first = code.co_consts[0] if code.co_consts else None
     return (code.co_name, first if isinstance(first, str) and first else None,
-            (code.co_filename, code.co_firstlineno), code.co_varnames)
+            (code.co_filename, code.co_firstlineno), code.co_varnames, _layout(code))
+
+
+def _layout(code: types.CodeType) -> tuple[tuple[int | None, ...], ...]:
+    """Where each instruction of the body stands in its source: line (from the body's first),
+    column, end line and end column. Code written anew puts its tokens elsewhere; a copy keeps
+    them, however it was renamed (a cloned code object, a paste whose docstring was dropped or
+    whose function was renamed on its `def` line)."""
+    body = [position for position in code.co_positions()
+            if position[0] is not None and position[0] > code.co_firstlineno]
+    if not body:
+        return ()
+    first = min(line for line, *_ in body)
+    return tuple((line - first, column, end - first, end_column)
+                 for line, end, column, end_column in body)
 
 
 # Instructions: code this short (`return self.module(*args)`) is the library's only when it comes
@@ -387,12 +416,14 @@ _SHORT, _LONG = 16, 80
 
 def _copied(called: types.CodeType, originals: list[_Original], length: int) -> str | None:
     """The path of the refused function `called` is a copy of, if it kept its identity: its
-    place; or, unless it is short, its name or docstring; or, if it is long, its locals' names."""
-    name, docstring, place, local_names = _identity(called)
+    place; or, unless it is short, its name, docstring or layout; or, if it is long, its locals'
+    names."""
+    name, docstring, place, local_names, layout = _identity(called)
     for original in originals:
         if (place == original.place
                 or length >= _SHORT and (name == original.name or docstring is not None
-                                         and docstring == original.docstring)
+                                         and docstring == original.docstring
+                                         or layout and layout == original.layout)
                 or length >= _LONG and local_names == original.local_names):
             return original.path
     return None
