@@ -200,6 +200,22 @@ def test_a_renamed_copy_is_refused_with_or_without_the_modules_future_import():
     assert len(pipeline._interleaved(0, 2, 4, 2)) == 16  # and it is back
 
 
+def _recorded_below_torch_distributed(rank, world_size):
+    from torch.distributed import distributed_c10d
+
+    with recording() as calls:
+        distributed_c10d.all_reduce(torch.ones(2))
+        dist.all_gather_object([None] * world_size, rank)
+    return [call.name for call in calls]
+
+
+def test_recording_sees_distributed_c10d_and_torchs_own_callers():
+    """A collective called as distributed_c10d's, and the all_gather inside all_gather_object,
+    are recorded as dist's are."""
+    for names in run(_recorded_below_torch_distributed, 2):
+        assert names[0] == "all_reduce" and "all_gather" in names[1:], names
+
+
 def test_a_refused_class_refuses_through_an_alias_an_instance_and_a_property():
     """Refusing a class refuses every method it defines: an alias of the class taken before the
     block, an instance made before it and a property all meet the refusal; after it they work."""

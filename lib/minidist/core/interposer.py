@@ -3,7 +3,9 @@
 Five things in minidist need to see (or delay) what a rank sends: the launcher's record of each
 rank's latest call, the comparison of each collective across its group, the labs' checks, the
 byte counter and the emulated network. Each subscribes
-here to a *target*, a function of torch.distributed (`"dist.all_reduce"`) or one of the two
+here to a *target*, a function of torch.distributed (`"dist.all_reduce"`, replaced in
+`distributed_c10d` too, where torch's own functions and a program reaching past
+`torch.distributed` find it) or one of the two
 methods every point-to-point message ends in (`"ProcessGroup.send"`, `"ProcessGroup.recv"`,
 and `"ProcessGroup.recv_anysource"`),
 and this module puts one wrapper in the target's place while anyone is subscribed, torch's own
@@ -43,6 +45,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 __all__ = ["LAYERS", "ANNOUNCED", "subscribe", "subscribed", "subscribers", "muted", "announce"]
 
@@ -91,7 +94,7 @@ def _install(target: str) -> None:
     subscribers = sorted(_subscribers.get(target, []), key=lambda entry: entry[:2])
     if not subscribers:
         if target in _original:
-            setattr(owner, name, _original.pop(target))
+            _put(owner, name, _original.pop(target))
         return
     if target not in _original:
         # From the class dict, not getattr: pybind keeps methods there as descriptors, and only
@@ -107,7 +110,17 @@ def _install(target: str) -> None:
 
     if owner is dist:
         functools.update_wrapper(interposed, _original[target])
-    setattr(owner, name, interposed)
+    _put(owner, name, interposed)
+
+
+def _put(owner: Any, name: str, value: Any) -> None:
+    """Set `owner.name`; a torch.distributed function also in distributed_c10d, where torch
+    defines it and where its own callers (all_gather_object's all_gather, a program's
+    `distributed_c10d.all_reduce`) find it."""
+    if owner is dist and name in vars(distributed_c10d) and (
+            vars(distributed_c10d)[name] is getattr(dist, name)):
+        setattr(distributed_c10d, name, value)
+    setattr(owner, name, value)
 
 
 def subscribe(layer: str, target: str, around: Around, *,
