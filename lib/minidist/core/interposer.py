@@ -3,8 +3,8 @@
 Five things in minidist need to see (or delay) what a rank sends: the launcher's record of each
 rank's latest call, the comparison of each collective across its group, the labs' checks, the
 byte counter and the emulated network. Each subscribes
-here to a *target*, a function of torch.distributed (`"dist.all_reduce"`, replaced in
-`distributed_c10d` too, where torch's own functions and a program reaching past
+here to a *target*, a function of torch.distributed (`"dist.all_reduce"`; a collective is
+replaced in `distributed_c10d` too, where torch's own functions and a program reaching past
 `torch.distributed` find it) or one of the two
 methods every point-to-point message ends in (`"ProcessGroup.send"`, `"ProcessGroup.recv"`,
 and `"ProcessGroup.recv_anysource"`),
@@ -57,6 +57,7 @@ LAYERS = ("calls", "agreement", "recording", "messages", "tampering", "counting"
 ANNOUNCED = ("minidist.collective", "minidist.event", "minidist.refusal")
 
 Around = Callable[..., Any]
+_POINT_TO_POINT = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
 
 # The interposer's state, the only module-level state minidist keeps outside per-group caches.
 _original: dict[str, Any] = {}  # target -> torch's own function (or method descriptor)
@@ -114,10 +115,11 @@ def _install(target: str) -> None:
 
 
 def _put(owner: Any, name: str, value: Any) -> None:
-    """Set `owner.name`; a torch.distributed function also in distributed_c10d, where torch
+    """Set `owner.name`; a torch.distributed collective also in distributed_c10d, where torch
     defines it and where its own callers (all_gather_object's all_gather, a program's
-    `distributed_c10d.all_reduce`) find it."""
-    if owner is dist and name in vars(distributed_c10d) and (
+    `distributed_c10d.all_reduce`) find it. Point-to-point functions stay torch's there:
+    batch_isend_irecv runs each P2POp's own function, already seen where it was passed."""
+    if owner is dist and name not in _POINT_TO_POINT and name in vars(distributed_c10d) and (
             vars(distributed_c10d)[name] is getattr(dist, name)):
         setattr(distributed_c10d, name, value)
     setattr(owner, name, value)
