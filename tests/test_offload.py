@@ -256,6 +256,20 @@ def test_copies_between_tiers_are_counted_and_are_copies():
                                                        ("to_device", "parameter shard")]
 
 
+
+def test_tampered_copies_change_what_each_door_returns_inside_the_block_only():
+    tensor = torch.zeros(3)
+    with offload.tampered_copies(to_host=1.0):
+        host = offload.to_host(tensor)
+        moving = offload.to_host(tensor, async_op=True)
+        back = offload.to_device(tensor, "cpu")
+        with offload.tampered_copies(to_device=float("nan")):
+            poisoned = offload.to_device(tensor, "cpu")
+    assert host.tolist() == [1.0] * 3 and moving.wait().tolist() == [1.0] * 3
+    assert back.tolist() == [0.0] * 3 and poisoned.isnan().all()
+    assert tensor.tolist() == [0.0] * 3  # the original is untouched
+    assert offload.to_host(tensor).tolist() == [0.0] * 3 and offload._tampering == {}
+
 def test_tier_formulas_follow_zero_offload():
     psi = 1e9
     # ZeRO-Offload §4 on one GPU: 2Ψ on the device, 14Ψ on the host, 4Ψ across PCIe per step.

@@ -39,6 +39,41 @@ FAKES = {
         requests = [dist.isend(shard.detach(), worker) for worker in workers]
         for request in requests:
             request.wait()"""),
+        Fake("the library's private server loop",
+             "runs ParameterServer._serve_synchronously through the class the notebook imported, "
+             "on a stand-in object (red team rt5, S1)", ("test-sync-server",), """\
+    import types
+
+    def update(grad):
+        shard.grad = grad
+        optimizer.step()
+    ps = types.SimpleNamespace(shard=shard, workers=list(workers), _update=update)
+    ParameterServer._serve_synchronously(ps, steps)"""),
+        Fake("receives for show, recomputes the gradients",
+             "posts and waits on the receives, ignores what arrives, and recomputes the workers' "
+             "average gradient from the notebook's model and data stream (red team rt5, S2)",
+             ("test-sync-server",), """\
+    model = make_model()
+    generator = torch.Generator().manual_seed(1)
+    buffers = [torch.empty_like(shard) for _ in workers]
+    share = 64 // len(workers)
+    for _ in range(steps):
+        x, y = torch.randn(64, 16, generator=generator), torch.randn(64, 4, generator=generator)
+        requests = [dist.irecv(buffer, worker) for buffer, worker in zip(buffers, workers)]
+        for request in requests:
+            request.wait()
+        torch.nn.utils.vector_to_parameters(shard.detach().clone(), model.parameters())
+        grads = []
+        for worker in workers:
+            mine = slice(worker * share, (worker + 1) * share)
+            model.zero_grad()
+            F.mse_loss(model(x[mine]), y[mine]).backward()
+            grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+        shard.grad = torch.stack(grads).mean(dim=0)
+        optimizer.step()
+        requests = [dist.isend(shard.detach(), worker) for worker in workers]
+        for request in requests:
+            request.wait()"""),
     ],
     "impl-topk": [
         Fake("no error feedback", "picks from the gradient alone and drops the old residual",
@@ -85,6 +120,42 @@ FAKES = {
     new_q = m.T @ p
     all_reduce(new_q)
     return p, new_q, p @ new_q.T"""),
+        Fake("P all-reduced for show",
+             "all-reduces a copy of P and orthonormalizes this rank's own M·Q: right only when "
+             "every rank holds the same M (red team rt5, P1)", ("test-powersgd",), """\
+    p = m @ q
+    all_reduce(p.clone())
+    p = torch.linalg.qr(p).Q
+    new_q = m.T @ p
+    all_reduce(new_q)
+    return p, new_q, p @ new_q.T"""),
+        Fake("the library's private _compress",
+             "PowerSGD.__new__ and its private _compress, with the module's all-reduce helper "
+             "swapped for the given all_reduce in a world of one (red team rt5, P5)",
+             ("test-powersgd",), """\
+    import types
+
+    from minidist.parallel import compression as _compression
+    seen = []
+
+    def together(tensors, group):
+        for t in tensors:
+            all_reduce(t)
+            seen.append(t.clone())
+
+    engine = PowerSGD.__new__(PowerSGD)
+    engine.rank, engine.min_compression_rate, engine.seed = q.shape[1], 2.0, 0
+    engine.qs, engine.residuals = {0: [q]}, {0: [torch.zeros_like(m)]}
+    saved = _compression._all_reduce_together, _compression.dist
+    _compression._all_reduce_together = together
+    _compression.dist = types.SimpleNamespace(get_world_size=lambda group=None: 1)
+    try:
+        approximation = m.clone()
+        engine._compress(0, [approximation], None)
+    finally:
+        _compression._all_reduce_together, _compression.dist = saved
+    p = torch.linalg.qr(seen[0]).Q
+    return p, engine.qs[0][0], approximation"""),
     ],
     "impl-chunked-gather": [
         Fake("every transfer first", "a ring all-gather that completes before the first matmul: "
@@ -118,5 +189,50 @@ FAKES = {
     full = torch.cat([held[source] for source in range(t)], dim=1)
     for source, piece in enumerate(F.linear(full, weight).chunk(t, dim=1)):
         outputs[source] = piece"""),
+        Fake("the library's ring shift",
+             "every ring step is minidist's collectives.shift(async_op=True) (red team rt5, C1)",
+             ("test-chunked-gather",), """\
+    from minidist.communication import collectives as _collectives
+    for step in range(t):
+        handle = _collectives.shift(shard, async_op=True) if step < t - 1 else None
+        outputs[(rank - step) % t] = shard @ weight.T
+        if handle is not None:
+            shard = handle.wait()"""),
+        Fake("the ring for show, inputs regenerated",
+             "runs the ring, but multiplies shards rebuilt from the harness's seed, not the "
+             "ones received (red team rt5, C2)", ("test-chunked-gather",), """\
+    state = torch.get_rng_state()
+    torch.manual_seed(0)
+    nn.Linear(x.shape[-1], weight.shape[0] * t, bias=False)
+    whole = torch.randn(x.shape[0], x.shape[1] * t, x.shape[2]).chunk(t, dim=1)
+    torch.set_rng_state(state)
+    for step in range(t):
+        source = (rank - step) % t
+        requests = []
+        if step < t - 1:
+            incoming = torch.empty_like(shard)
+            requests = [dist.isend(shard, right), dist.irecv(incoming, left)]
+        outputs[source] = whole[source] @ weight.T
+        for request in requests:
+            request.wait()
+        if requests:
+            shard = incoming"""),
+        Fake("matmuls for show",
+             "gathers first; a thrown-away product sits between each post and wait, and the "
+             "output is a broadcast multiply-and-sum after the gather (red team rt5, C3)",
+             ("test-chunked-gather",), """\
+    held = [None] * t
+    for step in range(t):
+        held[(rank - step) % t] = shard
+        requests = []
+        if step < t - 1:
+            incoming = torch.empty_like(shard)
+            requests = [dist.isend(shard, right), dist.irecv(incoming, left)]
+        _ = torch.zeros_like(shard) @ weight.T
+        for request in requests:
+            request.wait()
+        if requests:
+            shard = incoming
+    return (torch.cat(held, dim=1).unsqueeze(-2) * weight).sum(-1)"""),
     ],
 }

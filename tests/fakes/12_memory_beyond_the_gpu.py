@@ -74,6 +74,23 @@ _SIDE = {}"""),
         shard.grad = mine if shard.grad is None else shard.grad + mine
     for param, shard in zip(params, host_shards):
         param.register_post_accumulate_grad_hook(lambda p, shard=shard: offload_now(p, shard))"""),
+        Fake("the copy to the host for show",
+             "reduce-scatters and calls offload.to_host so the bytes are counted, then throws the "
+             "copy away: the host shard's gradient is the device-side slice (red team rt5, E1)",
+             checked_by=("test-offload-step",), source="""\
+    def make(shard):
+        def hook(p):
+            mine = collectives.reduce_scatter(p.grad.reshape(-1))
+            p.grad = None
+            offload.to_host(mine)  # counted, not used
+            mine = mine.float().div_(world_size)
+            if shard.grad is None:
+                shard.grad = mine
+            else:
+                shard.grad.add_(mine)
+        return hook
+    for p, shard in zip(params, host_shards):
+        p.register_post_accumulate_grad_hook(make(shard))"""),
     ],
     "impl-offloaded-step": [
         Fake("steps on the device",
@@ -125,6 +142,14 @@ _SIDE = {}"""),
 
 
 _TWINS = {}"""),
+        Fake("the copy back for show",
+             "calls offload.to_device so the bytes are counted, throws the copy away and "
+             "all-gathers the parameter straight from the host shard (red team rt5, E1)",
+             checked_by=("test-offload-step",), source="""\
+    optimizer.step()
+    for p, shard in zip(params, host_shards):
+        offload.to_device(shard.to(p.dtype), p.device)  # counted, not used
+        p.copy_(collectives.all_gather(shard.detach().to(p.dtype), p.numel()).view_as(p))"""),
     ],
     "impl-step-time": [
         Fake("no overlap",
@@ -253,6 +278,16 @@ _MOMENTS = {}"""),
 
 
 _CACHE = {}"""),
+        Fake("the library's private NVMe tier",
+             "builds zero_offload._NvmeSlices with __new__ around the given store and runs its "
+             "step (red team rt5, N1)", checked_by=("test-nvme-step",), source="""\
+    import types
+    tier = zero_offload._NvmeSlices.__new__(zero_offload._NvmeSlices)
+    tier.store, tier.steps = store, [step - 1] * len(grads)
+    shards = [types.SimpleNamespace(grad=grad) for grad in grads]
+    params = [torch.empty(0) for _ in grads]
+    hyper = dict(lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
+    tier.step(params, shards, hyper, lambda param, master: None)"""),
     ],
     "impl-materialize": [
         Fake("the seed's recipe",
@@ -343,6 +378,24 @@ _CACHE = {}"""),
     for g in grads:
         g.mul_(scale)
     return norm"""),
+        Fake("the norm through the store",
+             "each rank's squared norm goes through the process group's key-value store, a side "
+             "channel no traffic count sees; the one all-reduce carries a zero, for show "
+             "(red team rt5, K2)", checked_by=("test-clip-sharded",), source="""\
+    import torch.distributed.distributed_c10d as _c10d
+    store = _c10d._get_default_store()
+    rank, size = dist.get_rank(), dist.get_world_size()
+    round_ = store.add(f"clip-round/{rank}", 1)
+    mine = sum(float(g.double().pow(2).sum()) for g in grads if g is not None)
+    store.set(f"clip{round_}/{rank}", repr(mine))
+    total = sum(float(store.get(f"clip{round_}/{r}").decode()) for r in range(size))
+    collectives.all_reduce(torch.zeros(1, dtype=torch.float64), group=group)  # for show
+    norm = torch.tensor(total, dtype=torch.float64).sqrt()
+    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for g in grads:
+        if g is not None:
+            g.mul_(scale.to(g.dtype))
+    return norm"""),
     ],
     "impl-clip-parallel": [
         Fake("replicated counted t times",
@@ -385,6 +438,22 @@ _CACHE = {}"""),
     for p in params:
         if p.grad is not None:
             p.grad.mul_(scale)
+    return norm"""),
+        Fake("one all-reduce over the world",
+             "ignores tp_group and pp_group: one all-reduce over the world, which is tp x pp on "
+             "the test's mesh (red team rt5, K1)", checked_by=("test-clip-parallel",), source="""\
+    shared = {id(p) for p in replicated}
+    first = dist.get_rank(tp_group) == 0
+    squares = [p.grad.double().pow(2).sum() for p in params
+               if p.grad is not None and (first or id(p) not in shared)]
+    zero = torch.zeros((), dtype=torch.float64)
+    total = (torch.stack(squares).sum() if squares else zero).reshape(1)
+    collectives.all_reduce(total)
+    norm = total.sqrt()[0]
+    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(scale.to(p.grad.dtype))
     return norm"""),
     ],
 }

@@ -53,7 +53,7 @@ from minidist.core.timeline import Event, clock
 from minidist.costs import tiers
 
 __all__ = ["Offload", "host_memory_available", "TransferLog", "transfers", "record", "to_host",
-           "to_device"]
+           "to_device", "tampered_copies"]
 
 MiB = 2**20
 
@@ -181,15 +181,40 @@ def transfers() -> Iterator[TransferLog]:
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
+_tampering: dict[str, float] = {}  # "to_host"/"to_device" -> added to each copy; see below
+
+
+@contextlib.contextmanager
+def tampered_copies(*, to_host: float | None = None,
+                    to_device: float | None = None) -> Iterator[None]:
+    """Inside the block every copy `to_host` returns (and every one `to_device` returns) has
+    `to_host` (`to_device`) added to each element, as `checking.tampered_receives` changes a
+    message on arrival. A check passes float("nan") and requires what the checked function
+    computed to follow the copy (NaN wherever it used one): a copy made only to be counted,
+    then thrown away, leaves the result as it was."""
+    saved = dict(_tampering)
+    _tampering.update({kind: delta for kind, delta in
+                       (("to_host", to_host), ("to_device", to_device)) if delta is not None})
+    try:
+        yield
+    finally:
+        _tampering.clear()
+        _tampering.update(saved)
+
+
 class _Moving:
     """A device-to-host copy in flight on the side stream: `wait()` returns the host tensor."""
 
-    def __init__(self, host: torch.Tensor, done: torch.cuda.Event | None):
-        self.host, self.done = host, done
+    def __init__(self, host: torch.Tensor, done: torch.cuda.Event | None,
+                 delta: float | None = None):
+        self.host, self.done, self.delta = host, done, delta
 
     def wait(self) -> torch.Tensor:
         if self.done is not None:
             self.done.synchronize()
+        if self.delta is not None:  # tampered (see tampered_copies): once, when it lands
+            self.host.add_(self.delta)
+            self.delta = None
         return self.host
 
 
@@ -209,9 +234,9 @@ def to_host(tensor: torch.Tensor, what: str = "", async_op: bool = False):
         with torch.cuda.stream(stream):
             host.copy_(source, non_blocking=True)
         source.record_stream(stream)  # the caching allocator must not reuse it before the copy
-        moving = _Moving(host, stream.record_event())
+        moving = _Moving(host, stream.record_event(), _tampering.get("to_host"))
     else:
-        moving = _Moving(source.clone(), None)
+        moving = _Moving(source.clone(), None, _tampering.get("to_host"))
     record("to_host", source.nbytes, what, start)
     return moving if async_op else moving.wait()
 
@@ -224,5 +249,7 @@ def to_device(tensor: torch.Tensor, device: torch.device | str | None = None,
     device = torch.device(device) if device is not None else compute_device()
     copy = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
     copy.copy_(tensor.detach())
+    if "to_device" in _tampering:  # see tampered_copies
+        copy.add_(_tampering["to_device"])
     record("to_device", tensor.nbytes, what, start)
     return copy
