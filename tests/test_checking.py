@@ -130,13 +130,11 @@ def _copies_backends_and_tampering(rank, world_size):
     spec.loader.exec_module(copy)
     source = {}
     exec(compile(inspect.getsource(comm.chunk_bounds), "<copy>", "exec"), source)
-    # Pasted under another name, its locals renamed; and the same code written without the
-    # library's docstring and name, as a student may write it: that one is the student's.
+    # Pasted under another name, its locals renamed (code written anew alike is in
+    # test_a_copy_is_refused_however_it_was_renamed_unless_it_is_short_and_written_anew).
     pasted = re.sub(r"\bbounds\b", "mine", inspect.getsource(comm.chunk_bounds).replace(
         "def chunk_bounds", "def my_bounds"))
     exec(compile(pasted, "<pasted>", "exec"), source)
-    alike = re.sub(r'"""[^"]*"""|#.*', "", pasted).replace("def my_bounds", "def written_alike")
-    exec(compile(alike, "<alike>", "exec"), source)
     renamed_code = types.FunctionType(comm.chunk_bounds.__code__.replace(co_name="mine"), {})
     t = torch.arange(8.0) * (rank + 1)
     backend = dist.group.WORLD._get_backend(torch.device("cpu"))
@@ -153,8 +151,6 @@ def _copies_backends_and_tampering(rank, world_size):
             found[path] = "ran"
         except LibraryVersionUsed:
             found[path] = "refused"
-    with unavailable("minidist.communication.comm.*"):
-        found["written alike, runs"] = source["written_alike"](8, 2) == [(0, 4), (4, 8)]
     reference = t.clone()
     comm.ring_all_reduce(reference)
     with tampered_receives(delta=1.0, nth=0) as sources:
@@ -172,9 +168,8 @@ def _copies_backends_and_tampering(rank, world_size):
 
 def test_copies_of_the_library_and_the_backend_are_refused_and_receives_can_be_tampered():
     """Refusal by code identity catches a module loaded again, exec'd source, a copy pasted under
-    another name and the code object renamed, but not the same instructions written without the
-    library's name, docstring or place; torch's backend under the process group is refused with
-    dist.all_reduce, and TORCH_COLLECTIVES refuses every other collective; tampered_receives
+    another name and the code object renamed; torch's backend under the process group is refused
+    with dist.all_reduce, and TORCH_COLLECTIVES refuses every other collective; tampered_receives
     changes what a ring receives, so its result changes; recording keeps the tensor and what it
     held."""
     for found in run(_copies_backends_and_tampering, 3):
@@ -231,33 +226,53 @@ def test_a_refused_class_refuses_through_an_alias_an_instance_and_a_property():
     assert made_before.answer == slice(3, 6) and alias(digits=3).held_out(4)[0].shape == (4, 6)
 
 
-def test_a_copy_keeping_the_librarys_layout_is_refused_however_it_was_renamed():
-    """Code of some length whose instructions are the library's and whose tokens stand where
-    the library's do is a copy: a code object cloned under another name, place and docstring, or
-    the source pasted under another name without its docstring. Written anew (another layout),
-    the same instructions are the student's."""
-    from minidist.parallel import pipeline
+def _stripped_clone(function: types.FunctionType, **changes) -> types.FunctionType:
+    """`function`'s code under another name and place, without its docstring, its locals (but
+    not its arguments) renamed."""
+    code = function.__code__
+    arguments = code.co_argcount + code.co_kwonlyargcount
+    code = code.replace(**{"co_name": "mine", "co_qualname": "mine", "co_filename": "<cell>",
+                           "co_firstlineno": 1, "co_consts": (None, *code.co_consts[1:]),
+                           "co_varnames": code.co_varnames[:arguments] + tuple(
+                               f"_{i}" for i in range(arguments, len(code.co_varnames))),
+                           **changes})
+    clone = types.FunctionType(code, function.__globals__, "mine", function.__defaults__)
+    clone.__kwdefaults__ = function.__kwdefaults__
+    return clone
 
-    original = pipeline._interleaved
-    cloned = types.FunctionType(original.__code__.replace(
-        co_name="mine", co_qualname="mine", co_filename="<cell>", co_firstlineno=1,
-        co_consts=(None, *original.__code__.co_consts[1:])), vars(pipeline))
-    source = re.sub(r'(?s)""".*?"""\n', "", inspect.getsource(original), count=1).replace(
-        "def _interleaved", "def pasted")  # without its docstring
-    namespace = dict(vars(pipeline))
+
+def test_a_copy_is_refused_however_it_was_renamed_unless_it_is_short_and_written_anew():
+    """A copy of the library's code is refused: a code object cloned under another name, place,
+    docstring and locals, whether it keeps its line table (the library's layout), drops it (no
+    compiled source lacks one) or, being long, anything else; the source pasted under another
+    name without its docstring (the layout again). The same instructions of some length written
+    anew (another layout) are the student's; long code, never."""
+    from minidist.parallel import context_parallel, pipeline
+
+    medium, long = context_parallel.chunks_of, pipeline._interleaved  # 47 and 99 instructions
+    source = re.sub(r'(?s)\n[ \t]*""".*?"""', "", inspect.getsource(medium), count=1).replace(
+        "def chunks_of", "def pasted")  # without its docstring
+    namespace = dict(vars(context_parallel))
     exec(compile(source, "<cell>", "exec"), namespace)
     # The same instructions elsewhere: every line indented once more, a local renamed.
-    anew = dict(vars(pipeline))
+    anew = dict(vars(context_parallel))
     exec(compile("if True:\n" + "\n".join("    " + line for line in re.sub(
-        r"\bops\b", "actions", source).splitlines()).replace("def pasted", "def anew"),
+        r"\bcp_rank\b", "rank", source).splitlines()).replace("def pasted", "def anew"),
         "<cell>", "exec"), anew)
-    for copy in (cloned, namespace["pasted"]):
-        with pytest.raises(LibraryVersionUsed, match="_interleaved: write your own"):
-            with unavailable("minidist.parallel.pipeline._interleaved"):
-                copy(0, 2, 4, 2)
-    expected = original(0, 2, 4, 2)
-    with unavailable("minidist.parallel.pipeline._interleaved"):
-        assert anew["anew"](0, 2, 4, 2) == expected
+    copies = {"a clone keeping the layout": (medium, _stripped_clone(medium)),
+              "a clone without a line table": (medium, _stripped_clone(medium, co_linetable=b"")),
+              "a pasted copy": (medium, namespace["pasted"]),
+              "a long clone placed anew": (long, _stripped_clone(long, co_firstlineno=7))}
+    arguments = {medium: (1, 2), long: (0, 2, 4, 2)}
+    for what, (original, copy) in copies.items():
+        path = f"{original.__module__}.{original.__name__}"
+        with pytest.raises(LibraryVersionUsed, match=f"{original.__name__}: write your own"):
+            with unavailable(path):
+                copy(*arguments[original], **({"layout": "zigzag"} if original is medium else {}))
+                pytest.fail(f"{what} ran")
+    expected = medium(1, 2, layout="zigzag")
+    with unavailable("minidist.parallel.context_parallel.chunks_of"):
+        assert anew["anew"](1, 2, layout="zigzag") == expected
 
 
 def test_unavailable_module_star_leaves_the_allowed_functions_callable():
