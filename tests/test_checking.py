@@ -211,6 +211,21 @@ def test_recording_sees_distributed_c10d_and_torchs_own_callers():
         assert names[0] == "all_reduce" and "all_gather" in names[1:], names
 
 
+def _point_to_point_recorded(rank, world_size):
+    token = torch.zeros(1)
+    with recording() as calls:
+        if rank == 0:
+            dist.send(token, 1)
+        else:
+            dist.recv(token, 0)
+    return [(call.name, call.peer) for call in calls]
+
+
+def test_recording_records_a_send_once_though_torch_runs_it_through_isend():
+    """dist.send runs isend (and recv irecv) inside: one call of the caller's, recorded once."""
+    assert run(_point_to_point_recorded, 2) == [[("send", 1)], [("recv", 0)]]
+
+
 def test_a_refused_class_refuses_through_an_alias_an_instance_and_a_property():
     """Refusing a class refuses every method it defines: an alias of the class taken before the
     block, an instance made before it and a property all meet the refusal; after it they work."""

@@ -69,5 +69,18 @@ FAKES = {
     parts = [None] * world_size
     dist.all_gather_object(parts, mine)
     return sum(parts)"""),
+        Fake("the reduced tensor overwritten by its formula", "runs the right all-reduce, then "
+             "overwrites its result in place with N(N+1)/2 * (i + 1)", ("test-all-reduce",), """\
+    terms = torch.arange(1, length + 1, dtype=torch.float32)
+    values = (rank + 1) * terms
+    dist.all_reduce(values)
+    values.copy_(world_size * (world_size + 1) / 2 * terms)
+    return values"""),
+        Fake("a MAX all-reduce repaired by algebra", "all-reduces with op=MAX, which gives "
+             "N * (i + 1), then scales by (N + 1) / 2", ("test-all-reduce",), """\
+    values = (rank + 1) * torch.arange(1, length + 1, dtype=torch.float32)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    values.mul_((world_size + 1) / 2)
+    return values"""),
     ],
 }

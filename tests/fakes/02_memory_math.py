@@ -72,6 +72,19 @@ FAKES = {
     importlib.reload(_fp)
     state = _fp.model_state_footprint(model, optimizer)
     return (int(state.params), int(state.grads), int(state.optimizer))"""),
+        Fake("the library's private helper, inlined", "model_state_footprint's body rewritten "
+             "around footprint._storage, the library's private storage key",
+             ("test-held-bytes",), """\
+    key = footprint._storage
+    def distinct(tensors):
+        return sum(dict(key(t) for t in tensors).values())
+    ps = list(model.parameters())
+    gs = [p.grad for p in ps if p.grad is not None]
+    own = {key(t)[0] for t in ps + gs}
+    extra = [p for group in optimizer.param_groups for p in group["params"] if key(p)[0] not in own]
+    st = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    extra_grads = [p.grad for p in extra if p.grad is not None]
+    return distinct(ps), distinct(gs + extra_grads), distinct(extra + st)"""),
     ],
     "impl-saved-bytes": [
         Fake("pack keeps nothing for backward", "counts the right storages but its pack hook "
@@ -107,6 +120,13 @@ FAKES = {
     sys.modules[spec.name] = copy
     spec.loader.exec_module(copy)
     return int(sum(t.nbytes for t in copy.saved_activations(module, x)))"""),
+        Fake("what the forward left allocated", "no saved_tensors_hooks: the bytes the forward "
+             "allocated and left alive (the library's holding() profiler), less the output, plus x",
+             ("test-saved-bytes",), """\
+    from minidist.core.checking import holding
+    with holding() as held:
+        out = module(x)
+    return int(held.nbytes - out.untyped_storage().nbytes() + x.untyped_storage().nbytes())"""),
     ],
     "impl-recompute": [
         Fake("torch's checkpoint inside", "recomputes nothing itself: wraps "
@@ -239,5 +259,21 @@ FAKES = {
     from minidist.costs import cost as _c
     importlib.reload(_c)
     return float(_c.critical_intensity(nbytes, peak_flops, link))""")),
+        Fake("the library's source, renamed", "cost.exposed_time and critical_intensity read "
+             "with inspect.getsource, renamed, their docstrings stripped, compiled in a copy of "
+             "cost's globals", ("test-hiding",), (
+                 """\
+    import ast, inspect
+    tree = ast.parse(inspect.getsource(cost.exposed_time))
+    tree.body[0].name, tree.body[0].body = "_exposed", tree.body[0].body[1:]
+    namespace = dict(vars(cost))
+    exec(compile(tree, "<my notes>", "exec"), namespace)
+    return float(namespace["_exposed"](flops, nbytes, peak_flops, link))""", """\
+    import ast, inspect
+    tree = ast.parse(inspect.getsource(cost.critical_intensity))
+    tree.body[0].name, tree.body[0].body = "_intensity", tree.body[0].body[1:]
+    namespace = dict(vars(cost))
+    exec(compile(tree, "<my notes>", "exec"), namespace)
+    return float(namespace["_intensity"](nbytes, peak_flops, link))""")),
     ],
 }

@@ -59,6 +59,16 @@ FAKES = {
     with torch.no_grad():
         for p in model.parameters():
             dist.broadcast(p, src=0)"""),
+        Fake("copied by broadcast_object_list, one broadcast for show", "the values travel as "
+             "pickled clones through dist.broadcast_object_list; one uint8 dist.broadcast of "
+             "exactly the model's bytes is made for show", ("test-broadcast",), """\
+    tensors = [*model.parameters(), *model.buffers()]
+    box = [[t.detach().clone() for t in tensors] if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    with torch.no_grad():
+        for t, value in zip(tensors, box[0]):
+            t.copy_(value)
+    dist.broadcast(torch.zeros(sum(t.nbytes for t in tensors), dtype=torch.uint8), src=0)"""),
     ],
     "impl-naive": [
         Fake("the library's per-tensor average", "calls minidist.parallel.ddp.all_reduce_gradients "
@@ -80,6 +90,16 @@ FAKES = {
             copies = [torch.empty_like(p.grad) for _ in range(world_size)]
             dist.all_gather(copies, p.grad)
             p.grad.copy_(torch.stack(copies).mean(dim=0))"""),
+        Fake("averaged by distributed_c10d's all_gather", "the given all_reduce gets zeros of "
+             "each gradient's size, for show; the averages come from an all_gather reached "
+             "through torch.distributed.distributed_c10d", ("test-naive",), """\
+    from torch.distributed import distributed_c10d
+    for p in model.parameters():
+        if p.grad is not None:
+            all_reduce(torch.zeros_like(p.grad))
+            pieces = [torch.empty_like(p.grad) for _ in range(world_size)]
+            distributed_c10d.all_gather(pieces, p.grad)
+            p.grad.copy_(torch.stack(pieces).mean(0))"""),
     ],
     "impl-flat": [
         Fake("the library's flat average", "calls minidist.parallel.ddp.all_reduce_gradients_flat",
@@ -98,6 +118,24 @@ FAKES = {
     flat /= world_size
     for grad, piece in zip(grads, flat.split([grad.numel() for grad in grads])):
         grad.copy_(piece.view_as(grad))"""),
+        Fake("averaged through the rendezvous store", "one all-reduce of zeros of the right "
+             "size, for show; every rank's flat gradient goes through the TCPStore (set/get) "
+             "and is averaged locally", ("test-flat",), """\
+    import uuid
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    all_reduce(torch.zeros_like(flat))
+    store, rank = dist.distributed_c10d._get_default_store(), dist.get_rank()
+    key = [uuid.uuid4().hex if rank == 0 else None]  # one fresh key per exchange
+    dist.broadcast_object_list(key, src=0)
+    store.set(f"{key[0]}/{rank}", flat.numpy().tobytes())
+    total = torch.zeros_like(flat)
+    for r in range(world_size):
+        total += torch.frombuffer(bytearray(store.get(f"{key[0]}/{r}")), dtype=flat.dtype)
+    total /= world_size
+    offset = 0
+    for g in grads:
+        g.copy_(total[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()"""),
     ],
     "impl-buckets": [
         Fake("the library's buckets", "calls minidist.parallel.ddp.assign_buckets",
@@ -117,6 +155,15 @@ FAKES = {
         buckets[-1].append(index)
         filled += size
     return buckets"""),
+        Fake("the library's code object, cloned", "ddp.assign_buckets' code, compiled from "
+             "the library's file and cloned under another name, place and docstring",
+             ("test-buckets",), """\
+    import types
+    module_code = compile(open(ddp.__file__).read(), ddp.__file__, "exec")
+    code = next(c for c in module_code.co_consts if getattr(c, "co_name", "") == "assign_buckets")
+    code = code.replace(co_name="mine", co_qualname="mine", co_filename="<my cell>",
+                        co_firstlineno=1, co_consts=(None,) + code.co_consts[1:])
+    return types.FunctionType(code, vars(ddp), "mine")(list(nbytes), cap_bytes)"""),
     ],
     "impl-my-ddp": [
         Fake("waits for each bucket in its hook", "blocks inside the hook until the "
@@ -129,6 +176,40 @@ FAKES = {
              "fills before the one ahead of it is launched first, so ranks could pair "
              "different buckets", ("test-my-ddp",),
              (indented(COPY_IN + LAUNCH_WHEN_COMPLETE), indented(FINISH))),
+        Fake("the library's Bucket and launch methods, duck-typed", "ddp.Bucket.copy_in/"
+             "copy_out and DistributedDataParallel._launch_full_buckets driven on MyDDP's own "
+             "buckets", ("test-my-ddp",), (indented("""\
+index, offset = self.where[param]
+bucket = self.buckets[index]
+ddp.Bucket.copy_in(bucket, next(i for i, p in enumerate(bucket.params) if p is param), param.grad)
+self.pending[index] -= 1
+step = SimpleNamespace(next_launch=self.next_to_launch, pending=self.pending, handles=self.handles)
+ddp.DistributedDataParallel._launch_full_buckets(
+    SimpleNamespace(_step=step, buckets=self.buckets, _launch=self._launch))
+self.next_to_launch = step.next_launch
+"""), indented("""\
+for bucket, handle in zip(self.buckets, self.handles):
+    handle.wait()
+    bucket.buffer.div_(self.world_size)
+    ddp.Bucket.copy_out(bucket)
+"""))),
+        Fake("buckets for show, averages by distributed_c10d's all_gather", "fills, launches "
+             "and waits on the buckets in order, then throws their results away: each gradient "
+             "is averaged from an all_gather reached through distributed_c10d",
+             ("test-my-ddp",), (indented(COPY_IN + """\
+while self.next_to_launch < len(self.buckets) and self.pending[self.next_to_launch] == 0:
+    self.handles.append(self._launch(self.buckets[self.next_to_launch]))
+    self.next_to_launch += 1
+"""), indented("""\
+from torch.distributed import distributed_c10d
+for handle in self.handles:
+    handle.wait()
+for bucket in self.buckets:
+    for p in bucket.params:
+        pieces = [torch.empty_like(p.grad) for _ in range(self.world_size)]
+        distributed_c10d.all_gather(pieces, p.grad)
+        p.grad.copy_(torch.stack(pieces).mean(0))
+"""))),
     ],
     "impl-no-sync": [
         Fake("synchronizes every microbatch", "no no_sync(): every backward all-reduces",
@@ -156,6 +237,16 @@ FAKES = {
         (F.mse_loss(out, y) * scale).backward()
     x, y = microbatches[-1]
     (F.mse_loss(model(x), y) * scale).backward()"""),
+        Fake("one backward of the summed losses", "every forward first (all but the last "
+             "inside no_sync()), then one backward of the summed losses: all the microbatches' "
+             "graphs held at once", ("test-no-sync",), """\
+    k, losses = len(microbatches), []
+    with model.no_sync():
+        for x, y in microbatches[:-1]:
+            losses.append(F.mse_loss(model(x), y) / k)
+    x, y = microbatches[-1]
+    losses.append(F.mse_loss(model(x), y) / k)
+    sum(losses).backward()"""),
     ],
     "impl-min-tokens": [
         Fake("the whole step's FLOPs", "hides the all-reduce under forward and backward (6Ψ "
@@ -173,5 +264,9 @@ FAKES = {
     backward_per_token = 4 * num_params / flops_per_s
     all_reduce = 2 * (world_size - 1) / world_size * num_params / link_bytes_per_s
     return all_reduce / backward_per_token"""),
+        Fake("the library's bytes sent", "the ring's bytes from cost.all_reduce_bytes_sent, a "
+             "sibling of the refused formulas", ("test-min-tokens",), """\
+    sent = cost.all_reduce_bytes_sent("ring", num_params * bytes_per_element, world_size, 0)
+    return sent / link_bytes_per_s * flops_per_s / (4 * num_params)"""),
     ],
 }

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -128,11 +129,21 @@ def recording(names: tuple[str, ...] = RECORDED) -> Iterator[list[Call]]:
     """Inside the block every call of torch.distributed's `names` is appended, in order, to
     the list it yields (calls minidist makes on the caller's behalf included)."""
     calls: list[Call] = []
+    # torch's functions call each other (dist.send runs isend, broadcast_object_list runs
+    # broadcast): a recorded call made inside another is torch's own, not the caller's, so only
+    # the outermost is recorded (all_gather_object is not recorded: its all_gather is).
+    inside = threading.local()
 
     def watched(name: str) -> Any:
         def call(proceed: Any, *args: Any, **kwargs: Any) -> Any:
+            if getattr(inside, "call", False):
+                return proceed(*args, **kwargs)
             calls.append(_describe(name, args, kwargs))
-            return proceed(*args, **kwargs)
+            inside.call = True
+            try:
+                return proceed(*args, **kwargs)
+            finally:
+                inside.call = False
         return call
 
     with interposer.subscribed("recording", {f"dist.{name}": watched(name) for name in names
