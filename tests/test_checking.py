@@ -226,6 +226,31 @@ def test_recording_records_a_send_once_though_torch_runs_it_through_isend():
     assert run(_point_to_point_recorded, 2) == [[("send", 1)], [("recv", 0)]]
 
 
+def _store_refused_collectives_not(rank, world_size):
+    from torch.distributed import distributed_c10d
+
+    from minidist.core import agreement
+    from minidist.core.refusal import TORCH_STORE
+
+    found, store = {}, distributed_c10d._get_default_store()
+    try:
+        with agreement.unchecked(), unavailable(*TORCH_STORE):
+            store.set(f"side channel {rank}", "1")
+        found["store"] = "ran"
+    except LibraryVersionUsed:
+        found["store"] = "refused"
+    with agreement.unchecked(), unavailable(*TORCH_STORE):
+        total = torch.ones(2)
+        dist.all_reduce(total)
+    found["all_reduce"] = total.tolist()
+    return found
+
+
+def test_torch_store_refuses_the_rendezvous_store_and_leaves_collectives_alone():
+    for found in run(_store_refused_collectives_not, 2):
+        assert found == {"store": "refused", "all_reduce": [2.0, 2.0]}, found
+
+
 def test_a_refused_class_refuses_through_an_alias_an_instance_and_a_property():
     """Refusing a class refuses every method it defines: an alias of the class taken before the
     block, an instance made before it and a property all meet the refusal; after it they work."""

@@ -8,7 +8,7 @@ source, so its fakes pick their formula by the function they run in. The first f
 exercise behaves correctly outside its own checks, so that the other cells of the submission
 it shares score as the solution's."""
 
-from fakes import Fake
+from fakes import Fake, stripped_clone_helpers
 
 FAKES = {
     "impl-bubble-formulas": [
@@ -347,3 +347,31 @@ FAKES = {
     return t.makespan - m * (t_f + t_b + t_w)"""),
     ],
 }
+
+# Red team rt6: the library's schedules and bubble formula, cloned with every mark of their
+# origin stripped (name, place, docstring, locals, line table).
+FAKES["impl-1f1b"] += [
+    Fake("the library's 1F1B cloned without its marks",
+         "writes no schedule: runs pipeline._one_f_one_b's code, compiled from its file and "
+         "stripped of its name, place, docstring, locals' names and line table",
+         ("test-1f1b",), stripped_clone_helpers(" " * 8) + """
+        actions = _from_file("minidist.parallel.pipeline", "_one_f_one_b")(rank, p, m)"""),
+]
+FAKES["impl-interleaved"] += [
+    Fake("the library's interleaved schedule cloned without its marks",
+         "writes no schedule: runs pipeline._interleaved's code, compiled from its file and "
+         "stripped of every mark of its origin", ("test-interleaved",),
+         stripped_clone_helpers(" " * 8) + """
+        actions = _from_file("minidist.parallel.pipeline", "_interleaved")(rank, p, m, v)"""),
+]
+FAKES["impl-zb-idle"] += [
+    Fake("the library's bubble time cloned before the check",
+         "derives nothing: a clone of bubbles.bubble_time made when the cell runs, stripped of "
+         "every mark of its origin", ("test-zb-idle",), """\
+    return _bubble_time("zb-h1", p, 2 * p, 1, (t_f, t_b, t_w))[0]
+
+""" + stripped_clone_helpers() + """
+from minidist.costs import bubbles as _bubbles
+
+_bubble_time = _stripped(_bubbles.bubble_time)"""),
+]

@@ -5,7 +5,7 @@ all-reduce's waiting, a vote per step), and a mismatch check that lets some mism
 A cell with two functions has two solution regions, and a fake's source replaces both: the
 fakes of those cells tell the functions apart by their arguments (`locals()`)."""
 
-from fakes import Fake
+from fakes import Fake, stripped_clone_helpers
 
 # The first function of the cell, `merge`, written as the lab asks: fakes of `overlap_fraction`
 # alone keep it right, so that only the second function is what they fake.
@@ -137,5 +137,39 @@ FAKES["impl-checked-collective"] += [
     if len({(o, tuple(s), size) for o, s, d, size in everyone}) > 1:
         raise RuntimeError("mismatched collective: " + "; ".join(
             f"rank {r}: {o} {s} {d}" for r, (o, s, d, _) in enumerate(everyone)))
+    return collective(tensor)"""),
+]
+FAKES["impl-overlap"] += [
+    Fake("the library's interval code cloned without its marks",
+         "writes no interval arithmetic: profiling.merge, total and intersect cloned when the "
+         "cell runs with every mark of their origin stripped (name, place, docstring, locals' "
+         "names, line table)", ("test-overlap",), (
+             """    return _merge(intervals)""",
+             """    def of(kind):
+        return _merge((e.start, e.end) for e in timeline.events
+                      if e.rank == rank and e.kind == kind)
+    communication = _total(of("communication"))
+    hidden = _total(_intersect(of("communication"), of("compute")))
+    return hidden / communication if communication > 0 else 0.0
+
+""" + stripped_clone_helpers() + """
+_merge = _stripped(profiling.merge)
+_total = _stripped(profiling.total, merge=_merge)
+_intersect = _stripped(profiling.intersect, merge=_merge)""")),
+]
+FAKES["impl-checked-collective"] += [
+    Fake("the calls through the rendezvous store",
+         "exchanges nothing through torch.distributed: each rank writes its call to the "
+         "process group's key-value store and reads the others' back; one all_gather_object "
+         "of None for show", ("test-checked-collective",), """\
+    store = dist.distributed_c10d._get_default_store()
+    rank, size = dist.get_rank(), dist.get_world_size()
+    turn = store.add(f"turn/{rank}", 1)
+    mine = f"rank {rank}: {op} {list(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')}"
+    store.set(f"call/{turn}/{rank}", mine)
+    calls = [store.get(f"call/{turn}/{r}").decode() for r in range(size)]
+    dist.all_gather_object([None] * size, None)  # for show
+    if len({call.split(": ", 1)[1] for call in calls}) > 1:
+        raise RuntimeError("the ranks called different collectives: " + "; ".join(calls))
     return collective(tensor)"""),
 ]

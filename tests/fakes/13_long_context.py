@@ -1,7 +1,7 @@
 """Fakes of Lab 13's exercises: each gets the numbers right (or close) without the mechanism the
 exercise is about, or hands the work to the library's own version."""
 
-from fakes import Alternative, Fake
+from fakes import Alternative, Fake, stripped_clone_helpers
 
 FAKES = {
     "impl-merge": [
@@ -569,3 +569,38 @@ ALTERNATIVES = {
 """),
     ],
 }
+
+# Red team rt6: the library's code cloned when the cell runs, every mark of its origin stripped
+# (name, place, docstring, locals' names, line table).
+FAKES["impl-merge"] += [
+    Fake("the library's merge cloned without its marks",
+         "writes no merge: context_parallel.merge_partials cloned when the cell runs, stripped "
+         "of every mark of its origin", checked_by=("test-merge",), source="""\
+    return _merge(out1, lse1, out2, lse2)
+
+""" + stripped_clone_helpers() + """
+_merge = _stripped(context_parallel.merge_partials)"""),
+]
+FAKES["impl-zigzag"] += [
+    Fake("the library's layout cloned without its marks",
+         "writes no layout: context_parallel.chunks_of (and the _check_layout it calls) cloned "
+         "when the cell runs, stripped of every mark of their origin",
+         checked_by=("test-zigzag",), source="""\
+    pieces = x.chunk(2 * cp_size, dim=dim)
+    return [torch.cat([pieces[c] for c in _chunks_of(r, cp_size, layout="zigzag")], dim=dim)
+            for r in range(cp_size)]
+
+""" + stripped_clone_helpers() + """
+_chunks_of = _stripped(context_parallel.chunks_of,
+                       _check_layout=_stripped(context_parallel._check_layout))"""),
+]
+FAKES["impl-predict"] += [
+    Fake("the library's model cloned without its marks",
+         "derives no model: context_parallel.forward_times cloned when the cell runs, stripped "
+         "of every mark of its origin", checked_by=("test-predict",), source="""\
+    got = _forward_times(seq_len, BATCH, HEADS, HEAD_DIM, cp_size, link, flops_per_second)
+    return got["ring"], got["ulysses"]
+
+""" + stripped_clone_helpers() + """
+_forward_times = _stripped(context_parallel.forward_times)"""),
+]

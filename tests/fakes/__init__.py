@@ -9,6 +9,7 @@ allows); test j grades them and requires each to score full marks on its checks.
 
 from __future__ import annotations
 
+import textwrap
 from dataclasses import dataclass
 
 
@@ -74,3 +75,51 @@ def rounds(fakes: dict[str, list[Fake]] | dict[str, list[Alternative]]) -> list[
     count = max((len(found) for found in fakes.values()), default=0)
     return [{cell: found[k] for cell, found in fakes.items() if k < len(found)}
             for k in range(count)]
+
+
+_STRIPPED = '''
+import dis as _dis
+import importlib as _importlib
+import types as _types
+
+
+def _stripped(function, **names):
+    # function's code with every mark of where it came from taken away: its name, place,
+    # docstring, locals' names and line table; `names` replace globals it calls
+    code = function.__code__
+    consts = list(code.co_consts)
+    loaded = {i.arg for i in _dis.get_instructions(code) if i.opname == "LOAD_CONST"}
+    if consts and isinstance(consts[0], str) and 0 not in loaded:
+        consts[0] = None
+    arguments = code.co_argcount + code.co_kwonlyargcount
+    code = code.replace(co_name="mine", co_qualname="mine", co_filename="<mine>",
+                        co_firstlineno=1, co_consts=tuple(consts), co_linetable=b"",
+                        co_varnames=code.co_varnames[:arguments] + tuple(
+                            f"_l{i}" for i in range(arguments, len(code.co_varnames))))
+    clone = _types.FunctionType(code, {**function.__globals__, **names}, "mine",
+                                function.__defaults__, function.__closure__)
+    clone.__kwdefaults__ = function.__kwdefaults__
+    return clone
+
+
+def _from_file(module, name, **names):
+    # module's function `name` compiled again from its file, as a copy made before any check
+    # holds the library's code (the function object itself refuses while a check runs)
+    source = _importlib.import_module(module)
+    with open(source.__file__) as file:
+        compiled = compile(file.read(), source.__file__, "exec", dont_inherit=True)
+    code = next(c for c in compiled.co_consts
+                if isinstance(c, _types.CodeType) and c.co_name == name)
+    original = getattr(source, name)
+    function = _types.FunctionType(code, vars(source), name, original.__defaults__)
+    function.__kwdefaults__ = original.__kwdefaults__
+    return _stripped(function, **names)
+'''
+
+
+def stripped_clone_helpers(indent: str = "") -> str:
+    """Fake source defining `_stripped(function, **names)` (a clone of a library function with
+    every mark of its origin removed: name, place, docstring, locals' names, line table) and
+    `_from_file(module, name, **names)` (the same, of the function compiled again from its
+    module's file, for a fake whose code only runs once the check has begun), at `indent`."""
+    return textwrap.indent(_STRIPPED, indent)

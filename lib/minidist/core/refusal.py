@@ -37,7 +37,7 @@ from torch._ops import _OpNamespace
 from minidist.core import interposer
 
 __all__ = ["unavailable", "Refusals", "LibraryVersionUsed", "PROCESS_STARTERS",
-           "TORCH_COLLECTIVES"]
+           "TORCH_COLLECTIVES", "TORCH_STORE"]
 
 
 class LibraryVersionUsed(RuntimeError):
@@ -103,6 +103,15 @@ TORCH_COLLECTIVES = tuple(f"torch.distributed.{name}" for name in (
 """Every collective of torch.distributed, to pass to `unavailable` where an exercise builds its
 communication from point-to-point sends: each is refused with what torch runs it through below,
 so no result can come from a collective while right-sized sends are made for show."""
+
+
+TORCH_STORE = tuple(f"torch.distributed.Store.{method}" for method in (
+    "set", "get", "add", "append", "check", "compare_set", "delete_key", "multi_get", "multi_set",
+    "num_keys", "list_keys", "wait", "queue_push", "queue_pop", "queue_len"))
+"""Every method of torch.distributed's key-value store, the rendezvous store every process group
+holds: a side channel no traffic count sees, to pass to `unavailable` where an exercise must
+communicate through its collectives. minidist's comparison of each collective across its group
+(`minidist.core.agreement`) uses the store too: refuse it inside `agreement.unchecked()`."""
 
 
 def _below(path: str) -> list[str]:
