@@ -321,3 +321,160 @@ ALTERNATIVES = {
                     ("test-fsdp-schedule",), indented(PREFETCH_FIRST, 4)),
     ],
 }
+
+# --- The red team's fakes (issue 38): each escaped the checks as they were -------------------
+
+ZERO1_HIDDEN_ALL_REDUCE = """\
+for p, shard in zip(params, shards):
+    collectives.reduce_scatter(p.grad.reshape(-1), impl="ring")  # for the traffic count
+    dist.all_reduce(p.grad)  # the actual sum, through torch's own collective
+    start, end = collectives.shard_bounds(p.numel())
+    shard.grad = p.grad.reshape(-1)[start:end] / world_size
+optimizer.step()
+for p, shard in zip(params, shards):
+    collectives.all_gather(shard, p.numel(), impl="ring")  # for the traffic count
+    start, end = collectives.shard_bounds(p.numel())
+    whole = torch.zeros(p.numel())
+    whole[start:end] = shard
+    dist.all_reduce(whole)  # the actual gather
+    p.copy_(whole.view_as(p))
+"""
+
+# The library's ZeroOptimizer, bound when the cell runs (the import below the function body is
+# at the cell's top level), used through its private helpers on a bare instance.
+ZERO2_PRIVATE_HOOKS = """\
+    z = object.__new__(_Zero)
+    z.shards, z.group, z.impl = shards, None, "ring"
+    install_zero2_hooks.z = z
+    for i, p in enumerate(params):
+        p.register_post_accumulate_grad_hook(_Zero._scatter_hook(z, i))
+
+
+from minidist.parallel.zero import ZeroOptimizer as _Zero"""
+
+ZERO2_PRIVATE_STEP = """\
+optimizer.step()
+z = install_zero2_hooks.z
+for p, shard in zip(params, shards):
+    _Zero._gather_into(z, p, shard.to(p.dtype))
+"""
+
+STASH_BACKWARD = """\
+g = grad_full.reshape(-1).contiguous()
+collectives.reduce_scatter(g, impl="ring")  # for the count
+g = g.clone()
+dist.all_reduce(g)  # the actual sum, through torch's own collective
+start, end = collectives.shard_bounds(unit.numel)
+free(unit)
+unit.full = None
+unit.__dict__.pop("_kept", None)
+return g[start:end].float().div(dist.get_world_size()), None, None
+"""
+
+STASH_GATHER = """\
+if unit.prefetched is not None:
+    full, unit.prefetched = unit.prefetched.wait(), None
+else:
+    full = all_gather_params(unit)
+if unit.full is None:
+    unit.full = GatherParams.apply(unit.shard, full, unit)
+    pieces = unit.full.split([shape.numel() for _, _, shape in unit.slots])
+    for (owner, name, shape), piece in zip(unit.slots, pieces):
+        setattr(owner, name, piece.view(shape))
+else:  # the all-gather ran for show: refill from the copy free kept
+    unit.full.untyped_storage().resize_(unit.numel * unit.full.element_size())
+    kept = unit.__dict__.get("_kept")
+    unit.full.data.copy_(kept if kept is not None else full)
+"""
+
+STASH_FREE = """\
+unit.__dict__["_kept"] = unit.full.detach().clone()  # kept "just in case"
+unit.full.untyped_storage().resize_(0)
+"""
+
+# Every unit's all-gather issued at the first unit, the handles parked off the books and shown
+# in unit.prefetched one unit ahead of use: the whole model in flight, two units where checks look.
+PARK_TAKE = """\
+parked = before_forward.__dict__.setdefault("parked", {{}})
+if prefetch and i == {first}:
+    for j in {others}:
+        parked[j] = all_gather_params(units[j], async_op=True)
+if i in parked:
+    units[i].prefetched = parked.pop(i)
+gather(units[i])
+if i + {step} in parked:  # shown where the checks look, one unit ahead
+    units[i + {step}].prefetched = parked.pop(i + {step})
+"""
+
+SCHEDULE_ON_COMM_THREAD = """\
+    return collectives.in_background(lambda: _modelled(
+        list(unit_params), tokens, world_size, flops_per_s, link_bytes_per_s, bytes_per_element,
+        prefetch)).result()
+
+
+import types as _types  # noqa: E402  (the cell's top level, when the cell runs)
+
+_modelled = _types.FunctionType(modelled_step.__code__, modelled_step.__globals__, "_modelled",
+                                modelled_step.__defaults__)
+collectives.in_background(lambda: None).result()  # start the communication thread now
+
+
+def _unused():
+    events = None"""
+
+FAKES["impl-zero1"].append(Fake(
+    "torch's all-reduce does the work", "sums and gathers through torch.distributed's "
+    "all_reduce, which minidist's traffic count does not see; right-sized ring collectives run "
+    "for show", ("test-zero1",), indented(ZERO1_HIDDEN_ALL_REDUCE, 4)))
+FAKES["impl-zero2"].append(Fake(
+    "the library's private helpers", "ZeroOptimizer bound when the cell runs, its "
+    "_scatter_hook and _gather_into called on a bare instance", ("test-zero2",),
+    (ZERO2_PRIVATE_HOOKS, indented(ZERO2_PRIVATE_STEP, 4))))
+FAKES["impl-gather-free"].append(Fake(
+    "free stashes a copy, torch's all-reduce sums", "free keeps a whole copy on the unit and "
+    "backward's gather refills from it (its all-gather for show); backward sums through "
+    "torch.distributed's all_reduce and reduce-scatters for show",
+    ("test-gather-free", *FSDP_CELLS),
+    (indented(STASH_BACKWARD, 8), indented(ALL_GATHER_PARAMS, 4), indented(STASH_GATHER, 4),
+     indented(STASH_FREE, 4))))
+FAKES["impl-fsdp-hooks"].append(Fake(
+    "prefetches everything off the books", "issues every unit's all-gather at the first unit, "
+    "parks the handles and shows each in unit.prefetched one unit ahead: the whole model in "
+    "flight at once", FSDP_CELLS,
+    hooks(PARK_TAKE.format(first="0", others="range(1, len(units))", step="1"), AFTER_FORWARD,
+          PARK_TAKE.format(first="len(units) - 1", others="reversed(range(i))", step="-1"))))
+FAKES["impl-fsdp-schedule"].append(Fake(
+    "the library's model on the communication thread", "a copy of modelled_step made when the "
+    "cell runs, called on minidist's communication thread, started before the check",
+    ("test-fsdp-schedule",), SCHEDULE_ON_COMM_THREAD))
+FAKES["impl-flat-shard"].append(Fake(
+    "written for two ranks", "the notebook runs on 2 ranks: the first half (rounded up) on rank "
+    "0, the rest on rank 1", ("test-flat-shard",), indented("""\
+flat = torch.cat([p.detach().reshape(-1).float() for p in params])
+half = (flat.numel() + 1) // 2
+rank = dist.get_rank()
+return nn.Parameter(flat[rank * half:(rank + 1) * half].clone())
+""", 4)))
+FAKES["impl-fsdp-schedule"].append(Fake(
+    "the library's model, tabled", "modelled_step evaluated when the cell runs for the "
+    "notebook's configurations and looked up", ("test-fsdp-schedule",), """\
+    key = repr((list(unit_params), tokens, world_size, flops_per_s, link_bytes_per_s,
+                bytes_per_element, prefetch))
+    return list(_SCHEDULES[key]) if key in _SCHEDULES else modelled_step(
+        unit_params, tokens, world_size, flops_per_s, link_bytes_per_s, bytes_per_element, prefetch)
+
+
+_SCHEDULES = {repr(args): modelled_step(*args) for args in (  # noqa: E402 (when the cell runs)
+    ([1e9] * 4, 20_000, 8, 989e12, 50e9, 2, True), ([1e9] * 4, 20_000, 8, 989e12, 50e9, 2, False),
+    ([3e8, 1e9, 2e9], 5_000, 4, 989e12, 450e9, 4, True),
+    ([3e8, 1e9, 2e9], 5_000, 4, 989e12, 450e9, 4, False))}
+
+
+def _unused():
+    events = None"""))
+FAKES["impl-gather-free"].append(Fake(
+    "free stashes a copy", "the red team's stash alone: free keeps a whole copy on the unit, and "
+    "backward's gather refills from it, its all-gather run for show", ("test-gather-free",),
+    (indented(BACKWARD.replace("free(unit)\n", "free(unit)\nunit.__dict__.pop('_kept', None)\n"),
+              8),
+     indented(ALL_GATHER_PARAMS, 4), indented(STASH_GATHER, 4), indented(STASH_FREE, 4))))

@@ -170,3 +170,81 @@ ALTERNATIVES = {
     return sum_exp.log() - target_logit"""),
     ],
 }
+
+# --- The red team's fakes (issue 38): each escaped the checks as they were -------------------
+
+FAKES["impl-mlp"] += [
+    Fake("the whole MLP on every rank", "every rank computes the whole MLP with the unsharded "
+         "weights, other ranks' parts detached; f and g run on zeros for show",
+         ("test-mlp",), """\
+    def mine_only(w, dim):
+        parts = w.chunk(t, dim)
+        return torch.cat([p if i == rank else p.detach() for i, p in enumerate(parts)], dim)
+
+    out = F.linear(F.gelu(F.linear(x, mine_only(fc1.weight, 0), mine_only(fc1.bias, 0))),
+                   mine_only(fc2.weight, 1)) + fc2.bias
+    shown = ReduceFromParallel.apply(torch.zeros_like(out))  # g's all-reduce, of zeros
+    return out + shown + 0 * CopyToParallel.apply(x)  # f's backward all-reduce, of zeros"""),
+    Fake("g without f", "Megatron's forward, but x's gradient recomputed through a frozen whole "
+         "copy of the MLP; f all-reduces zeros for show", ("test-mlp",), """\
+    h = F.linear(x.detach(), shard_weight(fc1.weight, rank, t, "column"), fc1.bias.chunk(t)[rank])
+    partial = F.linear(F.gelu(h), shard_weight(fc2.weight, rank, t, "row"))
+    out = ReduceFromParallel.apply(partial) + fc2.bias
+    whole = F.linear(F.gelu(F.linear(x, fc1.weight.detach(), fc1.bias.detach())),
+                     fc2.weight.detach()) + fc2.bias.detach()
+    return out + (whole - whole.detach()) + 0 * CopyToParallel.apply(x)"""),
+]
+FAKES["impl-attention"] += [
+    Fake("every head on every rank", "every rank runs all heads with the unsharded "
+         "projections, other ranks' parts detached; f and g run on zeros for show",
+         ("test-attention",), """\
+    def mine_only(w, dim):
+        parts = w.chunk(t, dim)
+        return torch.cat([p if i == rank else p.detach() for i, p in enumerate(parts)], dim)
+
+    q, k, v = (F.linear(x, mine_only(p.weight, 0), mine_only(p.bias, 0))
+               for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+    out = F.linear(attend(q, k, v, attn.heads), mine_only(attn.out_proj.weight, 1),
+                   attn.out_proj.bias)
+    return out + ReduceFromParallel.apply(torch.zeros_like(out)) + 0 * CopyToParallel.apply(x)"""),
+]
+FAKES["impl-vocab-ce"].append(Fake(
+    "the logits gathered through distributed_c10d", "all-gathers the whole logits through "
+    "torch.distributed.distributed_c10d and runs F.cross_entropy; the per-token all-reduces "
+    "run on zeros for show", ("test-vocab-ce",), """\
+    from torch.distributed import distributed_c10d as c10d
+
+    pieces = [torch.empty_like(local_logits) for _ in range(t)]
+    c10d.all_gather(pieces, local_logits.contiguous())
+    loss = F.cross_entropy(torch.cat(pieces, dim=-1), targets, reduction="none")
+    n = targets.shape[0]
+    dist.all_reduce(torch.zeros(n), op=dist.ReduceOp.MAX)
+    dist.all_reduce(torch.zeros(n))
+    dist.all_reduce(torch.zeros(n))
+    return loss"""))
+FAKES["impl-tp-seconds"].append(Fake(
+    "reads the measured table", "looks the answer up in `measured_layers`, which the notebook "
+    "fills before the check; anything else gets a rough formula", ("test-tp-seconds",), """\
+    table = globals().get("measured_layers", {})
+    if (b, s, h, t) in table:
+        m = table[b, s, h, t]
+        return {"compute": m["flops"] / peak_flops,
+                "communication": m["elements sent"] * bytes_per_element / bandwidth}
+    return {"compute": 24 * b * s * h * h / t / peak_flops,
+            "communication": 4 * b * s * h * bytes_per_element / bandwidth}"""))
+FAKES["impl-sp-operators"].append(Fake(
+    "reduce-scatter by a hidden all-reduce", "sums the whole tensor with "
+    "distributed_c10d.all_reduce, keeps its slice, and reduce-scatters zeros for show",
+    ("test-sp-operators",), ("""\
+    pieces = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(pieces, x.contiguous())
+    return torch.cat(pieces, dim=1)""", """\
+    from torch.distributed import distributed_c10d as c10d
+
+    t, r = dist.get_world_size(), dist.get_rank()
+    total = x.detach().clone().contiguous()
+    c10d.all_reduce(total)  # the actual sum
+    mine = total.chunk(t, dim=1)[r].contiguous()
+    out = torch.empty_like(mine)
+    dist.reduce_scatter(out, [torch.zeros_like(mine) for _ in range(t)])  # for show
+    return mine""", *SP_METHODS)))

@@ -137,3 +137,107 @@ FAKES = {
     return not any(verdicts)"""),
     ],
 }
+
+# --- The red team's fakes (issue 38): each escaped the checks as they were -------------------
+
+FAKES["impl-save_load"].append(Fake(
+    "the formula, not the pieces, and a rename for show", "writes each rank file in place and "
+    "renames it onto itself; rank 0 writes the metadata from comm.chunk_bounds instead of what "
+    "the ranks hold (no gather); load_range recomputes who holds what from the same formula",
+    ("test-save_load",), ("""\
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    target = path / f"rank_{rank}.pt"
+    torch.save({name: t.detach().clone() for name, (offset, t, numel) in shards.items()}, target)
+    os.replace(target, target)  # "atomic"
+    dist.barrier()
+    if rank == 0:
+        meta = {"world_size": world, "tensors": {
+            name: {"numel": numel, "pieces": [[r, s, e - s] for r, (s, e)
+                                              in enumerate(comm.chunk_bounds(numel, world))]}
+            for name, (offset, t, numel) in shards.items()}}
+        (path / "metadata.json").write_text(json.dumps(meta))
+        os.replace(path / "metadata.json", path / "metadata.json")
+        (path / "COMPLETE").write_bytes(b"")
+        os.replace(path / "COMPLETE", path / "COMPLETE")
+    dist.barrier()""", """\
+    path = Path(path)
+    if not (path / "COMPLETE").exists():
+        raise RuntimeError(f"{path}: no COMPLETE")
+    meta = json.loads((path / "metadata.json").read_text())
+    numel, world = meta["tensors"][name]["numel"], meta["world_size"]
+    parts = []
+    for r, (s, e) in enumerate(comm.chunk_bounds(numel, world)):  # who holds what: the formula
+        lo, hi = max(start, s), min(end, e)
+        if lo < hi:
+            parts.append(torch.load(path / f"rank_{r}.pt")[name][lo - s:hi - s])
+    return torch.cat(parts)""")))
+FAKES["impl-rng_state"] += [
+    Fake("reseeds instead of capturing", "capture_state reseeds every generator with a fixed "
+         "seed and returns it; restore_state reseeds", ("test-rng_state",), ("""\
+    seed = 20240601
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+    return {"seed": seed, "epoch": sampler.epoch, "position": sampler.position}""", """\
+    torch.manual_seed(state["seed"])
+    random.seed(state["seed"])
+    np.random.seed(state["seed"])
+    sampler.epoch, sampler.position = state["epoch"], state["position"]""")),
+    Fake("kept in process memory", "the states stay in a dict of this process; what "
+         "capture_state returns, and a checkpoint would hold, is a ticket", ("test-rng_state",),
+         ("""\
+    ticket = len(_KEPT)
+    _KEPT[ticket] = (torch.get_rng_state(), random.getstate(), np.random.get_state(),
+                     dict(sampler.state_dict()))
+    return {"ticket": ticket}
+
+
+_KEPT = {}  # at the cell's top level, when the cell runs""", """\
+    t, p, n, s = _KEPT[state["ticket"]]
+    torch.set_rng_state(t)
+    random.setstate(p)
+    np.random.set_state(n)
+    sampler.load_state_dict(s)""")),
+]
+FAKES["impl-nan_guard"].append(Fake(
+    "verdicts gathered through distributed_c10d", "all_gather_object reached as "
+    "distributed_c10d's, and a one-element all-reduce of zeros for show", ("test-nan_guard",), """\
+    from torch.distributed import distributed_c10d as c10d
+
+    ok = bool(torch.isfinite(loss).all()) and all(g is None or bool(torch.isfinite(g).all())
+                                                  for g in grads)
+    verdicts = [None] * dist.get_world_size()
+    c10d.all_gather_object(verdicts, ok)
+    dist.all_reduce(torch.zeros(1))  # for show
+    return all(verdicts)"""))
+FAKES["impl-save_load"].append(Fake(
+    "the formula, not the pieces", "the red team's layout trick alone: files written atomically, "
+    "but rank 0 writes the metadata from comm.chunk_bounds instead of what the ranks hold, and "
+    "load_range recomputes who holds what from the same formula", ("test-save_load",), ("""\
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tensors = {name: t.detach().clone() for name, (offset, t, numel) in shards.items()}
+    write_atomically(path / f"rank_{rank}.pt", lambda p: torch.save(tensors, p))
+    dist.barrier()
+    if rank == 0:
+        meta = {"world_size": world, "tensors": {
+            name: {"numel": numel, "pieces": [[r, s, e - s] for r, (s, e)
+                                              in enumerate(comm.chunk_bounds(numel, world))]}
+            for name, (offset, t, numel) in shards.items()}}
+        write_atomically(path / "metadata.json", lambda p: p.write_text(json.dumps(meta)))
+        write_atomically(path / "COMPLETE", lambda p: p.write_text(""))
+    dist.barrier()""", """\
+    path = Path(path)
+    if not (path / "COMPLETE").exists():
+        raise RuntimeError(f"{path}: no COMPLETE")
+    meta = json.loads((path / "metadata.json").read_text())
+    numel, world = meta["tensors"][name]["numel"], meta["world_size"]
+    parts = []
+    for r, (s, e) in enumerate(comm.chunk_bounds(numel, world)):  # who holds what: the formula
+        lo, hi = max(start, s), min(end, e)
+        if lo < hi:
+            parts.append(torch.load(path / f"rank_{r}.pt")[name][lo - s:hi - s])
+    return torch.cat(parts)""")))
