@@ -320,3 +320,33 @@ FAKES = {
     return (a_ring - a_rd) * alpha / ((b_rd - b_ring) * beta)"""),
     ],
 }
+
+
+# Red team rt7 (issue 38), written from the student notebook and deck alone.
+FAKES["impl-chunk-bounds"] += [
+    Fake("torch's split op through the dispatcher",
+         "splits nothing itself: torch.ops.aten.tensor_split, the op torch.tensor_split runs",
+         ("test-chunk-bounds",), """\
+    import torch as _torch   # a local name: a global torch.ops cannot be sent to the ranks
+    pieces = _torch.ops.aten.tensor_split(_torch.arange(numel), world_size)
+    bounds, start = [], 0
+    for piece in pieces:
+        bounds.append((start, start + piece.numel()))
+        start += piece.numel()
+    return bounds"""),
+]
+FAKES["impl-all-reduce"] += [
+    Fake("the library's channel ring", "writes no ring: minidist's hierarchical "
+         "channels_all_reduce on a one-rank-per-node network, with this notebook's chunk_bounds "
+         "put in its module", RING, """\
+    from minidist.communication import hierarchical
+    from minidist.communication.emulation import Network
+    from minidist.communication.network import TwoTier
+    saved, hierarchical.chunk_bounds = hierarchical.chunk_bounds, chunk_bounds
+    try:
+        network = Network(TwoTier(ranks_per_node=1, emulated=False), None, None, ())
+        hierarchical.channels_all_reduce(tensor, network=network, channels=1)
+    finally:
+        hierarchical.chunk_bounds = saved
+    return tensor"""),
+]

@@ -337,3 +337,50 @@ FAKES = {
     return dict(_COSTS[repr(layout), repr(model), repr(cluster), global_batch])"""),
     ],
 }
+
+
+# Red team rt7 (issue 38), written from the student notebook and deck alone.
+FAKES["impl-bytes-per-dimension"] += [
+    Fake("the library's formulas in another process",
+         "derives nothing: runs costs.traffic's formulas in a subprocess, where no check "
+         "refuses them", ("test-bytes-per-dimension",), """\
+    import json, os, subprocess, sys
+    script = (
+        "import json, sys\\n"
+        "from minidist.costs import traffic\\n"
+        "a = json.loads(sys.argv[1])\\n"
+        "tp = traffic.tensor_parallel_traffic(a['s'], a['b'], a['h'], 2, False, a['e'])\\n"
+        "pp = traffic.pipeline_traffic(a['s'], a['b'], a['h'], a['m'], 1, a['e'])\\n"
+        "dp = traffic.data_parallel_traffic(a['p'], 2, 0, a['e'])\\n"
+        "one = pp.collectives[0].nbytes * pp.collectives[0].count\\n"
+        "tp_all = sum(c.count * c.nbytes for c in tp.collectives) * a['blocks'] * a['m']\\n"
+        "ends = (a['stage'] < a['pp'] - 1) + (a['stage'] > 0)\\n"
+        "print(json.dumps({'tp': tp_all, 'pp': one * ends, 'dp': dp.collectives[0].nbytes}))\\n")
+    args = dict(s=s, b=b, h=h, e=bytes_per_element, m=microbatches, p=rank_params,
+                blocks=blocks_on_stage, stage=stage, pp=pp)
+    path = os.pathsep.join(p for p in sys.path if p)
+    out = subprocess.run([sys.executable, "-c", script, json.dumps(args)], capture_output=True,
+                         text=True, env=dict(os.environ, PYTHONPATH=path), check=True)
+    found = json.loads(out.stdout)
+    tp_bytes, pp_bytes, dp_bytes = (int(round(found[k])) for k in ("tp", "pp", "dp"))"""),
+]
+FAKES["impl-layout-cost"] += [
+    Fake("the library's planner in another process",
+         "derives nothing: runs planner.estimate_time and estimate_memory in a subprocess",
+         ("test-layout-cost",), """\
+    import os, pickle, subprocess, sys
+    script = (
+        "import pickle, sys\\n"
+        "from minidist.costs import planner\\n"
+        "layout, model, cluster, global_batch, efficiency = pickle.load(sys.stdin.buffer)\\n"
+        "t = planner.estimate_time(layout, model, cluster, global_batch, efficiency)\\n"
+        "m = planner.estimate_memory(layout, model).total\\n"
+        "terms = {'memory': m, 'compute': t.compute, 'bubble': t.bubble, 'tp': t.tp_comm,\\n"
+        "         'pp': t.pp_comm, 'dp': t.dp_comm}\\n"
+        "sys.stdout.buffer.write(pickle.dumps(terms))\\n")
+    path = os.pathsep.join(p for p in sys.path if p)
+    out = subprocess.run([sys.executable, "-c", script],
+                         input=pickle.dumps((layout, model, cluster, global_batch, efficiency)),
+                         capture_output=True, check=True, env=dict(os.environ, PYTHONPATH=path))
+    return pickle.loads(out.stdout)"""),
+]

@@ -291,3 +291,22 @@ ALTERNATIVES = {
 """),
     ],
 }
+
+FAKES["impl-hierarchical"] += [
+    Fake("the three phases for the count, a flat ring uncounted for the numbers",
+         "the sum comes from one flat ring run inside counting.uncounted(); the hierarchical "
+         "phases run on a scratch copy, so the bytes counted are right (red team rt7)",
+         checked_by=("test-hierarchical",), source="""\
+    from minidist.communication.counting import uncounted
+    flat = tensor.view(-1)
+    scratch = flat.clone()
+    g, local = dist.get_world_size(node_group), dist.get_rank(node_group)
+    comm.ring_reduce_scatter(scratch, group=node_group)
+    a, b = comm.chunk_bounds(scratch.numel(), g)[local]
+    piece = scratch[a:b].clone()
+    comm.ring_all_reduce(piece, group=cross_group)
+    comm.ring_all_gather(scratch, group=node_group)
+    with uncounted():
+        comm.ring_all_reduce(flat)          # the numbers: one flat ring, not counted
+    return tensor"""),
+]
