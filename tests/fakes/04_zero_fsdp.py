@@ -371,21 +371,11 @@ unit.__dict__.pop("_kept", None)
 return g[start:end].float().div(dist.get_world_size()), None, None
 """
 
-STASH_GATHER = """\
-if unit.prefetched is not None:
-    full, unit.prefetched = unit.prefetched.wait(), None
-else:
-    full = all_gather_params(unit)
-if unit.full is None:
-    unit.full = GatherParams.apply(unit.shard, full, unit)
-    pieces = unit.full.split([shape.numel() for _, _, shape in unit.slots])
-    for (owner, name, shape), piece in zip(unit.slots, pieces):
-        setattr(owner, name, piece.view(shape))
-else:  # the all-gather ran for show: refill from the copy free kept
-    unit.full.untyped_storage().resize_(unit.numel * unit.full.element_size())
+# GATHER, but the refill after a free comes from the copy free kept: the all-gather ran for show.
+STASH_GATHER = GATHER.replace("    unit.full.data.copy_(full)\n", """\
     kept = unit.__dict__.get("_kept")
     unit.full.data.copy_(kept if kept is not None else full)
-"""
+""")
 
 STASH_FREE = """\
 unit.__dict__["_kept"] = unit.full.detach().clone()  # kept "just in case"

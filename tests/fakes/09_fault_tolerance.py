@@ -140,6 +140,21 @@ FAKES = {
 
 # --- The red team's fakes (issue 38): each escaped the checks as they were -------------------
 
+
+# The red team's loader: which rank holds what from chunk_bounds, not from the metadata.
+LOAD_BY_FORMULA = """\
+    path = Path(path)
+    if not (path / "COMPLETE").exists():
+        raise RuntimeError(f"{path}: no COMPLETE")
+    meta = json.loads((path / "metadata.json").read_text())
+    numel, world = meta["tensors"][name]["numel"], meta["world_size"]
+    parts = []
+    for r, (s, e) in enumerate(comm.chunk_bounds(numel, world)):  # who holds what: the formula
+        lo, hi = max(start, s), min(end, e)
+        if lo < hi:
+            parts.append(torch.load(path / f"rank_{r}.pt")[name][lo - s:hi - s])
+    return torch.cat(parts)"""
+
 FAKES["impl-save_load"].append(Fake(
     "the formula, not the pieces, and a rename for show", "writes each rank file in place and "
     "renames it onto itself; rank 0 writes the metadata from comm.chunk_bounds instead of what "
@@ -161,18 +176,7 @@ FAKES["impl-save_load"].append(Fake(
         os.replace(path / "metadata.json", path / "metadata.json")
         (path / "COMPLETE").write_bytes(b"")
         os.replace(path / "COMPLETE", path / "COMPLETE")
-    dist.barrier()""", """\
-    path = Path(path)
-    if not (path / "COMPLETE").exists():
-        raise RuntimeError(f"{path}: no COMPLETE")
-    meta = json.loads((path / "metadata.json").read_text())
-    numel, world = meta["tensors"][name]["numel"], meta["world_size"]
-    parts = []
-    for r, (s, e) in enumerate(comm.chunk_bounds(numel, world)):  # who holds what: the formula
-        lo, hi = max(start, s), min(end, e)
-        if lo < hi:
-            parts.append(torch.load(path / f"rank_{r}.pt")[name][lo - s:hi - s])
-    return torch.cat(parts)""")))
+    dist.barrier()""", LOAD_BY_FORMULA)))
 FAKES["impl-rng_state"] += [
     Fake("reseeds instead of capturing", "capture_state reseeds every generator with a fixed "
          "seed and returns it; restore_state reseeds", ("test-rng_state",), ("""\
@@ -229,15 +233,4 @@ FAKES["impl-save_load"].append(Fake(
             for name, (offset, t, numel) in shards.items()}}
         write_atomically(path / "metadata.json", lambda p: p.write_text(json.dumps(meta)))
         write_atomically(path / "COMPLETE", lambda p: p.write_text(""))
-    dist.barrier()""", """\
-    path = Path(path)
-    if not (path / "COMPLETE").exists():
-        raise RuntimeError(f"{path}: no COMPLETE")
-    meta = json.loads((path / "metadata.json").read_text())
-    numel, world = meta["tensors"][name]["numel"], meta["world_size"]
-    parts = []
-    for r, (s, e) in enumerate(comm.chunk_bounds(numel, world)):  # who holds what: the formula
-        lo, hi = max(start, s), min(end, e)
-        if lo < hi:
-            parts.append(torch.load(path / f"rank_{r}.pt")[name][lo - s:hi - s])
-    return torch.cat(parts)""")))
+    dist.barrier()""", LOAD_BY_FORMULA)))
