@@ -115,7 +115,47 @@ def test_usage_under_a_launcher_is_written_per_rank(tmp_path: Path, monkeypatch)
     env = {**__import__("os").environ, "MINIDIST_PIECES_USAGE": str(tmp_path / "usage"),
            "RANK": "3", "PYTHONPATH": str(REPO / "lib")}
     subprocess.run([sys.executable, "-c", script], check=True, env=env, timeout=120)
-    assert pieces.read_usage(tmp_path / "usage") == {3: {"calls": {"mesh": 1}, "bytes": {}}}
+    assert pieces.read_usage(tmp_path / "usage") == {3: {"calls": {"mesh": 1}, "bytes": {},
+                                                         "routed": {}}}
+
+
+def _tampered_and_routed(rank, world_size, path, impl):
+    from minidist.communication.mesh import Mesh
+    from minidist.communication.network import TwoTier
+
+    loaded = pieces.load(path, impl=impl)
+    groups = loaded.build_groups({"dp": 2, "tp": 2})
+    if impl == "ring":
+        Mesh(dp=world_size, network=TwoTier(2))
+    on, world = loaded.on(groups["dp"][0]), loaded.on(None)
+    pieces.reset_usage()
+    previous = pieces.tamper(0.5)
+    grad, flag = torch.full((2,), float(rank)), torch.ones(1)
+    on.dist.all_reduce(grad)
+    world.dist.all_reduce(flag)  # the world's (the loss's, the NaN guard's): never tampered
+    got = torch.zeros(3)
+    if on.dist.get_rank() == 0:
+        on.dist.send(torch.ones(3), dst=1)
+    else:
+        on.dist.recv(got, src=0)
+    pieces.tamper(previous)
+    return groups["dp"][1], grad.tolist(), flag.item(), got.tolist(), pieces.usage()
+
+
+@pytest.mark.parametrize("impl", ["torch", "ring"])
+def test_tamper_changes_what_a_mesh_group_delivers_and_routed_says_the_network_carried_it(
+        tmp_path: Path, impl):
+    """tamper(delta): a piece's collective on a mesh group returns, and a receive delivers,
+    its values plus delta (a grader ties the pieces' traffic to the losses with it); the
+    world's all-reduce is left alone. usage()["routed"]: the bytes the emulated network carried."""
+    pieces.export(REPO / "solutions", tmp_path / "pieces.py")
+    results = run(_tampered_and_routed, 4, str(tmp_path / "pieces.py"), impl)
+    for ranks, grad, flag, _, used in results:
+        assert grad == [sum(ranks) + 0.5] * 2 and flag == 4.0
+        sent = used["bytes"][tuple(ranks)]
+        assert used["routed"].get(tuple(ranks), 0) == (sent if impl == "ring" else 0), used
+    # each dp group's rank 1 receives ones: 1.5 tampered; its rank 0 receives nothing
+    assert sorted(got for *_, got, _ in results) == [[0.0] * 3] * 2 + [[1.5] * 3] * 2
 
 
 def test_a_script_run_names_what_cannot_be_pickled(tmp_path: Path):

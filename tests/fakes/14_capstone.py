@@ -173,6 +173,30 @@ _PER_RANK_SAVE = """    def save(self):
 """
 
 
+# Kill at the start of the step instead of in the middle of its save: no torn step folder.
+_KILL_AT_START = (
+    ("        if (self.config.fail_during_save and self.rank == self.config.fail_rank\n"
+     "                and self.fail_once(step)):",
+     "        if False:"),
+    ("        if (not config.fail_during_save and rank == config.fail_rank"
+     " and job.fail_once(step)):",
+     "        if rank == config.fail_rank and job.fail_once(step):"),
+)
+
+# ranks_per_node ignored: no emulated network, the pieces' all-reduces by plain torch.
+_NO_NETWORK = (
+    ('impl="ring" if config.ranks_per_node else "torch")', 'impl="torch")'),
+    ("        if config.ranks_per_node:  # from here on every send is delayed as its link would be",
+     "        if False:"),
+)
+
+
+def _whole(name: str) -> str:
+    """A red team's whole my_job.py (tests/fakes/14_capstone_whole/), its first line naming
+    the trick."""
+    return (Path(__file__).with_name("14_capstone_whole") / f"{name}.txt").read_text()
+
+
 def _minidist_pieces() -> str:
     """A pieces file whose every function is minidist's version, under the student's cells."""
     parts = ['"""My pieces."""\n']
@@ -222,5 +246,19 @@ FAKES = {
              "test-check is listed, so that this round stops there)", ("test-check",),
              _between(_JOB, "    def save(self):", "    def full_state(self):",
                       _PER_RANK_SAVE)),
+        Fake("pieces on zeros for show", "every rank trains the whole model on the whole batch; "
+             "the pieces run every step on zero tensors of the right sizes, so their calls and "
+             "bytes are right but their messages carry nothing (red team rt8, F1)",
+             ("test-equal",), _whole("replicated_dummy_traffic")),
+        Fake("minidist's engine, uncounted", "minidist.parallel.parallelize trains the real "
+             "dp·pp·tp job inside counting.uncounted(); the pieces run on dummies; the resume "
+             "replays from the seed stored in the checkpoint (red team rt8, F8)",
+             ("test-equal", "test-resume"), _whole("parallelize_uncounted_replay")),
+        Fake("killed at the step's start", "rank 1 dies at the start of step 20, never in the "
+             "middle of its save: no torn checkpoint (red team rt8, F5a)", ("test-resume",),
+             _edit(_JOB, *_KILL_AT_START)),
+        Fake("no emulated network", "ranks_per_node is ignored: no two-tier links, the "
+             "all-reduces by plain torch, a faster race (red team rt8, F4a)", ("test-race",),
+             _edit(_JOB, *_NO_NETWORK)),
     ],
 }

@@ -34,10 +34,19 @@ makes it, and every byte a piece sends through its group's `dist` (a collective'
 a send's payload; minidist's versions send by their own routes, uncounted) is added to that
 group's total: `usage()` returns both, `reset_usage()`
 starts them afresh. A job that loads the pieces and never runs them shows no calls and no
-bytes on its mesh's groups. Under torchrun (or any launcher) set `MINIDIST_PIECES_USAGE=prefix`:
-each process that loads pieces writes its usage to `prefix.rank<RANK>.json` when it exits.
+bytes on its mesh's groups. `usage()["routed"]` holds, per group, the bytes that went by the
+emulated network's route (Lab 11's links, `impl="ring"` or a send, while the network routes
+`ProcessGroup.send`): a job on an emulated network whose pieces bypass it shows none there.
 
-Why one module of about 700 lines: the one path a student's piece travels: exported from a notebook,
+**Tied to the result.** `tamper(delta)` makes every piece's collective on a mesh group (not on
+the world) and every receive through a group return what it got plus `delta` (floating-point
+tensors only): a job whose pieces carry the training changes its losses; pieces run on dummies
+"for show" while the training happens elsewhere change nothing.
+
+Under torchrun (or any launcher) set `MINIDIST_PIECES_USAGE=prefix`: each process that loads
+pieces writes its usage to `prefix.rank<RANK>.json` when it exits.
+
+Why one module of about 750 lines: the one path a student's piece travels: exported from a notebook,
 loaded with minidist's stand-ins named, and run on its mesh dimension's group."""
 
 from __future__ import annotations
@@ -57,10 +66,11 @@ from typing import Any
 import torch.distributed as dist
 
 from minidist.communication import collectives
+from minidist.core import interposer
 from minidist.core.refusal import unavailable
 
 __all__ = ["PIECES", "Piece", "Pieces", "MissingPiece", "export", "load", "usage",
-           "reset_usage", "read_usage", "unfinished_cells"]
+           "reset_usage", "read_usage", "unfinished_cells", "tamper"]
 
 
 @dataclass(frozen=True)
@@ -424,20 +434,57 @@ def _split(text: str) -> dict[tuple[str, str], str]:
 
 _CALLS: Counter = Counter()  # {piece name: calls of its functions}, in this process
 _BYTES: Counter = Counter()  # {group's global ranks (tuple), or "world": bytes sent through it}
+_ROUTED: Counter = Counter()  # the same, of the bytes the emulated network's route carried
+_TAMPER = [0.0]  # added to what each collective on a mesh group returns, each receive delivers
 _USAGE_FILE = "MINIDIST_PIECES_USAGE"
 
 
 def usage() -> dict[str, dict]:
     """What this process ran since the last `reset_usage()`: {"calls": {piece: calls of its
-    functions}, "bytes": {group: bytes its pieces sent on it}}, a group named by its global
-    ranks as a tuple (the whole world: "world")."""
-    return {"calls": dict(_CALLS), "bytes": dict(_BYTES)}
+    functions}, "bytes": {group: bytes its pieces sent on it}, "routed": {group: those of them
+    the emulated network's route carried}}, a group named by its global ranks as a tuple (the
+    whole world: "world")."""
+    return {"calls": dict(_CALLS), "bytes": dict(_BYTES), "routed": dict(_ROUTED)}
 
 
 def reset_usage() -> None:
     """Forget the calls and bytes counted so far in this process."""
     _CALLS.clear()
     _BYTES.clear()
+    _ROUTED.clear()
+
+
+def tamper(delta: float) -> float:
+    """From now on in this process, add `delta` to what every piece's collective on a mesh
+    group returns and every receive through a group delivers (floating-point tensors; 0:
+    none). Returns the previous delta. A grader's check that the pieces' traffic carries the
+    training: their messages tampered, a real job's losses change."""
+    previous, _TAMPER[0] = _TAMPER[0], float(delta)
+    return previous
+
+
+def _routed_now() -> bool:
+    return "route" in interposer.subscribers("ProcessGroup.send")
+
+
+class _Tampered:
+    """An async request whose `wait()` then adds the tamper to its tensor."""
+
+    def __init__(self, work: Any, tensor: Any, delta: float):
+        self._work, self._tensor, self._delta = work, tensor, delta
+
+    def wait(self, *args, **kwargs):
+        result = self._work.wait(*args, **kwargs)
+        _add(self._tensor, self._delta)
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+def _add(tensor: Any, delta: float) -> None:
+    if delta and hasattr(tensor, "is_floating_point") and tensor.is_floating_point():
+        tensor.data.add_(delta)
 
 
 def _write_usage_at_exit() -> None:
@@ -449,8 +496,9 @@ def _write_usage_at_exit() -> None:
 
     def write() -> None:
         found = usage()
-        found["bytes"] = {json.dumps(list(key) if isinstance(key, tuple) else key): value
-                          for key, value in found["bytes"].items()}
+        for kind in ("bytes", "routed"):
+            found[kind] = {json.dumps(list(key) if isinstance(key, tuple) else key): value
+                           for key, value in found[kind].items()}
         Path(f"{prefix}.rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(found))
 
     atexit.register(write)
@@ -462,8 +510,9 @@ def read_usage(prefix: str | Path) -> dict[int, dict]:
     found = {}
     for path in sorted(Path(prefix).parent.glob(f"{Path(prefix).name}.rank*.json")):
         saved = json.loads(path.read_text())
-        saved["bytes"] = {(tuple(key) if isinstance(key := json.loads(k), list) else key): v
-                          for k, v in saved["bytes"].items()}
+        for kind in ("bytes", "routed"):
+            saved[kind] = {(tuple(key) if isinstance(key := json.loads(k), list) else key): v
+                           for k, v in saved.get(kind, {}).items()}
         found[int(path.name.rsplit(".rank", 1)[1].split(".")[0])] = saved
     return found
 
@@ -494,14 +543,27 @@ class _OnGroup:
         self.group, self.impl = group, impl
         self._key: Any = None
 
-    def _sent(self, nbytes: int, group=None) -> None:
-        """Count `nbytes` sent on the bound group (not on a group the call names itself)."""
+    def _sent(self, nbytes: int, group=None, routable: bool = False) -> None:
+        """Count `nbytes` sent on the bound group (not on a group the call names itself);
+        `routable`: sent by sends, which the emulated network routes when it is on."""
         if group is not None or not nbytes:
             return
         if self._key is None:
             self._key = ("world" if self.group is None
                          else tuple(dist.get_process_group_ranks(self.group)))
         _BYTES[self._key] += nbytes
+        if routable and _routed_now():
+            _ROUTED[self._key] += nbytes
+
+    def _tampered(self, result: Any, tensor: Any, group=None) -> Any:
+        """`result` of a call on the bound mesh group, its `tensor` tampered (see `tamper`)."""
+        delta = _TAMPER[0]
+        if not delta or group is not None or self.group is None:
+            return result
+        if result is not None and hasattr(result, "wait"):
+            return _Tampered(result, tensor, delta)
+        _add(tensor, delta)
+        return result
 
     def __getattr__(self, name: str) -> Any:
         return getattr(dist, name)
@@ -542,13 +604,15 @@ class _OnGroup:
         """torch's all-reduce, or with impl="ring" (an emulated network: Lab 11) minidist's
         ring of sends, which the emulated links delay as they would a cluster's."""
         if self.impl == "torch":
-            return self._torch_all_reduce(tensor, op, group=group, async_op=async_op)
-        self._sent(_nbytes(tensor), group)
+            return self._tampered(
+                self._torch_all_reduce(tensor, op, group=group, async_op=async_op), tensor, group)
+        self._sent(_nbytes(tensor), group, routable=True)
         if op != dist.ReduceOp.SUM:
             raise ValueError(f"impl={self.impl!r} sums only; got op={op}")
-        return collectives.all_reduce(tensor, op="sum",
-                                      group=group if group is not None else self.group,
-                                      impl=self.impl, async_op=async_op)
+        return self._tampered(
+            collectives.all_reduce(tensor, op="sum",
+                                   group=group if group is not None else self.group,
+                                   impl=self.impl, async_op=async_op), tensor, group)
 
     all_gather = _collective("all_gather")
     all_gather_into_tensor = _collective("all_gather_into_tensor", counted=0)
@@ -565,19 +629,23 @@ class _OnGroup:
     _isend = _collective("isend", "dst")
 
     def send(self, tensor, *args, group=None, **kwargs):
-        self._sent(_nbytes(tensor), group)
+        self._sent(_nbytes(tensor), group, routable=True)
         return self._send(tensor, *args, group=group, **kwargs)
 
     def isend(self, tensor, *args, group=None, **kwargs):
-        self._sent(_nbytes(tensor), group)
+        self._sent(_nbytes(tensor), group, routable=True)
         return self._isend(tensor, *args, group=group, **kwargs)
-    irecv = _collective("irecv", "src")
+    _irecv = _collective("irecv", "src")
+
+    def irecv(self, tensor, *args, group=None, **kwargs):
+        return self._tampered(self._irecv(tensor, *args, group=group, **kwargs), tensor, group)
 
     def recv(self, tensor, src=None, group=None, tag=0):
         if group is not None:
             return dist.recv(tensor, src, group=group, tag=tag)
         sender = dist.recv(tensor, None if src is None else self._global(src),
                            group=self.group, tag=tag)
+        self._tampered(None, tensor)
         return sender if self.group is None else dist.get_group_rank(self.group, sender)
 
     del _collective
