@@ -129,23 +129,22 @@ def _tampered_and_routed(rank, world_size, path, impl):
         Mesh(dp=world_size, network=TwoTier(2))
     on, world = loaded.on(groups["dp"][0]), loaded.on(None)
     pieces.reset_usage()
-    previous = pieces.tamper(0.5)
-    grad, flag = torch.full((2,), float(rank)), torch.ones(1)
-    on.dist.all_reduce(grad)
-    world.dist.all_reduce(flag)  # the world's (the loss's, the NaN guard's): never tampered
-    got = torch.zeros(3)
-    if on.dist.get_rank() == 0:
-        on.dist.send(torch.ones(3), dst=1)
-    else:
-        on.dist.recv(got, src=0)
-    pieces.tamper(previous)
+    with pieces.tampered(0.5):
+        grad, flag = torch.full((2,), float(rank)), torch.ones(1)
+        on.dist.all_reduce(grad)
+        world.dist.all_reduce(flag)  # the world's (the loss's, the NaN guard's): never tampered
+        got = torch.zeros(3)
+        if on.dist.get_rank() == 0:
+            on.dist.send(torch.ones(3), dst=1)
+        else:
+            on.dist.recv(got, src=0)
     return groups["dp"][1], grad.tolist(), flag.item(), got.tolist(), pieces.usage()
 
 
 @pytest.mark.parametrize("impl", ["torch", "ring"])
-def test_tamper_changes_what_a_mesh_group_delivers_and_routed_says_the_network_carried_it(
+def test_tampered_changes_what_a_mesh_group_delivers_and_routed_says_the_network_carried_it(
         tmp_path: Path, impl):
-    """tamper(delta): a piece's collective on a mesh group returns, and a receive delivers,
+    """tampered(delta): a piece's collective on a mesh group returns, and a receive delivers,
     its values plus delta (a grader ties the pieces' traffic to the losses with it); the
     world's all-reduce is left alone. usage()["routed"]: the bytes the emulated network carried."""
     pieces.export(REPO / "solutions", tmp_path / "pieces.py")

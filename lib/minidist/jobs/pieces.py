@@ -38,7 +38,7 @@ bytes on its mesh's groups. `usage()["routed"]` holds, per group, the bytes that
 emulated network's route (Lab 11's links, `impl="ring"` or a send, while the network routes
 `ProcessGroup.send`): a job on an emulated network whose pieces bypass it shows none there.
 
-**Tied to the result.** `tamper(delta)` makes every piece's collective on a mesh group (not on
+**Tied to the result.** Inside `tampered(delta)` every piece's collective on a mesh group (not on
 the world) and every receive through a group return what it got plus `delta` (floating-point
 tensors only): a job whose pieces carry the training changes its losses; pieces run on dummies
 "for show" while the training happens elsewhere change nothing.
@@ -53,12 +53,13 @@ from __future__ import annotations
 
 import ast
 import atexit
+import contextlib
 import json
 import os
 import re
 import types
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,7 +71,7 @@ from minidist.core import interposer
 from minidist.core.refusal import unavailable
 
 __all__ = ["PIECES", "Piece", "Pieces", "MissingPiece", "export", "load", "usage",
-           "reset_usage", "read_usage", "unfinished_cells", "tamper"]
+           "reset_usage", "read_usage", "unfinished_cells", "tampered"]
 
 
 @dataclass(frozen=True)
@@ -454,13 +455,17 @@ def reset_usage() -> None:
     _ROUTED.clear()
 
 
-def tamper(delta: float) -> float:
-    """From now on in this process, add `delta` to what every piece's collective on a mesh
-    group returns and every receive through a group delivers (floating-point tensors; 0:
-    none). Returns the previous delta. A grader's check that the pieces' traffic carries the
-    training: their messages tampered, a real job's losses change."""
+@contextlib.contextmanager
+def tampered(delta: float) -> Iterator[None]:
+    """Inside the block, add `delta` to what every piece's collective on a mesh group returns
+    and every receive through a group delivers (floating-point tensors), in this process. A
+    grader's check that the pieces' traffic carries the training: their messages tampered, a
+    real job's losses change."""
     previous, _TAMPER[0] = _TAMPER[0], float(delta)
-    return previous
+    try:
+        yield
+    finally:
+        _TAMPER[0] = previous
 
 
 def _routed_now() -> bool:
@@ -556,7 +561,7 @@ class _OnGroup:
             _ROUTED[self._key] += nbytes
 
     def _tampered(self, result: Any, tensor: Any, group=None) -> Any:
-        """`result` of a call on the bound mesh group, its `tensor` tampered (see `tamper`)."""
+        """`result` of a call on the bound mesh group, its `tensor` tampered (see `tampered`)."""
         delta = _TAMPER[0]
         if not delta or group is not None or self.group is None:
             return result
