@@ -472,7 +472,7 @@ def _routed_now() -> bool:
     return "route" in interposer.subscribers("ProcessGroup.send")
 
 
-class _Tampered:
+class _TamperedRequest:
     """An async request whose `wait()` then adds the tamper to its tensor."""
 
     def __init__(self, work: Any, tensor: Any, delta: float):
@@ -566,7 +566,7 @@ class _OnGroup:
         if not delta or group is not None or self.group is None:
             return result
         if result is not None and hasattr(result, "wait"):
-            return _Tampered(result, tensor, delta)
+            return _TamperedRequest(result, tensor, delta)
         _add(tensor, delta)
         return result
 
