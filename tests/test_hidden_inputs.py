@@ -96,27 +96,27 @@ def input_expressions(block: ast.Module, notebook_names: set[str]) -> list[str]:
     return found
 
 
-def hidden_blocks(lab: str) -> list[tuple[str, str]]:
-    notebook = json.loads((REPO / "solutions" / lab / f"{lab}.ipynb").read_text())
-    return [(cell["metadata"].get("nbgrader", {}).get("grade_id", "?"),
-             split_hidden(cell_source(cell))[0])
-            for cell in notebook["cells"]
-            if cell["cell_type"] == "code" and HIDDEN[0] in cell_source(cell)]
+def code_cells(folder: str, lab: str) -> list[dict]:
+    """The code cells of `folder`/`lab`/`lab`.ipynb (folder: "solutions" or "labs")."""
+    notebook = json.loads((REPO / folder / lab / f"{lab}.ipynb").read_text())
+    return [cell for cell in notebook["cells"] if cell["cell_type"] == "code"]
+
+
+def parsed(source: str) -> ast.Module | None:
+    """A cell's source, magics left out, as Python; None if it does not parse."""
+    try:
+        return ast.parse(without_magics(source))
+    except SyntaxError:
+        return None
 
 
 def notebook_names(lab: str) -> set[str]:
     """Functions and classes the solution notebook defines at top level (hidden blocks too)."""
-    notebook = json.loads((REPO / "solutions" / lab / f"{lab}.ipynb").read_text())
     names = set()
-    for cell in notebook["cells"]:
-        if cell["cell_type"] != "code":
-            continue
-        try:
-            tree = ast.parse(without_magics(cell_source(cell).replace(f"### {HIDDEN[0]}", "")
-                                            .replace(f"### {HIDDEN[1]}", "")))
-        except SyntaxError:
-            continue
-        names |= {node.name for node in tree.body
+    for cell in code_cells("solutions", lab):
+        tree = parsed(cell_source(cell).replace(f"### {HIDDEN[0]}", "")
+                      .replace(f"### {HIDDEN[1]}", ""))
+        names |= {node.name for node in (tree.body if tree else [])
                   if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
     return names
 
@@ -126,14 +126,9 @@ def released_shown(lab: str) -> tuple[set[str], str]:
     blocks' are written out (`ast.unparse`), and all of its text; both squeezed."""
     notebook = json.loads((REPO / "labs" / lab / f"{lab}.ipynb").read_text())
     expressions = set()
-    for cell in notebook["cells"]:
-        if cell["cell_type"] != "code":
-            continue
-        try:
-            tree = ast.parse(without_magics(cell_source(cell)))
-        except SyntaxError:
-            continue
-        expressions |= {squeezed(ast.unparse(node)) for node in ast.walk(tree)
+    for cell in code_cells("labs", lab):
+        tree = parsed(cell_source(cell))
+        expressions |= {squeezed(ast.unparse(node)) for node in ast.walk(tree or ast.Module([], []))
                         if isinstance(node, ast.expr)}
     return expressions, squeezed("\n".join(cell_source(cell) for cell in notebook["cells"]))
 
@@ -147,10 +142,9 @@ def implementation_checks(lab: str) -> list[tuple[str, str, str]]:
     """(grade id, hidden block, the rest of the cell) of each hidden block that checks an
     implementation."""
     names = notebook_names(lab)
-    notebook = json.loads((REPO / "solutions" / lab / f"{lab}.ipynb").read_text())
     found = []
-    for cell in notebook["cells"]:
-        if cell["cell_type"] == "code" and HIDDEN[0] in cell_source(cell):
+    for cell in code_cells("solutions", lab):
+        if HIDDEN[0] in cell_source(cell):
             hidden, rest = split_hidden(cell_source(cell))
             block = ast.parse(without_magics(hidden))
             if calls_outside_asserts(block) & (names - defined_in(block)):
