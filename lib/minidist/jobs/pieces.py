@@ -473,7 +473,8 @@ def _routed_now() -> bool:
 
 
 class _TamperedRequest:
-    """An async request whose `wait()` then adds the tamper to its tensor."""
+    """An async request (torch's Work or minidist's Handle) whose first `wait()` then adds the
+    tamper to its tensor, once, as `checking.tampered_receives` does to a dist.Work."""
 
     def __init__(self, work: Any, tensor: Any, delta: float):
         self._work, self._tensor, self._delta = work, tensor, delta
@@ -481,6 +482,7 @@ class _TamperedRequest:
     def wait(self, *args, **kwargs):
         result = self._work.wait(*args, **kwargs)
         _add(self._tensor, self._delta)
+        self._delta = 0.0  # arrived: a second wait() must not add it again
         return result
 
     def __getattr__(self, name: str) -> Any:
