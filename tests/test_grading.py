@@ -757,6 +757,38 @@ def test_feedback_hides_hidden_tests_and_tracebacks_that_quote_them() -> None:
     assert quoted.outputs[0].traceback == ["A hidden test failed: AssertionError"]
 
 
+def test_trials_fail_a_fake_pass_an_alternative_and_put_the_notebook_back() -> None:
+    """The harness's trials on a notebook of its own: a fake's check raises, a correct
+    alternative's passes, the solution run again puts the state back for the cells below."""
+    from nbclient import NotebookClient
+
+    def cell(source: str, **meta: object) -> NotebookNode:
+        made = nbformat.v4.new_code_cell(source)
+        made.metadata["nbgrader"] = meta
+        return made
+
+    solution = nbformat.v4.new_notebook()
+    solution.cells = [
+        cell("def double(x):\n    ### BEGIN SOLUTION\n    return 2 * x\n    ### END SOLUTION",
+             grade_id="impl-double", solution=True),
+        cell("doubled = double(21)"),
+        cell("assert doubled == 42 and double(3) == 6, doubled", grade_id="test-double",
+             grade=True, points=1),
+        cell("assert double(5) == 10 and doubled == 42, 'the state below the trials'"),
+    ]
+    fake = Fake("the visible answer only", "doubling", ("test-double",), "    return 42")
+    correct = Alternative("an addition", "doubling by adding", ("test-double",), "    return x + x")
+    submission = answered(solution, solution)
+    trials = with_trials(submission, solution, {"impl-double": [fake, correct]})
+    assert [trial.kind for trial in trials] == ["fake", "alternative", "solution"]
+    NotebookClient(submission, timeout=60, kernel_name="python3").execute()
+    outcomes = trial_outcomes(submission)
+    assert outcomes[trials[0].key]["test-double"].startswith("AssertionError"), outcomes
+    assert outcomes[trials[1].key] == {"test-double": None}, outcomes
+    assert outcomes[trials[2].key] == {"test-double": None}, outcomes
+    assert len(without_trials(submission).cells) == len(solution.cells)
+
+
 def test_feedback_math_is_mathml_and_code_is_left_alone() -> None:
     converted = markdown_with_mathml(
         "Each rank sends $2(N-1)/N \\cdot S$ bytes; `cost = $5` and\n```\n$x$\n```\n$$\\Psi$$"
