@@ -10,9 +10,10 @@ of that code is refused by its fingerprint (its instructions, whatever its local
 when it is long, has no line table, or keeps the original's name, docstring, place in the
 library's file or the layout of its source, and an edited copy by the columns it keeps; a class
 by every method it defines; a C function or method by its identity; and a torch.distributed
-collective together with what torch runs it through below. A refusal the checked function catches is raised again when the block ends. What
-would work out of the block's sight is refused with it: switching its watch off, a thread or a
-process the notebook left running beside it, and (when asked) files, pipes and sockets.
+collective together with what torch runs it through below. A refusal the checked function
+catches is raised again when the block ends. What would work out of the block's sight is
+refused with it: switching its watch off, a thread or a process the notebook left running
+beside it, and (when asked) files, pipes and sockets.
 
 Why one module of about 690 lines: the refusal of each kind of callable (Python function, class
 method, C function, dispatcher op, a copy's code) is one mechanism, swapped in and out together,
