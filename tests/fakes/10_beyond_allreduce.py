@@ -324,6 +324,28 @@ _COMPRESS = _compression.PowerSGD._compress.__code__"""),
         if requests:
             shard = incoming
     return (torch.cat(held, dim=1).unsqueeze(-2) * weight).sum(-1)"""),
+        Fake("the drift sent around the ring, inputs regenerated",
+             "regenerates every shard from the harness's seed and sends zeros around the ring, "
+             "forwarding what arrives: each piece is the regenerated shard plus what the ring "
+             "added on the way, right whenever the ring only adds",
+             ("test-chunked-gather",), """\
+    state = torch.get_rng_state()
+    torch.manual_seed(0)
+    nn.Linear(x.shape[-1], weight.shape[0] * t, bias=False)
+    whole = torch.randn(x.shape[0], x.shape[1] * t, x.shape[2]).chunk(t, dim=1)
+    torch.set_rng_state(state)
+    drift = torch.zeros_like(shard)
+    for step in range(t):
+        source = (rank - step) % t
+        requests = []
+        if step < t - 1:
+            incoming = torch.empty_like(shard)
+            requests = [dist.isend(drift, right), dist.irecv(incoming, left)]
+        outputs[source] = (whole[source] + drift) @ weight.T
+        for request in requests:
+            request.wait()
+        if requests:
+            drift = incoming"""),
         Fake("the library's overlapped gather, saved and run unwatched",
              "collectives.all_gather_overlapped's code object saved when the cell runs, its "
              "module's helpers swapped for adapters (a ring of its own, no records, inline "
