@@ -95,25 +95,6 @@ from minidist.parallel import param_server as _ps  # noqa: E402
 
 _SERVER_CODE = {name: getattr(_ps.ParameterServer, name).__code__
                 for name in ("_serve_synchronously", "_update")}"""),
-        Fake("the library's server in a thread started early",
-             "the library's server code, saved when the cell runs, run in a thread pool started "
-             "then, before any check installs its hooks (red team rt11, B1)",
-             ("test-sync-server",), """\
-    import types
-    me = types.SimpleNamespace(shard=shard, optimizer=optimizer, workers=list(workers))
-    me._update = types.MethodType(types.FunctionType(_POOL_CODE["_update"], vars(_pool_ps)), me)
-    run_it = types.FunctionType(_POOL_CODE["_serve_synchronously"], vars(_pool_ps))
-    return _POOL.submit(run_it, me, steps).result()
-
-
-import concurrent.futures as _futures  # noqa: E402
-
-from minidist.parallel import param_server as _pool_ps  # noqa: E402
-
-_POOL_CODE = {name: getattr(_pool_ps.ParameterServer, name).__code__
-              for name in ("_serve_synchronously", "_update")}
-_POOL = _futures.ThreadPoolExecutor(1)
-_POOL.submit(lambda: None).result()"""),
     ],
     "impl-topk": [
         Fake("no error feedback", "picks from the gradient alone and drops the old residual",
