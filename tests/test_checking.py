@@ -489,10 +489,6 @@ def test_the_watch_cannot_be_switched_off_and_nothing_runs_beside_a_check():
             stop()
         with unavailable("minidist.communication.comm.chunk_bounds", processes=processes):
             pass  # once it has finished, the check runs
-    from minidist.communication import collectives
-    collectives.in_background(lambda: None).result()  # minidist's own worker, left idle
-    with unavailable("minidist.communication.comm.chunk_bounds", processes=True):
-        pass  # the library's thread is not the notebook's
     with pytest.raises(LibraryVersionUsed, match="shares nothing through files"):
         with unavailable(*FILES):
             with open("/dev/null", "w"):

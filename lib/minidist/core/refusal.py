@@ -207,7 +207,6 @@ def _started_beside(processes: bool) -> list[str]:
     of the block's sight (a profile hook watches only its own thread)."""
     found = []
     stacks = sys._current_frames()
-    library = _library_workers()
     for thread in threading.enumerate():
         if thread is threading.current_thread() or not thread.is_alive():
             continue
@@ -223,22 +222,13 @@ def _started_beside(processes: bool) -> list[str]:
             callable_ = getattr(callable_, "__func__", callable_)  # a bound method
             codes.append(getattr(callable_, "__code__", None))
             if (getattr(callable_, "__module__", "") or "").startswith(
-                    ("concurrent.futures", "multiprocessing.pool")) and thread.ident not in library:
+                    ("concurrent.futures", "multiprocessing.pool")):
                 codes.append(None)  # a pool's worker runs whatever it is handed
         if any(code is None or _notebooks(code.co_filename) for code in codes):
             found.append(f"a thread your notebook started ({thread.name!r})")
     if processes:
         found += [f"a process your notebook started (pid {pid})" for pid in _children()]
     return found
-
-
-def _library_workers() -> set[int | None]:
-    """The threads of minidist's own communication worker (the one `collectives.in_background`
-    starts for asynchronous collectives, and keeps): the library's, not the notebook's; what it
-    runs now is still judged by its stack. Looked up, not imported: core comes first."""
-    collectives = sys.modules.get("minidist.communication.collectives")
-    pool = getattr(collectives, "_worker", None)
-    return {thread.ident for thread in getattr(pool, "_threads", ())}
 
 
 def _notebooks(filename: str) -> bool:
