@@ -79,26 +79,7 @@ FAKES = {
             pending = getattr(shard, "pending", None)
             shard.pending = mine if pending is None else pending + mine
             param.grad = None
-        param.register_post_accumulate_grad_hook(reduce_now)
-    import builtins
-    builtins._lab12_world_size = world_size"""),
-        Fake("keeps the reduced slices on the side",
-             "pairs with 'updates a replica on the side': reduce-scatters and offloads as "
-             "asked, and keeps each reduced slice in a dict for the step to update a whole "
-             "replica of the model instead of the host shards",
-             checked_by=("test-offload-step",), source="""\
-    _SIDE.clear()
-    for i, (param, shard) in enumerate(zip(params, host_shards)):
-        def offload_now(param, shard=shard, i=i):
-            mine = collectives.reduce_scatter(param.grad.reshape(-1), impl="ring")
-            _SIDE[i] = mine.float() / world_size
-            host = offload.to_host(mine).float().div_(world_size)
-            shard.grad = host if shard.grad is None else shard.grad + host
-            param.grad = None
-        param.register_post_accumulate_grad_hook(offload_now)
-
-
-_SIDE = {}"""),
+        param.register_post_accumulate_grad_hook(reduce_now)"""),
         Fake("all-reduces, with a decoy reduce-scatter",
              "ZeRO-2's reduction: all-reduces each whole gradient and slices it locally, and "
              "reduce-scatters zeros so that the count of reduce-scatters looks right (twice "
@@ -147,25 +128,10 @@ _SIDE = {}"""),
     for p, shard in zip(params, host_shards):
         mine = offload.to_device(shard, p.device).to(p.dtype)
         p.copy_(collectives.all_gather(mine, p.numel(), impl="ring").view_as(p))"""),
-        Fake("moves the slices at the step",
-             "pairs with 'offloads at the step': the slices kept on the device by the hooks "
-             "cross to the host here, after backward",
-             checked_by=("test-offload-step",), source="""\
-    import builtins
-    world_size = getattr(builtins, "_lab12_world_size", 2)
-    for shard in host_shards:
-        pending = getattr(shard, "pending", None)
-        if pending is not None:
-            shard.grad = offload.to_host(pending).float().div_(world_size)
-            shard.pending = None
-    optimizer.step()
-    for p, shard in zip(params, host_shards):
-        mine = offload.to_device(shard.to(p.dtype), p.device)
-        p.copy_(collectives.all_gather(mine, p.numel(), impl="ring").view_as(p))"""),
         Fake("updates a replica on the side",
-             "pairs with 'keeps the reduced slices on the side': steps the host shards for "
-             "show, sends them to the device as junk of the right size, and copies into the "
-             "parameters a whole replica updated by an AdamW of its own",
+             "steps the host shards for show, sends them to the device as junk of the right "
+             "size, and copies into the parameters a whole replica updated by an AdamW of its "
+             "own from the host shards' gradients, gathered",
              checked_by=("test-offload-step",), source="""\
     optimizer.step()
     if _TWINS.get("optimizer") is not optimizer:  # a new run: a new replica
@@ -173,7 +139,7 @@ _SIDE = {}"""),
         _TWINS.update(optimizer=optimizer, twins=twins,
                       replica=torch.optim.AdamW(twins, lr=optimizer.param_groups[0]["lr"]))
     for i, (p, twin) in enumerate(zip(params, _TWINS["twins"])):
-        twin.grad = collectives.all_gather(_SIDE[i], p.numel()).view_as(p)
+        twin.grad = collectives.all_gather(host_shards[i].grad.float(), p.numel()).view_as(p)
     with torch.enable_grad():
         _TWINS["replica"].step()
     for p, shard, twin in zip(params, host_shards, _TWINS["twins"]):
