@@ -74,6 +74,27 @@ FAKES = {
         requests = [dist.isend(shard.detach(), worker) for worker in workers]
         for request in requests:
             request.wait()"""),
+        Fake("the library's server, saved and run unwatched",
+             "ParameterServer._serve_synchronously's and _update's code objects saved when the "
+             "cell runs, run in a copy of the module's namespace with its own _wait_all and with "
+             "sys.setprofile(None) (red team rt11, D1)", ("test-sync-server",), """\
+    import sys
+    import types
+    env = dict(vars(_ps), _wait_all=lambda requests: [r.wait() for r in list(requests)])
+    me = types.SimpleNamespace(shard=shard, optimizer=optimizer, workers=list(workers))
+    me._update = types.MethodType(types.FunctionType(_SERVER_CODE["_update"], env), me)
+    before = sys.getprofile()
+    sys.setprofile(None)
+    try:
+        types.FunctionType(_SERVER_CODE["_serve_synchronously"], env)(me, steps)
+    finally:
+        sys.setprofile(before)
+
+
+from minidist.parallel import param_server as _ps  # noqa: E402
+
+_SERVER_CODE = {name: getattr(_ps.ParameterServer, name).__code__
+                for name in ("_serve_synchronously", "_update")}"""),
     ],
     "impl-topk": [
         Fake("no error feedback", "picks from the gradient alone and drops the old residual",
@@ -96,6 +117,26 @@ FAKES = {
     values = torch.zeros_like(corrected)
     values[keep] = corrected[keep]
     return values, torch.arange(corrected.numel(), dtype=torch.int32), corrected - values"""),
+        Fake("the library's top_k, saved and run unwatched",
+             "compression.top_k's code object saved when the cell runs, run as a new function "
+             "with sys.setprofile(None); the error feedback around it is the student's "
+             "(red team rt11, B2)", ("test-topk",), """\
+    import sys
+    before = sys.getprofile()
+    sys.setprofile(None)
+    try:
+        corrected = grad + residual
+        values, indices = _TOPK(corrected, k)
+    finally:
+        sys.setprofile(before)
+    new_residual = corrected.clone()
+    new_residual[indices.long()] = 0
+    return values, indices, new_residual
+
+
+import types as _types  # noqa: E402
+
+_TOPK = _types.FunctionType(compression.top_k.__code__, vars(compression), "_helper")"""),
     ],
     "impl-powersgd": [
         Fake("all-reduce M", "all-reduces the whole n×m matrix, then approximates it locally",
@@ -156,6 +197,36 @@ FAKES = {
         _compression._all_reduce_together, _compression.dist = saved
     p = torch.linalg.qr(seen[0]).Q
     return p, engine.qs[0][0], approximation"""),
+        Fake("the library's _compress, saved and run unwatched",
+             "PowerSGD._compress's code object saved when the cell runs, its module's globals "
+             "swapped for adapters (the given all_reduce, a world of one) and run with "
+             "sys.setprofile(None) (red team rt11, C3)", ("test-powersgd",), """\
+    import sys
+    import types
+    reduced = []
+
+    def together(tensors, group):
+        for t in tensors:
+            all_reduce(t)
+        reduced.append([t.clone() for t in tensors])
+
+    one_rank = types.SimpleNamespace(get_world_size=lambda group=None: 1)
+    env = dict(vars(_compression), _all_reduce_together=together, dist=one_rank)
+    me = types.SimpleNamespace(rank=q.shape[1], seed=0, qs={0: [q.clone()]},
+                               residuals={0: [torch.zeros_like(m)]})
+    approximation = m.clone()
+    before = sys.getprofile()
+    sys.setprofile(None)
+    try:
+        types.FunctionType(_COMPRESS, env)(me, 0, [approximation], None)
+    finally:
+        sys.setprofile(before)
+    return torch.linalg.qr(reduced[0][0]).Q, reduced[1][0], approximation
+
+
+from minidist.parallel import compression as _compression  # noqa: E402
+
+_COMPRESS = _compression.PowerSGD._compress.__code__"""),
     ],
     "impl-chunked-gather": [
         Fake("every transfer first", "a ring all-gather that completes before the first matmul: "
@@ -234,5 +305,61 @@ FAKES = {
         if requests:
             shard = incoming
     return (torch.cat(held, dim=1).unsqueeze(-2) * weight).sum(-1)"""),
+        Fake("the drift sent around the ring, inputs regenerated",
+             "regenerates every shard from the harness's seed and sends zeros around the ring, "
+             "forwarding what arrives: each piece is the regenerated shard plus what the ring "
+             "added on the way, right whenever the ring only adds",
+             ("test-chunked-gather",), """\
+    state = torch.get_rng_state()
+    torch.manual_seed(0)
+    nn.Linear(x.shape[-1], weight.shape[0] * t, bias=False)
+    whole = torch.randn(x.shape[0], x.shape[1] * t, x.shape[2]).chunk(t, dim=1)
+    torch.set_rng_state(state)
+    drift = torch.zeros_like(shard)
+    for step in range(t):
+        source = (rank - step) % t
+        requests = []
+        if step < t - 1:
+            incoming = torch.empty_like(shard)
+            requests = [dist.isend(drift, right), dist.irecv(incoming, left)]
+        outputs[source] = (whole[source] + drift) @ weight.T
+        for request in requests:
+            request.wait()
+        if requests:
+            drift = incoming"""),
+        Fake("the library's overlapped gather, saved and run unwatched",
+             "collectives.all_gather_overlapped's code object saved when the cell runs, its "
+             "module's helpers swapped for adapters (a ring of its own, no records, inline "
+             "runs) and run with sys.setprofile(None); only the matmul is the student's "
+             "(red team rt11, E4)", ("test-chunked-gather",), """\
+    outputs = _overlapped(shard, weight, t, rank)
+
+
+import sys as _sys  # noqa: E402
+import types as _types  # noqa: E402
+
+from minidist.communication import collectives as _collectives  # noqa: E402
+
+_OVERLAPPED = _collectives.all_gather_overlapped.__code__
+
+
+def _overlapped(shard, weight, t, rank):
+    outputs = [None] * t
+    ring = _types.SimpleNamespace(rank=rank, size=t, right=(rank + 1) % t, left=(rank - 1) % t)
+    env = dict(vars(_collectives), ring_of=lambda group, what: ring,
+               record=lambda *args, **kwargs: None, _call=lambda *args, **kwargs: "",
+               _run=lambda function, async_op, finish: (function(), finish())[1])
+    gather = _types.FunctionType(_OVERLAPPED, env, "_ring")
+    gather.__kwdefaults__ = {"group": None, "when": ""}
+    before = _sys.getprofile()
+    _sys.setprofile(None)
+    try:
+        gather(shard, lambda source, piece: outputs.__setitem__(source, piece @ weight.T))
+    finally:
+        _sys.setprofile(before)
+    return outputs
+
+
+def _tail(outputs):  # the cell's last line, return torch.cat(outputs, dim=1), is its body"""),
     ],
 }

@@ -5,6 +5,46 @@ so the fakes of that model that change its host-tier answer fail it too."""
 
 from fakes import Alternative, Fake
 
+# Red team rt11: every function of a library module saved (code, defaults) when the answer cell
+# runs, before any check swaps the library's code, revived later in a copy of the module's
+# namespace and run with the profile hook (which spots copies) switched off. Module-level text:
+# it follows a fake's solution region, which ends its cell.
+SNAPSHOT_PROFILE_OFF = """\
+
+
+import inspect as _inspect
+import sys as _sys
+import types as _types
+
+
+def _snapshot(module):
+    saved = {}
+    for name, value in vars(module).items():
+        while hasattr(value, "__wrapped__"):
+            value = value.__wrapped__
+        if _inspect.isfunction(value) and value.__module__ == module.__name__:
+            saved[name] = (value.__code__, value.__defaults__, value.__kwdefaults__)
+    return saved
+
+
+def _revive(module, saved):
+    env = dict(vars(module))
+    for name, (code, defaults, kwdefaults) in saved.items():
+        function = _types.FunctionType(code, env, name, defaults)
+        function.__kwdefaults__ = kwdefaults
+        env[name] = function
+    return env
+
+
+def _unwatched(function, *args, **kwargs):
+    before = _sys.getprofile()
+    _sys.setprofile(None)
+    try:
+        return function(*args, **kwargs)
+    finally:
+        _sys.setprofile(before)
+"""
+
 FAKES = {
     "impl-offload-hooks": [
         Fake("keeps the slices on the device",
@@ -39,26 +79,7 @@ FAKES = {
             pending = getattr(shard, "pending", None)
             shard.pending = mine if pending is None else pending + mine
             param.grad = None
-        param.register_post_accumulate_grad_hook(reduce_now)
-    import builtins
-    builtins._lab12_world_size = world_size"""),
-        Fake("keeps the reduced slices on the side",
-             "pairs with 'updates a replica on the side': reduce-scatters and offloads as "
-             "asked, and keeps each reduced slice in a dict for the step to update a whole "
-             "replica of the model instead of the host shards",
-             checked_by=("test-offload-step",), source="""\
-    _SIDE.clear()
-    for i, (param, shard) in enumerate(zip(params, host_shards)):
-        def offload_now(param, shard=shard, i=i):
-            mine = collectives.reduce_scatter(param.grad.reshape(-1), impl="ring")
-            _SIDE[i] = mine.float() / world_size
-            host = offload.to_host(mine).float().div_(world_size)
-            shard.grad = host if shard.grad is None else shard.grad + host
-            param.grad = None
-        param.register_post_accumulate_grad_hook(offload_now)
-
-
-_SIDE = {}"""),
+        param.register_post_accumulate_grad_hook(reduce_now)"""),
         Fake("all-reduces, with a decoy reduce-scatter",
              "ZeRO-2's reduction: all-reduces each whole gradient and slices it locally, and "
              "reduce-scatters zeros so that the count of reduce-scatters looks right (twice "
@@ -107,25 +128,10 @@ _SIDE = {}"""),
     for p, shard in zip(params, host_shards):
         mine = offload.to_device(shard, p.device).to(p.dtype)
         p.copy_(collectives.all_gather(mine, p.numel(), impl="ring").view_as(p))"""),
-        Fake("moves the slices at the step",
-             "pairs with 'offloads at the step': the slices kept on the device by the hooks "
-             "cross to the host here, after backward",
-             checked_by=("test-offload-step",), source="""\
-    import builtins
-    world_size = getattr(builtins, "_lab12_world_size", 2)
-    for shard in host_shards:
-        pending = getattr(shard, "pending", None)
-        if pending is not None:
-            shard.grad = offload.to_host(pending).float().div_(world_size)
-            shard.pending = None
-    optimizer.step()
-    for p, shard in zip(params, host_shards):
-        mine = offload.to_device(shard.to(p.dtype), p.device)
-        p.copy_(collectives.all_gather(mine, p.numel(), impl="ring").view_as(p))"""),
         Fake("updates a replica on the side",
-             "pairs with 'keeps the reduced slices on the side': steps the host shards for "
-             "show, sends them to the device as junk of the right size, and copies into the "
-             "parameters a whole replica updated by an AdamW of its own",
+             "steps the host shards for show, sends them to the device as junk of the right "
+             "size, and copies into the parameters a whole replica updated by an AdamW of its "
+             "own from the host shards' gradients, gathered",
              checked_by=("test-offload-step",), source="""\
     optimizer.step()
     if _TWINS.get("optimizer") is not optimizer:  # a new run: a new replica
@@ -133,7 +139,7 @@ _SIDE = {}"""),
         _TWINS.update(optimizer=optimizer, twins=twins,
                       replica=torch.optim.AdamW(twins, lr=optimizer.param_groups[0]["lr"]))
     for i, (p, twin) in enumerate(zip(params, _TWINS["twins"])):
-        twin.grad = collectives.all_gather(_SIDE[i], p.numel()).view_as(p)
+        twin.grad = collectives.all_gather(host_shards[i].grad.float(), p.numel()).view_as(p)
     with torch.enable_grad():
         _TWINS["replica"].step()
     for p, shard, twin in zip(params, host_shards, _TWINS["twins"]):
@@ -197,6 +203,18 @@ _TWINS = {}"""),
                                       optimizer_throughput, disk_read_bandwidth,
                                       disk_write_bandwidth, backward_share=backward_share)
     return float(times.total)"""),
+        Fake("the library's model, saved and run unwatched",
+             "every function of minidist.costs.tiers saved when the cell runs, revived in a copy "
+             "of the module's namespace and run with sys.setprofile(None) (red team rt11, B-st)",
+             checked_by=("test-step-time",), source="""\
+    env = _revive(tiers, _TIERS)
+    tier = "host" if disk_read_bandwidth is None else "nvme"
+    parts = _unwatched(env["offload_step_time"], num_params, dp, compute, tier, pcie_bandwidth,
+                       optimizer_throughput, disk_read_bandwidth, disk_write_bandwidth,
+                       backward_share=backward_share)
+    return float(parts.compute + parts.to_host + parts.optimizer + parts.disk + parts.to_device)"""
+             + SNAPSHOT_PROFILE_OFF + """
+_TIERS = _snapshot(tiers)"""),
     ],
     "impl-nvme-step": [
         Fake("reads everything first",
@@ -288,6 +306,26 @@ _CACHE = {}"""),
     params = [torch.empty(0) for _ in grads]
     hyper = dict(lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
     tier.step(params, shards, hyper, lambda param, master: None)"""),
+        Fake("the library's NVMe step, saved and run unwatched",
+             "zero_offload._NvmeSlices.step's code object saved when the cell runs, run on a "
+             "stand-in object with sys.setprofile(None) (red team rt11, C-nv)",
+             checked_by=("test-nvme-step",), source="""\
+    import sys
+    import types
+    me = types.SimpleNamespace(store=store, steps=[step - 1] * len(grads))
+    shards = [types.SimpleNamespace(grad=grad) for grad in grads]
+    params = [torch.empty(0)] * len(grads)
+    hyper = dict(lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
+    library_step = types.FunctionType(_STEP, vars(zero_offload))
+    before = sys.getprofile()
+    sys.setprofile(None)
+    try:
+        library_step(me, params, shards, hyper, lambda param, shard: None)
+    finally:
+        sys.setprofile(before)
+
+
+_STEP = zero_offload._NvmeSlices.step.__code__"""),
     ],
     "impl-materialize": [
         Fake("the seed's recipe",
@@ -396,6 +434,42 @@ _CACHE = {}"""),
         if g is not None:
             g.mul_(scale.to(g.dtype))
     return norm"""),
+        Fake("the norm through files",
+             "each rank's squared norm goes through files in /tmp; the one all-reduce carries "
+             "the honest local square and serves as a barrier, and its result is ignored "
+             "(red team rt11, A-cs)", checked_by=("test-clip-sharded",), source="""\
+    import os
+    import tempfile
+    _CALLS[0] += 1
+    port = os.environ.get("MASTER_PORT", "x")
+    folder = os.path.join(tempfile.gettempdir(), f"fake-clip-{port}-{_CALLS[0]}")
+    os.makedirs(folder, exist_ok=True)
+    local = sum(g.double().pow(2).sum() for g in grads)
+    with open(os.path.join(folder, f"{dist.get_rank(group)}.txt"), "w") as f:
+        f.write(repr(float(local)))
+    collectives.all_reduce(torch.tensor([float(local)], dtype=torch.float64), group=group)
+    total = 0.0
+    for r in range(dist.get_world_size(group)):
+        with open(os.path.join(folder, f"{r}.txt")) as f:
+            total += float(f.read())
+    norm = torch.tensor(total, dtype=torch.float64).sqrt()
+    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(scale.to(g.dtype))
+    return norm
+
+
+_CALLS = [0]"""),
+        Fake("ignores the group",
+             "the one all-reduce runs over the world whatever group it is given: right whenever "
+             "the group is the world", checked_by=("test-clip-sharded",), source="""\
+    total = torch.stack([g.float().pow(2).sum() for g in grads]).sum().reshape(1)
+    collectives.all_reduce(total)
+    norm = total.sqrt()[0]
+    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(scale)
+    return norm"""),
     ],
     "impl-clip-parallel": [
         Fake("replicated counted t times",
@@ -455,6 +529,15 @@ _CACHE = {}"""),
         if p.grad is not None:
             p.grad.mul_(scale.to(p.grad.dtype))
     return norm"""),
+        Fake("the library's clipping, saved and run unwatched",
+             "every function of minidist.parallel.clipping saved when the cell runs; its "
+             "clip_grad_norm_ revived and run over (tp_group, pp_group) with sys.setprofile(None) "
+             "(red team rt11, B-cp)", checked_by=("test-clip-parallel",), source="""\
+    env = _revive(clipping, _CLIPPING)
+    return _unwatched(env["clip_grad_norm_"], params, max_norm, group=(tp_group, pp_group),
+                      replicated=replicated, replicated_group=tp_group)"""
+             + SNAPSHOT_PROFILE_OFF + """
+_CLIPPING = _snapshot(clipping)"""),
     ],
 }
 
