@@ -465,7 +465,14 @@ def test_the_watch_cannot_be_switched_off_and_nothing_runs_beside_a_check():
 
     global _SAVED_RING
     _SAVED_RING = comm.ring_all_reduce.__code__
-    for switch_off in (_switches_the_watch_off, lambda: threading.setprofile(None)):
+    from minidist.core import interposer
+
+    def mute_tampering():
+        with interposer.muted("tampering"):
+            pass
+
+    for switch_off in (_switches_the_watch_off, lambda: threading.setprofile(None),
+                       mute_tampering):
         with pytest.raises(LibraryVersionUsed, match="switch off the check's watch"):
             with unavailable("minidist.communication.comm.*"):
                 switch_off()
@@ -565,3 +572,28 @@ def test_holding_refuses_a_thread_whose_memory_it_would_not_count():
     with pytest.raises(LibraryVersionUsed, match="started a thread"):
         with holding():
             threading.Thread(target=torch.ones, args=(1000,)).start()
+
+
+def test_plain_converts_what_would_compute_later_inside_the_block():
+    """A float whose value asks the library when it is compared: plain() makes it ask now,
+    inside the block, where the library refuses; a liar's comparisons are left behind."""
+    from minidist.core.checking import plain
+    from minidist.costs import cost
+
+    class Later(float):
+        def __float__(self):
+            return float(cost.all_reduce_time("ring", 1000, 2, 1e-5, 1e-9))
+
+    class Liar(int):
+        def __eq__(self, other):
+            return True
+
+        __hash__ = int.__hash__
+
+    with pytest.raises(LibraryVersionUsed, match="all_reduce_time"):
+        with unavailable("minidist.costs.cost.*"):
+            plain(Later(0.0))
+    with unavailable("minidist.costs.cost.*"):
+        found = plain({"tp": Liar(3), "terms": [Liar(1), (2.5, "s")], "t": torch.ones(2)})
+    assert found["tp"] != 4 and type(found["tp"]) is int and found["terms"] == [1, (2.5, "s")]
+    assert type(found["t"]) is torch.Tensor

@@ -355,7 +355,8 @@ _WATCH_SWITCHES = (sys.setprofile, sys.settrace)
 
 
 def _refusal(path: str, reason: str) -> str:
-    if path in ("sys.setprofile", "sys.settrace", "threading.setprofile", "threading.settrace"):
+    if path in ("sys.setprofile", "sys.settrace", "threading.setprofile", "threading.settrace",
+                "minidist.core.interposer.muted"):
         return (f"your function called {path}: it would switch off the check's watch for the "
                 f"library's versions (a profile hook); a checked function leaves it alone")
     if path in ("threading.Thread.start", "_thread.start_new_thread"):
@@ -586,6 +587,8 @@ def _refusing_copies(builtins: dict[int, str], code: dict[tuple, list[_Original]
             refused = refused_copy(frame.f_code)
             if frame.f_code in _THREAD_SWITCHES and not _ours(frame.f_back):
                 refused = f"threading.{frame.f_code.co_name}"
+            elif frame.f_code is _MUTING and frame.f_locals.get("layer") != "counting":
+                refused = "minidist.core.interposer.muted"  # the check's own watching layers
         elif event == "c_call":
             refused = builtins.get(id(arg))
             if refused is None and methods:
@@ -614,6 +617,9 @@ def _refusing_copies(builtins: dict[int, str], code: dict[tuple, list[_Original]
 
 
 _THREAD_SWITCHES = (threading.setprofile.__code__, threading.settrace.__code__)
+_MUTING = interposer.muted.__wrapped__.__code__
+"""Muting a layer of the interposer: the library's scaffolding mutes traffic counting alone;
+muting a check's recording, tampering or messages would blind it."""
 
 
 def _ours(frame: Any) -> bool:
