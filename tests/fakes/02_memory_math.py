@@ -21,6 +21,8 @@ _BACKWARD_FROM_STASH = """\
 # that runs clones of the library's functions (or builds a graph), or a forked process where
 # nothing is refused. Appended at column 0 after a solution region that ends its cell's
 # function (or, for the Function, its class).
+# Such a fake is its exercise's first, graded in a submission of its own (the mistaken one):
+# tried in the solution's notebook, what it left running would refuse every check below it.
 _PRESTARTED_THREAD = """
 
 
@@ -103,21 +105,6 @@ FAKES = {
 
 import minidist.costs.footprint as _footprint
 _fp = _clone_module(_footprint)"""),
-        Fake("the library's footprint, in a pre-started process", "footprint."
-             "model_state_footprint called in a process forked when the answer cell ran, "
-             ".grad re-attached there", ("test-held-bytes",), """\
-    params = list(model.parameters())
-    state = _library("__main__", "_footprint_there", params, [p.grad for p in params], optimizer)
-    return (int(state.params), int(state.grads), int(state.optimizer))
-
-
-def _footprint_there(params, grads, optimizer):
-    from types import SimpleNamespace
-    from minidist.costs.footprint import model_state_footprint
-    for p, g in zip(params, grads):
-        p.grad = g  # pickling a Parameter drops its .grad
-    model = SimpleNamespace(parameters=lambda: iter(params))
-    return model_state_footprint(model, optimizer)""" + _PRESTARTED_PROCESS),
         Fake("bytes per tensor", "counts numel x element size of each tensor, not each storage "
              "once and whole", ("test-held-bytes",), """\
     params = list(model.parameters())
@@ -383,15 +370,6 @@ _fp2 = _clone_module(_footprint)"""),
                  _BACKWARD_FROM_STASH)),
     ],
     "impl-hiding": [
-        Fake("the library's overlap, cloned into a pre-started thread", "code-clones of "
-             "cost.exposed_time and critical_intensity, made and run in a thread started when "
-             "the answer cell ran", ("test-hiding",), ("""\
-    return float(_elsewhere(_cc["exposed_time"], flops, nbytes, peak_flops, link))""", """\
-    return float(_elsewhere(_cc["critical_intensity"], nbytes, peak_flops, link))"""
-                 + _PRESTARTED_THREAD + """
-
-from minidist.costs import cost as _cost_module
-_cc = _clone_module(_cost_module)""")),
         Fake("the library's overlap, in a pre-started process", "cost.exposed_time and "
              "critical_intensity called in a process forked when the answer cell ran",
              ("test-hiding",), ("""\

@@ -46,6 +46,8 @@ if self.pending[index] == 0:  # complete: launch it now, whatever comes before i
 # Red team rt9 (issue 38): code that runs when the answer cell runs, before any check: a thread
 # that runs clones of the library's functions, or a forked process where nothing is refused.
 # Appended at column 0 after a solution region that ends its cell's function.
+# Such a fake is its exercise's first, graded in a submission of its own (the mistaken one):
+# tried in the solution's notebook, what it left running would refuse every check below it.
 PRESTARTED_THREAD = """
 
 
@@ -470,17 +472,6 @@ for bucket in self.buckets:
     sent = _library("minidist.costs.cost", "ring_bytes_sent", "all_reduce",
                     num_params * bytes_per_element, world_size)
     return sent / link_bytes_per_s * flops_per_s / (4 * num_params)""" + PRESTARTED_PROCESS),
-        Fake("the library's bytes, cloned into a pre-started thread", "code-clones of cost "
-             "and algorithms, made and run in a thread started when the answer cell ran",
-             ("test-min-tokens",), """\
-    sent = _elsewhere(_cc3["ring_bytes_sent"], "all_reduce", num_params * bytes_per_element,
-                      world_size)
-    return sent / link_bytes_per_s * flops_per_s / (4 * num_params)""" + PRESTARTED_THREAD + """
-
-from types import SimpleNamespace as _NS
-from minidist.costs import algorithms as _algorithms_module, cost as _cost_module
-_cc3 = _clone_module(_cost_module)
-_cc3["algorithms"] = _NS(**_clone_module(_algorithms_module))  # cost reaches algorithms.<fn>"""),
         Fake("the whole step's FLOPs", "hides the all-reduce under forward and backward (6Ψ "
              "per token) although only backward overlaps it", ("test-min-tokens",), """\
     step_per_token = 6 * num_params / flops_per_s
