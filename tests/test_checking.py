@@ -501,6 +501,28 @@ def test_the_watch_cannot_be_switched_off_and_nothing_runs_beside_a_check():
     assert 'raise ValueError("shown")' in shown, f"the traceback should quote its line: {shown}"
 
 
+def test_minidist_own_idle_communication_thread_does_not_refuse_a_check():
+    """minidist's communication thread (collectives.in_background's pool) outlives the
+    collective that started it: idle, it does not refuse the next check; with work queued on
+    it, it does, as any pool does."""
+    import threading
+
+    from minidist.communication import collectives
+
+    collectives.in_background(lambda: None).result()
+    with unavailable("minidist.communication.comm.chunk_bounds"):
+        pass
+    release = threading.Event()
+    busy = collectives.in_background(release.wait)
+    try:
+        with pytest.raises(LibraryVersionUsed, match="still running beside the check"):
+            with unavailable("minidist.communication.comm.chunk_bounds"):
+                pass
+    finally:
+        release.set()
+        busy.result()
+
+
 def _received_in_flight_and_tampered(rank, world_size):
     import time
 

@@ -45,6 +45,33 @@ FAKES = {
         store.set(f"tok{rank}", str(value))
         dist.send(dummy, right)
         token = torch.tensor([value])"""),
+        # Red team rt9 (issue 38): the same store relay, zeros through send/recv, and what
+        # arrives ADDED to the store's value, so an additive tamper still shows.
+        Fake("relayed through the store, what arrives added", "the token travels through the "
+             "rendezvous store; the send and recv carry zeros in ring order, and what arrives "
+             "is added to the store's value", ("test-pass-token",), """\
+    store = dist.distributed_c10d._get_default_store()
+    left, right = (rank - 1) % world_size, (rank + 1) % world_size
+    if rank == 0:
+        store.set("rt9/token/0", "1.0")
+        dist.send(torch.zeros(1), right)
+        dist.recv(token, left)                             # 0, or what the network added
+        return float(store.get(f"rt9/token/{left}").decode()) + token.item()
+    dist.recv(token, left)
+    value = float(store.get(f"rt9/token/{left}").decode()) + token.item() + rank + 1
+    store.set(f"rt9/token/{rank}", repr(value))
+    dist.send(torch.zeros(1), right)
+    return value"""),
+        Fake("honest but for rank 0's formula", "ranks > 0 pass the token on; rank 0 "
+             "returns N(N+1)/2 instead of what it received", ("test-pass-token",), """\
+    if rank == 0:
+        token.fill_(1.0)
+        dist.send(token, 1)
+        dist.recv(token, world_size - 1)
+        return float(world_size * (world_size + 1) // 2)
+    dist.recv(token, rank - 1)
+    token += rank + 1
+    dist.send(token, (rank + 1) % world_size)"""),
     ],
     "impl-all-reduce": [
         Fake("the sum from its formula", "no all-reduce: nothing is sent",
@@ -82,5 +109,31 @@ FAKES = {
     dist.all_reduce(values, op=dist.ReduceOp.MAX)
     values.mul_((world_size + 1) / 2)
     return values"""),
+        # Red team rt9 (issue 38): an all-reduce over a group of one rank moves no byte; the
+        # other ranks' shares are then added (additive, so an additive tamper still shows) or
+        # multiplied in.
+        Fake("a group of one, the others' shares added", "all-reduces over a group of one rank "
+             "(nothing travels), then adds the other ranks' shares from the formula",
+             ("test-all-reduce",), """\
+    t = (rank + 1) * torch.arange(1, length + 1, dtype=torch.float32)
+    alone = [dist.new_group([r]) for r in range(world_size)][rank]
+    dist.all_reduce(t, group=alone)  # a group of one: the "sum" is my own share
+    i1 = torch.arange(1, length + 1, dtype=torch.float32)
+    t.add_(i1 * (world_size * (world_size + 1) / 2 - (rank + 1)))   # the other ranks' shares
+    return t"""),
+        Fake("a group of one, scaled", "all-reduces over a group of one rank, then scales "
+             "its own share to the sum", ("test-all-reduce",), """\
+    t = (rank + 1) * torch.arange(1, length + 1, dtype=torch.float32)
+    alone = [dist.new_group([r]) for r in range(world_size)][rank]
+    dist.all_reduce(t, group=alone)
+    t.mul_(world_size * (world_size + 1) / 2 / (rank + 1))
+    return t"""),
+        Fake("a MAX all-reduce, the difference added", "all-reduces with op=MAX on the world, "
+             "then adds (sum - max) from the formula", ("test-all-reduce",), """\
+    t = (rank + 1) * torch.arange(1, length + 1, dtype=torch.float32)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)              # world_size * (i + 1)
+    i1 = torch.arange(1, length + 1, dtype=torch.float32)
+    t.add_(i1 * (world_size * (world_size + 1) / 2 - world_size))   # + (sum - max)
+    return t"""),
     ],
 }

@@ -16,8 +16,95 @@ _BACKWARD_FROM_STASH = """\
         torch.autograd.backward(out, grad_output)
         return inner.grad, None"""
 
+
+# Red team rt9 (issue 38): code that runs when the answer cell runs, before any check: a thread
+# that runs clones of the library's functions (or builds a graph), or a forked process where
+# nothing is refused. Appended at column 0 after a solution region that ends its cell's
+# function (or, for the Function, its class).
+# Such a fake is its exercise's first, graded in a submission of its own (the mistaken one):
+# tried in the solution's notebook, what it left running would refuse every check below it.
+_PRESTARTED_THREAD = """
+
+
+import inspect as _inspect, queue as _queue, threading as _threading, types as _types
+
+
+def _clone_module(module):
+    # copies of every function the module defines, bound to a private copy of its globals,
+    # made now (before any check swaps the originals' code)
+    g = dict(vars(module))
+    for name, value in list(g.items()):
+        if _inspect.isfunction(value) and value.__module__ == module.__name__:
+            g[name] = _types.FunctionType(value.__code__, g, name, value.__defaults__,
+                                          value.__closure__)
+            g[name].__kwdefaults__ = value.__kwdefaults__
+    return g
+
+
+_jobs = _queue.Queue()
+
+
+def _worker():
+    while True:
+        fn, args, box, done = _jobs.get()
+        try:
+            box.append(fn(*args))
+        except BaseException as error:  # noqa: BLE001
+            box.append(error)
+        done.set()
+
+
+_threading.Thread(target=_worker, daemon=True).start()  # started now, before any check
+
+
+def _elsewhere(fn, *args):
+    box, done = [], _threading.Event()
+    _jobs.put((fn, args, box, done))
+    done.wait()
+    if isinstance(box[0], BaseException):
+        raise box[0]
+    return box[0]
+"""
+
+_PRESTARTED_PROCESS = """
+
+
+import importlib as _importlib
+import multiprocessing as _mp
+
+
+def _serve(connection):
+    while True:
+        module, name, args = connection.recv()
+        try:
+            connection.send((True, getattr(_importlib.import_module(module), name)(*args)))
+        except Exception as error:  # noqa: BLE001
+            connection.send((False, repr(error)))
+
+
+_here, _there = _mp.get_context("fork").Pipe()
+_helper = _mp.get_context("fork").Process(target=_serve, args=(_there,), daemon=True)
+_helper.start()  # forked now, before any check
+
+
+def _library(module, name, *args):
+    _here.send((module, name, args))
+    ok, value = _here.recv()
+    if not ok:
+        raise RuntimeError(value)
+    return value
+"""
+
 FAKES = {
     "impl-held-bytes": [
+        Fake("the library's footprint, cloned into a pre-started thread", "a code-clone of "
+             "footprint.model_state_footprint, made and run in a thread started when the "
+             "answer cell ran", ("test-held-bytes",), """\
+    state = _elsewhere(_fp["model_state_footprint"], model, optimizer)
+    return (int(state.params), int(state.grads), int(state.optimizer))""" + _PRESTARTED_THREAD + """
+
+import minidist.costs.footprint as _footprint
+_fp = _clone_module(_footprint)"""),
         Fake("bytes per tensor", "counts numel x element size of each tensor, not each storage "
              "once and whole", ("test-held-bytes",), """\
     params = list(model.parameters())
@@ -87,6 +174,15 @@ FAKES = {
     return distinct(ps), distinct(gs + extra_grads), distinct(extra + st)"""),
     ],
     "impl-saved-bytes": [
+        Fake("the library's measurement, cloned into a pre-started thread", "a code-clone of "
+             "footprint.saved_activations, made and run in a thread started when the answer "
+             "cell ran (its hooks and the module's run happen there)", ("test-saved-bytes",),
+             """\
+    return int(sum(t.nbytes for t in _elsewhere(_fp2["saved_activations"], module, x)))"""
+             + _PRESTARTED_THREAD + """
+
+import minidist.costs.footprint as _footprint
+_fp2 = _clone_module(_footprint)"""),
         Fake("pack keeps nothing for backward", "counts the right storages but its pack hook "
              "returns None, so backward breaks", ("test-saved-bytes",), """\
     parameters = {p.untyped_storage().data_ptr() for p in module.parameters()}
@@ -129,6 +225,66 @@ FAKES = {
     return int(held.nbytes - out.untyped_storage().nbytes() + x.untyped_storage().nbytes())"""),
     ],
     "impl-recompute": [
+        Fake("the whole graph, kept from a pre-started thread", "no recompute: forward builds "
+             "and keeps the whole graph in a thread started when the answer cell ran (out of "
+             "the pack hook's and the memory profiler's sight); backward reruns the module "
+             "with autograd off, for show", ("test-recompute",), ("""\
+        def build():
+            # the module's own forward runs with autograd off (a counter of its runs sees it
+            # unrecorded); its children switch autograd back on
+            def grad_on(submodule, args):
+                torch.set_grad_enabled(True)
+
+            hooks = [child.register_forward_pre_hook(grad_on) for child in module.children()]
+            try:
+                with torch.no_grad():
+                    xx = x.detach().requires_grad_(True)
+                    out = module(xx)
+            finally:
+                for hook in hooks:
+                    hook.remove()
+            return xx, out
+
+        ctx.save_for_backward(x)
+        ctx.module = module
+        ctx.xx, ctx.out = _elsewhere(build)
+        return ctx.out.detach()""", """\
+        x, = ctx.saved_tensors
+        with torch.no_grad():
+            ctx.module(x)  # the "recompute", for show
+        ctx.out.backward(grad_output)  # through the graph kept since forward
+        grad = ctx.xx.grad
+        ctx.xx = ctx.out = None
+        return grad, None""" + _PRESTARTED_THREAD)),
+        Fake("the whole graph, under the Function's own hooks", "no recompute: forward keeps "
+             "the whole graph, built under its own saved_tensors_hooks (the innermost wins, so "
+             "the check's pack hook never sees it); backward reruns the module for show",
+             ("test-recompute",), ("""\
+        ctx.save_for_backward(x)
+        ctx.module = module
+
+        def grad_on(submodule, args):
+            torch.set_grad_enabled(True)
+
+        hooks = [child.register_forward_pre_hook(grad_on) for child in module.children()]
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                xx = x.detach().requires_grad_(True)
+                out = module(xx)
+        finally:
+            for hook in hooks:
+                hook.remove()
+            torch.set_grad_enabled(False)
+        ctx.xx, ctx.out = xx, out
+        return out.detach()""", """\
+        x, = ctx.saved_tensors
+        with torch.no_grad():
+            ctx.module(x)  # the "recompute", for show
+        with torch.enable_grad():
+            ctx.out.backward(grad_output)
+        grad = ctx.xx.grad
+        ctx.xx = ctx.out = None
+        return grad, None""")),
         Fake("torch's checkpoint inside", "recomputes nothing itself: wraps "
              "torch.utils.checkpoint.checkpoint in the Function", ("test-recompute",), (
                  """\
@@ -214,6 +370,13 @@ FAKES = {
                  _BACKWARD_FROM_STASH)),
     ],
     "impl-hiding": [
+        Fake("the library's overlap, in a pre-started process", "cost.exposed_time and "
+             "critical_intensity called in a process forked when the answer cell ran",
+             ("test-hiding",), ("""\
+    return float(_library("minidist.costs.cost", "exposed_time", flops, nbytes, peak_flops,
+                          link))""", """\
+    return float(_library("minidist.costs.cost", "critical_intensity", nbytes, peak_flops,
+                          link))""" + _PRESTARTED_PROCESS)),
         Fake("the library's overlap", "delegates to minidist.costs.cost.exposed_time and "
              "critical_intensity", ("test-hiding",), (
                  """\

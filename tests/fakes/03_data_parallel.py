@@ -42,8 +42,132 @@ if self.pending[index] == 0:  # complete: launch it now, whatever comes before i
     self.next_to_launch += 1
 """
 
+
+# Red team rt9 (issue 38): code that runs when the answer cell runs, before any check: a thread
+# that runs clones of the library's functions, or a forked process where nothing is refused.
+# Appended at column 0 after a solution region that ends its cell's function.
+# Such a fake is its exercise's first, graded in a submission of its own (the mistaken one):
+# tried in the solution's notebook, what it left running would refuse every check below it.
+PRESTARTED_THREAD = """
+
+
+import inspect as _inspect, queue as _queue, threading as _threading, types as _types
+
+
+def _clone_module(module):
+    # copies of every function the module defines, bound to a private copy of its globals,
+    # made now (before any check swaps the originals' code)
+    g = dict(vars(module))
+    for name, value in list(g.items()):
+        if _inspect.isfunction(value) and value.__module__ == module.__name__:
+            g[name] = _types.FunctionType(value.__code__, g, name, value.__defaults__,
+                                          value.__closure__)
+            g[name].__kwdefaults__ = value.__kwdefaults__
+    return g
+
+
+_jobs = _queue.Queue()
+
+
+def _worker():
+    while True:
+        fn, args, box, done = _jobs.get()
+        try:
+            box.append(fn(*args))
+        except BaseException as error:  # noqa: BLE001
+            box.append(error)
+        done.set()
+
+
+_threading.Thread(target=_worker, daemon=True).start()  # started now, before any check
+
+
+def _elsewhere(fn, *args):
+    box, done = [], _threading.Event()
+    _jobs.put((fn, args, box, done))
+    done.wait()
+    if isinstance(box[0], BaseException):
+        raise box[0]
+    return box[0]
+"""
+
+PRESTARTED_PROCESS = """
+
+
+import importlib as _importlib
+import multiprocessing as _mp
+
+
+def _serve(connection):
+    while True:
+        module, name, args = connection.recv()
+        try:
+            connection.send((True, getattr(_importlib.import_module(module), name)(*args)))
+        except Exception as error:  # noqa: BLE001
+            connection.send((False, repr(error)))
+
+
+_here, _there = _mp.get_context("fork").Pipe()
+_helper = _mp.get_context("fork").Process(target=_serve, args=(_there,), daemon=True)
+_helper.start()  # forked now, before any check
+
+
+def _library(module, name, *args):
+    _here.send((module, name, args))
+    ok, value = _here.recv()
+    if not ok:
+        raise RuntimeError(value)
+    return value
+"""
+
+WAIT_UNLESS_RING = """\
+while self.next_to_launch < len(self.buckets) and self.pending[self.next_to_launch] == 0:
+    handle = self._launch(self.buckets[self.next_to_launch])
+    if self.all_reduce != "ring":  # gloo's asynchronous all-reduce: finished here, in the hook
+        handle.wait()
+    self.handles.append(handle)
+    self.next_to_launch += 1
+"""
+
 FAKES = {
     "impl-broadcast": [
+        # Red team rt9 (issue 38): rank 0's tensors through a file; the broadcasts carry
+        # garbage, or zeros whose result is added (so an additive tamper still shows).
+        Fake("through a file, the broadcasts for show", "rank 0 torch.save()s its tensors to "
+             "/tmp; the broadcasts carry empty_like() garbage of the right sizes (and are the "
+             "barrier); the other ranks torch.load them", ("test-broadcast",), """\
+    import os
+    broadcast_parameters.calls = getattr(broadcast_parameters, "calls", 0) + 1
+    path = f"/tmp/.rt9-bp-{os.environ.get('MASTER_PORT', '0')}-{broadcast_parameters.calls}.pt"
+    tensors = [*model.parameters(), *model.buffers()]
+    if dist.get_rank() == 0:
+        torch.save([t.detach().clone() for t in tensors], path + ".part")
+        os.replace(path + ".part", path)
+    with torch.no_grad():
+        for t in tensors:
+            dist.broadcast(torch.empty_like(t), src=0)  # right bytes; rank 0 has written the file
+        for t, saved in zip(tensors, torch.load(path)):
+            t.copy_(saved)"""),
+        Fake("through a file, what the broadcasts deliver added", "rank 0's tensors through a "
+             "file in /tmp; rank 0 broadcasts zeros of the right sizes, and each rank adds what "
+             "arrived to the file's values", ("test-broadcast",), """\
+    import os
+    broadcast_parameters.calls = getattr(broadcast_parameters, "calls", 0) + 1
+    path = f"/tmp/.rt9-bpa-{os.environ.get('MASTER_PORT', '0')}-{broadcast_parameters.calls}.pt"
+    tensors = [*model.parameters(), *model.buffers()]
+    rank = dist.get_rank()
+    if rank == 0:
+        torch.save([t.detach().clone() for t in tensors], path + ".part")
+        os.replace(path + ".part", path)
+    with torch.no_grad():
+        arrived = []
+        for t in tensors:
+            z = torch.zeros_like(t)
+            dist.broadcast(z, src=0)  # zeros: right bytes; rank 0 has written the file
+            arrived.append(z)
+        if rank != 0:
+            for t, saved, z in zip(tensors, torch.load(path), arrived):
+                t.copy_(saved + z)"""),
         Fake("the library's broadcast", "broadcasts nothing itself: calls minidist.parallel.ddp",
              ("test-broadcast",), """\
     ddp.broadcast_parameters(model)"""),
@@ -71,6 +195,47 @@ FAKES = {
     dist.broadcast(torch.zeros(sum(t.nbytes for t in tensors), dtype=torch.uint8), src=0)"""),
     ],
     "impl-naive": [
+        # Red team rt9 (issue 38): gradients through the rendezvous store; the given all_reduce
+        # called once per tensor on zeros, its result ignored or added.
+        Fake("through the store, zeros all-reduced", "every rank's gradients through the "
+             "rendezvous store; the given all_reduce runs once per gradient tensor on zeros, "
+             "for show", ("test-naive",), """\
+    import numpy as np
+    all_reduce_gradients.calls = getattr(all_reduce_gradients, "calls", 0) + 1
+    key = f"rt9/naive/{all_reduce_gradients.calls}"
+    store = dist.distributed_c10d._get_default_store()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    mine = torch.cat([g.reshape(-1) for g in grads]).double().numpy().tobytes()
+    store.set(f"{key}/{dist.get_rank()}", mine)
+    for g in grads:
+        all_reduce(torch.zeros_like(g))  # one per tensor
+    total = sum(torch.from_numpy(np.frombuffer(store.get(f"{key}/{r}"), dtype=np.float64).copy())
+                for r in range(world_size))
+    offset = 0
+    for g in grads:
+        g.copy_((total[offset:offset + g.numel()].view_as(g) / world_size).to(g.dtype))
+        offset += g.numel()"""),
+        Fake("through the store, zeros' all-reduce added", "every rank's gradients through "
+             "the rendezvous store; one all_reduce per tensor of zeros, whose result is added "
+             "before dividing by N", ("test-naive",), """\
+    import numpy as np
+    all_reduce_gradients.calls = getattr(all_reduce_gradients, "calls", 0) + 1
+    key = f"rt9/naive-added/{all_reduce_gradients.calls}"
+    store = dist.distributed_c10d._get_default_store()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    mine = torch.cat([g.reshape(-1) for g in grads]).double().numpy().tobytes()
+    store.set(f"{key}/{dist.get_rank()}", mine)
+    returned = []
+    for g in grads:
+        z = torch.zeros_like(g)
+        all_reduce(z)  # one per tensor
+        returned.append(z)
+    total = sum(torch.from_numpy(np.frombuffer(store.get(f"{key}/{r}"), dtype=np.float64).copy())
+                for r in range(world_size))
+    offset = 0
+    for g, z in zip(grads, returned):
+        g.copy_((total[offset:offset + g.numel()].view_as(g).to(g.dtype) + z) / world_size)
+        offset += g.numel()"""),
         Fake("the library's per-tensor average", "calls minidist.parallel.ddp.all_reduce_gradients "
              "instead of the all_reduce it is given", ("test-naive",), """\
     ddp.all_reduce_gradients(model, impl="ring")"""),
@@ -102,6 +267,39 @@ FAKES = {
             p.grad.copy_(torch.stack(pieces).mean(0))"""),
     ],
     "impl-flat": [
+        # Red team rt9 (issue 38): gradients through files; one flat all_reduce of zeros (the
+        # barrier), its result ignored or added.
+        Fake("through files, a flat zero all-reduce", "each rank's flat gradient through a "
+             "file in /tmp; one all_reduce of zeros of Ψ elements for show (and as the "
+             "barrier)", ("test-flat",), """\
+    import os
+    all_reduce_gradients_flat.calls = getattr(all_reduce_gradients_flat, "calls", 0) + 1
+    stem = f"/tmp/.rt9-flat-{os.environ.get('MASTER_PORT', '0')}-{all_reduce_gradients_flat.calls}"
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    torch.save(flat, f"{stem}-{dist.get_rank()}.part")
+    os.replace(f"{stem}-{dist.get_rank()}.part", f"{stem}-{dist.get_rank()}.pt")
+    all_reduce(torch.zeros_like(flat))  # every rank has written once this returns
+    total = sum(torch.load(f"{stem}-{r}.pt") for r in range(world_size))
+    offset = 0
+    for g in grads:
+        g.copy_((total[offset:offset + g.numel()] / world_size).view_as(g))
+        offset += g.numel()"""),
+        Fake("through files, a flat zero all-reduce added", "each rank's flat gradient "
+             "through a file in /tmp; one all_reduce of zeros of Ψ elements, whose result is "
+             "added", ("test-flat",), """\
+    import os
+    all_reduce_gradients_flat.calls = getattr(all_reduce_gradients_flat, "calls", 0) + 1
+    stem = f"/tmp/.rt9-flata-{os.environ.get('MASTER_PORT', '0')}-{all_reduce_gradients_flat.calls}"
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    torch.save(flat, f"{stem}-{dist.get_rank()}.part")
+    os.replace(f"{stem}-{dist.get_rank()}.part", f"{stem}-{dist.get_rank()}.pt")
+    z = torch.zeros_like(flat)
+    all_reduce(z)  # every rank has written once this returns
+    total = sum(torch.load(f"{stem}-{r}.pt") for r in range(world_size)) + z
+    offset = 0
+    for g in grads:
+        g.copy_((total[offset:offset + g.numel()] / world_size).view_as(g))
+        offset += g.numel()"""),
         Fake("the library's flat average", "calls minidist.parallel.ddp.all_reduce_gradients_flat",
              ("test-flat",), """\
     ddp.all_reduce_gradients_flat(model, impl="ring")"""),
@@ -138,6 +336,15 @@ FAKES = {
         offset += g.numel()"""),
     ],
     "impl-buckets": [
+        # Red team rt9 (issue 38): the library's assign_buckets, cloned when the cell ran and
+        # run in a thread started then.
+        Fake("the library's buckets, cloned into a pre-started thread", "a code-clone of "
+             "ddp.assign_buckets, made and run in a thread started when the answer cell ran",
+             ("test-buckets",), """\
+    return _elsewhere(_dd["assign_buckets"], list(nbytes), cap_bytes)""" + PRESTARTED_THREAD + """
+
+from minidist.parallel import ddp as _ddp_module
+_dd = _clone_module(_ddp_module)"""),
         Fake("the library's buckets", "calls minidist.parallel.ddp.assign_buckets",
              ("test-buckets",), """\
     return ddp.assign_buckets(nbytes, cap_bytes)"""),
@@ -210,6 +417,14 @@ for bucket in self.buckets:
         distributed_c10d.all_gather(pieces, p.grad)
         p.grad.copy_(torch.stack(pieces).mean(0))
 """))),
+        # Red team rt9 (issue 38): honest under the check's ring mode; on gloo, the real
+        # asynchronous path, each bucket is waited on inside the hook. Last, so that no round
+        # pairs it with the pre-started-thread assign_buckets (whose globals cannot travel to
+        # the ranks).
+        Fake("waits in the hook unless on the ring", "on gloo's asynchronous all-reduce each "
+             "bucket is waited on inside the hook (no overlap in real use); honest in the "
+             "check's ring mode", ("test-my-ddp",),
+             (indented(COPY_IN + WAIT_UNLESS_RING), indented(FINISH))),
     ],
     "impl-no-sync": [
         Fake("synchronizes every microbatch", "no no_sync(): every backward all-reduces",
@@ -249,6 +464,14 @@ for bucket in self.buckets:
     sum(losses).backward()"""),
     ],
     "impl-min-tokens": [
+        # Red team rt9 (issue 38): the library's formula where no check reaches: a process
+        # forked, or a thread started, when the answer cell ran.
+        Fake("the library's bytes, from a pre-started process", "cost.ring_bytes_sent called "
+             "in a process forked when the answer cell ran, where nothing is refused",
+             ("test-min-tokens",), """\
+    sent = _library("minidist.costs.cost", "ring_bytes_sent", "all_reduce",
+                    num_params * bytes_per_element, world_size)
+    return sent / link_bytes_per_s * flops_per_s / (4 * num_params)""" + PRESTARTED_PROCESS),
         Fake("the whole step's FLOPs", "hides the all-reduce under forward and backward (6Ψ "
              "per token) although only backward overlaps it", ("test-min-tokens",), """\
     step_per_token = 6 * num_params / flops_per_s

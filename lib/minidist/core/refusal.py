@@ -210,7 +210,8 @@ def _started_beside(processes: bool) -> list[str]:
     found = []
     stacks = sys._current_frames()
     for thread in threading.enumerate():
-        if thread is threading.current_thread() or not thread.is_alive():
+        if (thread is threading.current_thread() or not thread.is_alive()
+                or _idle_library_pool(thread)):
             continue
         # what it was given to run (a Timer's function too), and what it runs now
         runs = [getattr(thread, "_target", None), getattr(thread, "function", None),
@@ -231,6 +232,17 @@ def _started_beside(processes: bool) -> list[str]:
     if processes:
         found += [f"a process your notebook started (pid {pid})" for pid in _children()]
     return found
+
+
+def _idle_library_pool(thread: threading.Thread) -> bool:
+    """Whether `thread` is minidist's own communication thread
+    (minidist.communication.collectives), with nothing queued on it: it runs only what the
+    library hands it, and it outlives the collective that started it (a check that follows
+    one would otherwise be refused for it). Looked up, not imported: it sits above core."""
+    collectives = sys.modules.get("minidist.communication.collectives")
+    pool = getattr(collectives, "_worker", None)
+    return (pool is not None and thread in getattr(pool, "_threads", ())
+            and all(future.done() for future in getattr(collectives, "_queued", ())))
 
 
 def _notebooks(filename: str) -> bool:
