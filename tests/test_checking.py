@@ -601,8 +601,8 @@ def test_plain_converts_what_would_compute_later_inside_the_block():
 
 def test_an_edited_copy_is_refused_and_the_solutions_are_not_copies():
     """A copy of the library's code compiled from its source with a line added is refused by
-    what it keeps of the original's columns; code written anew is not (the solutions resemble
-    the library at most 0.78 of the way, below the 0.9 a copy keeps)."""
+    what it keeps of the original's columns; code written in a cell is not compared (it may
+    hold scaffolding the lab shares with the library)."""
     import textwrap
 
     from minidist.jobs import profiling
@@ -626,3 +626,15 @@ def test_an_edited_copy_is_refused_and_the_solutions_are_not_copies():
 
     with unavailable("minidist.jobs.profiling.merge"):
         assert union([(0.0, 1.0), (0.5, 2.0)]) == [(0.0, 2.0)]
+
+
+def test_work_handed_to_the_library_thread_is_watched_as_the_caller_is():
+    """minidist's communication thread runs what it is handed under the caller's watch: a copy
+    of refused code handed to it inside a check is refused there too."""
+    from minidist.communication.collectives import in_background
+
+    in_background(lambda: None).result()  # the thread exists before the check
+    saved = comm.ring_all_reduce.__code__
+    with pytest.raises(LibraryVersionUsed, match="ring_all_reduce"):
+        with unavailable("minidist.communication.comm.*"):
+            in_background(lambda: types.FunctionType(saved, {})(None, None, None)).result()

@@ -51,6 +51,7 @@ from minidist.communication.emulation import Network
 from minidist.core._checks import reduce_op, require_process_group
 from minidist.core.agreement import CallMismatch, exchange
 from minidist.core.flat import copy_back, flat_view, flatten
+from minidist.core.refusal import watched_as_here
 from minidist.core.timeline import Event, clock, note
 from minidist.costs.cost import AlgorithmLinks, AlphaBeta
 
@@ -105,7 +106,7 @@ def in_background(function: Callable[[], Any]) -> concurrent.futures.Future:
     if _worker is None:
         _worker = concurrent.futures.ThreadPoolExecutor(1, _WORKER)
     _queued[:] = [future for future in _queued if not future.done()]
-    future = _worker.submit(function)
+    future = _worker.submit(watched_as_here(function))  # a check's watch goes with the work
     _queued.append(future)
     return future
 

@@ -30,6 +30,8 @@ import functools
 import importlib
 import importlib.util
 import inspect
+import os
+import re
 import sys
 import textwrap
 import threading
@@ -43,7 +45,7 @@ from torch._ops import _OpNamespace
 from minidist.core import interposer
 
 __all__ = ["unavailable", "Refusals", "LibraryVersionUsed", "PROCESS_STARTERS",
-           "TORCH_COLLECTIVES", "TORCH_STORE", "FILES"]
+           "TORCH_COLLECTIVES", "TORCH_STORE", "FILES", "watched_as_here"]
 
 
 class LibraryVersionUsed(RuntimeError):
@@ -234,6 +236,21 @@ def _started_beside(processes: bool) -> list[str]:
     return found
 
 
+def watched_as_here(function: Callable[[], Any]) -> Callable[[], Any]:
+    """`function`, to be run on another thread (a pool's, started before a check) under the
+    watch this thread has now: what a check refuses here it refuses there too."""
+    hook = sys.getprofile()
+
+    def watched() -> Any:
+        previous = sys.getprofile()
+        sys.setprofile(hook)
+        try:
+            return function()
+        finally:
+            sys.setprofile(previous)
+    return watched
+
+
 def _idle_library_pool(thread: threading.Thread) -> bool:
     """Whether `thread` is minidist's own communication thread
     (minidist.communication.collectives), with nothing queued on it: it runs only what the
@@ -260,7 +277,6 @@ def _children() -> list[int]:
     resource tracker (Linux; elsewhere none are found)."""
     import multiprocessing.forkserver
     import multiprocessing.resource_tracker
-    import os
 
     servers = {getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None),
                getattr(multiprocessing.resource_tracker._resource_tracker, "_pid", None)}
@@ -542,8 +558,8 @@ def _columns(code: types.CodeType) -> tuple[tuple[int, int, int], ...]:
     """Where each instruction of the body stands on its line: its first and last column (from
     the body's least indented) and how many lines it spans. A copy whose lines were edited,
     added or removed keeps nearly all of them in order; code written anew, even to the same
-    instructions, puts its tokens elsewhere (the solutions resemble the library at most 0.78
-    of the way)."""
+    instructions, puts its tokens elsewhere. Only code compiled from a string is compared
+    (`_made_from_text`): a cell may hold scaffolding the lab shares with the library."""
     body = [position for position in code.co_positions()
             if position[0] is not None and position[0] > code.co_firstlineno
             and position[2] is not None and position[3] is not None]
@@ -555,6 +571,18 @@ def _columns(code: types.CodeType) -> tuple[tuple[int, int, int], ...]:
 
 
 _RESEMBLING, _EDITED = 40, 0.9  # instructions, and how much of their columns a copy keeps
+
+
+def _made_from_text(filename: str) -> bool:
+    """Whether code from `filename` was compiled from a string at run time (exec, compile):
+    neither a notebook cell's (IPython names each after the cell), nor a file's, nor the
+    library's. A cell may hold scaffolding the lab shares with the library; a string built
+    from the library's source is a copy."""
+    return (_notebooks(filename) and not _CELL.search(filename)
+            and not os.path.isfile(filename))
+
+
+_CELL = re.compile(r"/ipykernel_\d+/\d+\.py$|^<ipython-input-")
 
 
 def _resembles(called: types.CodeType, originals: list[_Original]) -> str | None:
@@ -619,7 +647,7 @@ def _refusing_copies(builtins: dict[int, str], code: dict[tuple, list[_Original]
                 fingerprint = _fingerprint(called)
                 originals = code.get(fingerprint)
                 path = originals and _copied(called, originals, len(fingerprint))
-            if not path and _notebooks(called.co_filename):  # the notebook's own code
+            if not path and _made_from_text(called.co_filename):
                 path = _resembles(called, every)
             found = seen[id(called)] = (called, path or None)
         return found[1]
