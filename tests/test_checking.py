@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from minidist.communication import comm
 from minidist.core.checking import recording, tampered_receives
 from minidist.core.launch import run
 from minidist.core.refusal import TORCH_COLLECTIVES, LibraryVersionUsed, unavailable
@@ -418,3 +419,127 @@ def test_a_refusal_names_the_function_called():
     another refusal's path."""
     for said in run(_a_backend_call_refused, 2):
         assert "Backend.allreduce" in said, said
+
+
+_SAVED_RING = None  # a code object kept from before a check, as a notebook cell could keep it
+
+
+def _switches_the_watch_off():
+    import sys
+
+    sys.setprofile(None)
+    return types.FunctionType(_SAVED_RING, {})
+
+
+def _outside_the_watch(how):
+    import queue
+    import subprocess
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    if how == "thread":
+        handoff = queue.Queue()
+
+        def serve():  # runs what it is handed, out of the check's thread
+            handoff.get()
+        thread = threading.Thread(target=serve)
+        thread.start()
+        return thread, lambda: (handoff.put(None), thread.join())
+    if how == "pool":
+        pool = ThreadPoolExecutor(1)
+        pool.submit(abs, -1).result()
+        return pool, pool.shutdown
+    process = subprocess.Popen(["sleep", "30"])
+    return process, lambda: (process.kill(), process.wait())
+
+
+def test_the_watch_cannot_be_switched_off_and_nothing_runs_beside_a_check():
+    """A check's watch holds: switching its profile hook off is refused (and noticed if done
+    unseen), a thread or a pool the notebook left running, or (processes=True) a child process,
+    refuses the check at its start, and files are refused when asked, while a traceback's
+    source lines still show."""
+    import threading
+    import traceback
+
+    from minidist.core.refusal import FILES
+
+    global _SAVED_RING
+    _SAVED_RING = comm.ring_all_reduce.__code__
+    for switch_off in (_switches_the_watch_off, lambda: threading.setprofile(None)):
+        with pytest.raises(LibraryVersionUsed, match="switch off the check's watch"):
+            with unavailable("minidist.communication.comm.*"):
+                switch_off()
+    with pytest.raises(LibraryVersionUsed, match="comm.ring_all_reduce"):
+        with unavailable("minidist.communication.comm.*"):  # the saved original, hook on
+            types.FunctionType(_SAVED_RING, comm.ring_all_reduce.__globals__)(None, None, None)
+    for how, processes in (("thread", False), ("pool", False), ("process", True)):
+        running, stop = _outside_the_watch(how)
+        try:
+            with pytest.raises(LibraryVersionUsed, match="still running beside the check"):
+                with unavailable("minidist.communication.comm.chunk_bounds", processes=processes):
+                    pass
+        finally:
+            stop()
+        with unavailable("minidist.communication.comm.chunk_bounds", processes=processes):
+            pass  # once it has finished, the check runs
+    with pytest.raises(LibraryVersionUsed, match="shares nothing through files"):
+        with unavailable(*FILES):
+            with open("/dev/null", "w"):
+                pass
+    with unavailable(*FILES):
+        try:
+            raise ValueError("shown")
+        except ValueError:
+            shown = traceback.format_exc()
+    assert 'raise ValueError("shown")' in shown, f"the traceback should quote its line: {shown}"
+
+
+def _received_in_flight_and_tampered(rank, world_size):
+    import time
+
+    from minidist.core.checking import in_flight, ran_while_in_flight
+
+    found = {}
+    with in_flight() as records:
+        incoming = torch.full((4,), float("nan"))
+        requests = [dist.isend(torch.full((4,), float(rank)), (rank + 1) % world_size),
+                    dist.irecv(incoming, (rank - 1) % world_size)]
+        time.sleep(0.2)  # the message has landed by now; the caller must not see it yet
+        found["nothing before the wait"] = bool(torch.isnan(incoming).all())
+        torch.ones(2, 2) @ torch.ones(2, 2)
+        for request in requests:
+            request.wait()
+        found["the message after it"] = incoming.tolist() == [float((rank - 1) % world_size)] * 4
+    found["the matmul ran in flight"] = ran_while_in_flight(records) == {0: 1, 1: 1}
+    with tampered_receives(delta=1.0, scale=-2.0):
+        received = torch.zeros(3)
+        if rank == 0:
+            dist.send(torch.full((3,), 5.0), 1)
+        else:
+            dist.recv(received, 0)
+    found["scaled then shifted"] = rank == 0 or received.tolist() == [-9.0] * 3
+    alone = dist.new_group([0])
+    with recording() as calls:
+        dist.all_reduce(torch.ones(1))
+        if rank == 0:
+            dist.all_reduce(torch.ones(1), group=alone)
+    found["each call's group"] = [c.ranks for c in calls] == [(0, 1), (0,)][:2 - rank]
+    return found
+
+
+def test_in_flight_hands_a_message_over_at_its_wait_and_tampering_scales():
+    """in_flight holds what arrives until the wait (polling the buffer shows nothing early);
+    tampered_receives(scale=...) moves a result that adds what arrived to one made elsewhere;
+    recording names the ranks of each collective's group."""
+    for found in run(_received_in_flight_and_tampered, 2):
+        assert all(found.values()), f"expected each true: {found}"
+
+
+def test_holding_refuses_a_thread_whose_memory_it_would_not_count():
+    import threading
+
+    from minidist.core.checking import holding
+
+    with pytest.raises(LibraryVersionUsed, match="started a thread"):
+        with holding():
+            threading.Thread(target=torch.ones, args=(1000,)).start()

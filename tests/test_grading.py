@@ -5,11 +5,13 @@ labs/, with the instructor commands of solutions/README.md. Submissions are what
 would hand in: the released notebook with every answer cell filled in from the solution
 ("solution"), left untouched ("untouched"), or with one quiz answer wrong, one quiz cell
 looping forever and another deadlocking two ranks ("mistaken"). The plausible fakes of the lab's
-exercises (tests/fakes/) go in rounds, one submission per round: the first round in the
-mistaken submission, the others in submissions of their own, all graded together; the correct
-alternatives (tests/fakes/), which differ from the solution only where the spec allows it, go
-in rounds of their own in the same autograde. The solution's autograde run is also the lab's
-timed run.
+exercises (tests/fakes/): each exercise's first fake goes in the mistaken submission; its
+others are tried in the solution's own notebook, each run through the cells from the exercise's
+answer to its last check (a trial: cells the harness adds after that check, then the solution
+run through them again, so the notebook goes on as it was), or, for an exercise whose checks
+lie far below its answer, in rounds of submissions of their own. The correct alternatives
+(tests/fakes/), which differ from the solution only where the spec allows it, are tried the
+same way. The solution's autograde run, less its trials, is also the lab's timed run.
 
 Quiz cells follow the labs' convention: an autograded-answer cell whose solution region only
 assigns `answer_<name> = ...`, each answer checked by exactly one test cell.
@@ -32,6 +34,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from html.parser import HTMLParser
 from pathlib import Path
@@ -340,6 +343,153 @@ def scores(course: Path, lab: str, student: str) -> dict[str, tuple[float, float
         return {grade.name: (grade.score, grade.max_score) for grade in notebook.grades}
 
 
+# --- Trials: further fakes of an exercise, run in the solution's own notebook ---------------
+
+
+TRIAL_MARK = "# grading test, trial:"  # the first line of every cell the harness adds
+TRIAL_SPAN = 10  # an exercise is tried when its answer and checks lie within this many code cells
+TRIAL_CELL = """{mark} {name}
+def _trial(cells):
+    # Each source run as a cell of its own, as autograde would run it; which checks raised.
+    import json
+    from IPython import get_ipython
+    from IPython.utils.capture import capture_output
+    shell = get_ipython()
+    shown, shell._showtraceback = shell._showtraceback, lambda *args, **kwargs: None
+    raised = {{}}
+    try:
+        for source, check in cells:
+            with capture_output():
+                result = shell.run_cell(source, store_history=False)
+            error = result.error_before_exec or result.error_in_exec
+            if check:
+                raised[check] = error and f"{{type(error).__name__}}: {{error}}"[:400]
+    finally:
+        shell._showtraceback = shown
+    print("TRIAL " + json.dumps({{"name": {name!r}, "raised": raised}}))
+
+
+_trial({cells!r})
+"""
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One answer run through the cells that check its exercise, in the solution's notebook:
+    a fake (its checks must all raise), a correct alternative, or the solution again after them
+    (theirs must all pass)."""
+
+    name: str
+    exercise: str  # the grade id of the answer cell
+    checked_by: tuple[str, ...]
+    kind: str  # "fake", "alternative" or "solution"
+
+    @property
+    def key(self) -> str:
+        return f"{self.exercise}: {self.name}"
+
+
+def check_span(solution: NotebookNode, exercise: str, checks: Iterable[str]) -> range:
+    """The indices of the cells from `exercise`'s answer cell to the last of `checks`."""
+    ids = [nbgrader_meta(cell).get("grade_id") for cell in solution.cells]
+    return range(ids.index(exercise), max(ids.index(check) for check in checks) + 1)
+
+
+def tried_here(solution: NotebookNode, exercise: str, checks: Iterable[str]) -> bool:
+    """Whether `exercise`'s further fakes are tried in the solution's notebook: its checks lie
+    close below its answer (a trial reruns the cells in between, twice)."""
+    span = check_span(solution, exercise, checks)
+    return sum(solution.cells[i].cell_type == "code" for i in span) <= TRIAL_SPAN
+
+
+def with_trials(submission: NotebookNode, solution: NotebookNode,
+                tried: dict[str, list[Fake] | list[Alternative]]) -> list[Trial]:
+    """Add to `submission` (the solution, answered) a trial of each of `tried`'s answers after
+    the last check of its exercise, then one of the solution's answer, which puts the notebook
+    back as it was; returns the trials, in order."""
+    assert [nbgrader_meta(c).get("grade_id") for c in submission.cells] == [
+        nbgrader_meta(c).get("grade_id") for c in solution.cells], "cells out of step"
+    trials, added = [], {}
+    for exercise, answers in tried.items():
+        span = check_span(solution, exercise, {c for answer in answers for c in answer.checked_by})
+        answer_cell = solution.cells[span[0]]
+        checks = tuple(nbgrader_meta(solution.cells[i]).get("grade_id") for i in span
+                       if nbgrader_meta(solution.cells[i]).get("grade"))
+        below = [(without_delimiters(solution.cells[i].source),
+                  nbgrader_meta(solution.cells[i]).get("grade_id")
+                  if nbgrader_meta(solution.cells[i]).get("grade") else None)
+                 for i in span[1:] if solution.cells[i].cell_type == "code"]
+        runs = [(answer, Trial(answer.name, exercise, answer.checked_by,
+                               "fake" if isinstance(answer, Fake) else "alternative"))
+                for answer in answers]
+        runs.append((None, Trial(f"the solution of {exercise}, after the trials", exercise,
+                                 checks, "solution")))
+        cells = []
+        for answer, trial in runs:
+            source = (without_delimiters(answer_cell.source) if answer is None else
+                      replace_solution(answer_cell.source, answer_lines(answer)))
+            cells.append(nbformat.v4.new_code_cell(TRIAL_CELL.format(
+                mark=TRIAL_MARK, name=trial.key, cells=[(source, None), *below])))
+            trials.append(trial)
+        added[span[-1]] = added.get(span[-1], []) + cells
+    for index in sorted(added, reverse=True):
+        submission.cells[index + 1:index + 1] = added[index]
+    return trials
+
+
+def trial_outcomes(notebook: NotebookNode) -> dict[str, dict[str, str | None]]:
+    """{trial name: {check: None if it passed, else what it raised}} from an executed notebook."""
+    found = {}
+    for cell in notebook.cells:
+        if cell.cell_type == "code" and cell.source.startswith(TRIAL_MARK):
+            for output in cell.get("outputs", []):
+                for line in output.get("text", "").splitlines():
+                    if line.startswith("TRIAL "):
+                        record = json.loads(line[len("TRIAL "):])
+                        found[record["name"]] = record["raised"]
+    return found
+
+
+def without_trials(notebook: NotebookNode) -> NotebookNode:
+    """`notebook` less the cells the harness added (the lab's own run, for its timing)."""
+    kept = copy.copy(notebook)
+    kept.cells = [cell for cell in notebook.cells
+                  if not (cell.cell_type == "code" and cell.source.startswith(TRIAL_MARK))]
+    return kept
+
+
+def answer_lines(answer: Fake | Alternative) -> list[str] | tuple[list[str], ...]:
+    return (tuple(part.splitlines() for part in answer.source)
+            if isinstance(answer.source, tuple) else answer.source.splitlines())
+
+
+def without_delimiters(source: str) -> str:
+    return "\n".join(line for line in source.splitlines() if not is_delimiter(line))
+
+
+def split_fakes(lab: str, solution: NotebookNode) -> tuple[dict[str, Fake], list[dict],
+                                                           dict[str, list[Fake]]]:
+    """A lab's fakes: the first of each exercise (in the mistaken submission), the rounds of
+    submissions of their own, and those tried in the solution's notebook."""
+    first, far, tried = {}, {}, {}
+    for exercise, fakes in fakes_of(lab).items():
+        first[exercise], rest = fakes[0], fakes[1:]
+        checks = {check for fake in fakes for check in fake.checked_by}
+        if rest:
+            (tried if tried_here(solution, exercise, checks) else far)[exercise] = rest
+    return first, rounds(far), tried
+
+
+def split_alternatives(lab: str, solution: NotebookNode) -> tuple[list[dict],
+                                                                  dict[str, list[Alternative]]]:
+    """A lab's correct alternatives: rounds of submissions of their own, and those tried."""
+    far, tried = {}, {}
+    for exercise, correct in alternatives_of(lab).items():
+        checks = {check for alternative in correct for check in alternative.checked_by}
+        (tried if tried_here(solution, exercise, checks) else far)[exercise] = correct
+    return rounds(far), tried
+
+
 # --- Fixtures: the expensive work, once per lab ----------------------------------------------
 
 
@@ -418,7 +568,9 @@ def execution_times(notebook: NotebookNode) -> Execution:
 @dataclass
 class Graded:
     autograde_log: str
-    executed: Execution  # the solution's own run, as autograde executed it
+    executed: Execution  # the solution's own run, as autograde executed it, less its trials
+    trials: list[Trial]  # tried in the solution's notebook, in order
+    outcomes: dict[str, dict[str, str | None]]  # trial key -> check -> what it raised (None)
 
 
 @pytest.fixture(scope="module")
@@ -428,13 +580,21 @@ def graded(lab: str, course: Course) -> Graded:
 
     The solution and the untouched submission are graded by one autograde with the real
     limits; nbgrader runs one notebook at a time, so the solution's run is also the lab's
-    timed run (test g). The mistaken submission is graded by `mistaken`."""
-    course.submit(lab, "solution", answered(course.released, course.solution))
+    timed run (test g), less the trials of further fakes and alternatives it holds. The
+    mistaken submission is graded by `mistaken`."""
+    solution = answered(course.released, course.solution)
+    _, _, fakes = split_fakes(lab, course.solution)
+    _, alternatives = split_alternatives(lab, course.solution)
+    tried = {exercise: [*fakes.get(exercise, []), *alternatives.get(exercise, [])]
+             for exercise in {**fakes, **alternatives}}
+    trials = with_trials(solution, course.solution, tried)
+    course.submit(lab, "solution", solution)
     course.submit(lab, "untouched", course.released)
     course.run(COLLECT, lab)
     autograde = course.run(AUTOGRADE, lab)
     autograded = read_notebook(course.root / "autograded" / "solution" / lab / f"{lab}.ipynb")
-    return Graded(autograde.output, execution_times(autograded))
+    return Graded(autograde.output, execution_times(without_trials(autograded)), trials,
+                  trial_outcomes(autograded))
 
 
 @dataclass
@@ -504,15 +664,14 @@ def mistaken(lab: str, course: Course, graded: Graded) -> Mistaken:
         loop_quiz: INFINITE_LOOP,
         deadlock_quiz: DEADLOCK,
     }
-    fake_rounds = rounds(fakes_of(lab))
-    first = fake_rounds[0] if fake_rounds else {}
+    first, fake_rounds, _ = split_fakes(lab, course.solution)
     course.submit(lab, "mistaken", faked_submission(course, lab, first, replaced))
     faked = {"mistaken": list(first.values())}
-    for k, fakes in enumerate(fake_rounds[1:], start=1):
+    for k, fakes in enumerate(fake_rounds, start=1):
         course.submit(lab, f"fakes-{k}", faked_submission(course, lab, fakes, cut=True))
         faked[f"fakes-{k}"] = list(fakes.values())
     alternatives = {}
-    for k, correct in enumerate(rounds(alternatives_of(lab))):
+    for k, correct in enumerate(split_alternatives(lab, course.solution)[0]):
         course.submit(lab, f"alternatives-{k}", faked_submission(course, lab, correct, cut=True))
         alternatives[f"alternatives-{k}"] = list(correct.values())
     course.run(COLLECT, lab)
@@ -596,6 +755,38 @@ def test_feedback_hides_hidden_tests_and_tracebacks_that_quote_them() -> None:
     assert said.outputs[0].traceback == [
         "A hidden test failed: AssertionError: f(2) should be 4, got 5"]
     assert quoted.outputs[0].traceback == ["A hidden test failed: AssertionError"]
+
+
+def test_trials_fail_a_fake_pass_an_alternative_and_put_the_notebook_back() -> None:
+    """The harness's trials on a notebook of its own: a fake's check raises, a correct
+    alternative's passes, the solution run again puts the state back for the cells below."""
+    from nbclient import NotebookClient
+
+    def cell(source: str, **meta: object) -> NotebookNode:
+        made = nbformat.v4.new_code_cell(source)
+        made.metadata["nbgrader"] = meta
+        return made
+
+    solution = nbformat.v4.new_notebook()
+    solution.cells = [
+        cell("def double(x):\n    ### BEGIN SOLUTION\n    return 2 * x\n    ### END SOLUTION",
+             grade_id="impl-double", solution=True),
+        cell("doubled = double(21)"),
+        cell("assert doubled == 42 and double(3) == 6, doubled", grade_id="test-double",
+             grade=True, points=1),
+        cell("assert double(5) == 10 and doubled == 42, 'the state below the trials'"),
+    ]
+    fake = Fake("the visible answer only", "doubling", ("test-double",), "    return 42")
+    correct = Alternative("an addition", "doubling by adding", ("test-double",), "    return x + x")
+    submission = answered(solution, solution)
+    trials = with_trials(submission, solution, {"impl-double": [fake, correct]})
+    assert [trial.kind for trial in trials] == ["fake", "alternative", "solution"]
+    NotebookClient(submission, timeout=60, kernel_name="python3").execute()
+    outcomes = trial_outcomes(submission)
+    assert outcomes[trials[0].key]["test-double"].startswith("AssertionError"), outcomes
+    assert outcomes[trials[1].key] == {"test-double": None}, outcomes
+    assert outcomes[trials[2].key] == {"test-double": None}, outcomes
+    assert len(without_trials(submission).cells) == len(solution.cells)
 
 
 def test_feedback_math_is_mathml_and_code_is_left_alone() -> None:
@@ -752,12 +943,14 @@ def test_g_solution_runs_headless_and_states_its_budget(lab: str, graded: Graded
 
 
 def test_i_every_fake_scores_zero_on_the_checks_of_its_exercise(
-    lab: str, course: Course, mistaken: Mistaken
+    lab: str, course: Course, graded: Graded, mistaken: Mistaken
 ) -> None:
     """A fake gets the final numbers right while skipping the mechanism its exercise teaches
     (tests/fakes/); it must earn nothing on the cells that check that exercise, while the
-    solution, graded in the same course, earns full marks (test b)."""
-    if not any(mistaken.faked.values()):
+    solution, graded in the same course, earns full marks (test b). A fake tried in the
+    solution's notebook must make each of those checks raise, and the solution run through
+    them again after it must pass them all (else the trial's verdicts mean nothing)."""
+    if not fakes_of(lab):
         pytest.skip(f"{lab} has no fakes yet (tests/fakes/{lab}.py)")
     earned = []
     for student, fakes in mistaken.faked.items():
@@ -765,17 +958,34 @@ def test_i_every_fake_scores_zero_on_the_checks_of_its_exercise(
         for fake in fakes:
             earned += [f"{fake.name!r} ({fake.skips}) earned {got[cell][0]} of {got[cell][1]} "
                        f"on {cell}" for cell in fake.checked_by if got[cell][0] > 0]
+    for trial in graded.trials:
+        raised = graded.outcomes.get(trial.key)
+        if raised is None:
+            earned.append(f"{trial.key!r} never reported: its trial cell did not finish")
+        elif trial.kind == "fake":
+            earned += [f"{trial.key!r} passed {cell} (tried in the solution's notebook)"
+                       for cell in trial.checked_by if cell in raised and raised[cell] is None]
+        elif trial.kind == "solution":
+            earned += [f"{trial.key!r} failed {cell}: {error} (a fake tried before it left the "
+                       f"notebook changed; its verdicts cannot be trusted)"
+                       for cell, error in raised.items() if error is not None]
     assert not earned, f"{lab}: fakes earned points:\n" + "\n".join(earned)
 
 
 @pytest.mark.parametrize("lab", [lab for lab in LABS if alternatives_of(lab)], indirect=True)
-def test_j_correct_alternatives_score_full(lab: str, course: Course, mistaken: Mistaken) -> None:
+def test_j_correct_alternatives_score_full(lab: str, course: Course, graded: Graded,
+                                          mistaken: Mistaken) -> None:
     """The mirror of test i: an answer the spec allows, though the solution does it otherwise
     (tests/fakes/, ALTERNATIVES), earns full marks on the cells that check its exercise. The
     lowered cell timeout of this autograde is three times the solution's slowest cell. Only
     the labs that have alternatives are parametrized: the others have nothing to check."""
-    assert mistaken.alternatives, f"{lab}: its alternatives were not submitted"
+    tried = [trial for trial in graded.trials if trial.kind == "alternative"]
+    assert mistaken.alternatives or tried, f"{lab}: its alternatives were not submitted"
     lost = []
+    for trial in tried:
+        raised = graded.outcomes.get(trial.key) or {}
+        lost += [f"{trial.key!r} raised on {cell}: {raised.get(cell, 'never ran')}"
+                 for cell in trial.checked_by if raised.get(cell, "never ran") is not None]
     for student, alternatives in mistaken.alternatives.items():
         got = scores(course.root, lab, student)
         for alternative in alternatives:

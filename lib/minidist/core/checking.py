@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import inspect
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ import torch.distributed as dist
 from minidist.core import interposer
 from minidist.core._groups import members
 from minidist.core._supervisor import quiet_profiler
+from minidist.core.refusal import unavailable
 
 __all__ = [
     "Call", "RECORDED", "recording", "Message", "messages_sent", "tampered_receives", "Seen",
@@ -64,9 +66,10 @@ class Call:
     call, and the bytes, shape and dtype of its first tensor; the reduction `op` ("SUM",
     "MAX", ...) of a reducing collective; for an all-to-all, the bytes it `sent` to each rank
     of its group, in group order (its own piece included: it never leaves the rank).
-    `tensor` is that tensor itself (so a check can ask whether the tensor a function returns
-    is the one it reduced) and `before` a copy of what it held when the call began (what this
-    rank contributed)."""
+    `ranks` are the global ranks of the group it ran on (whether a reduction spanned the world
+    or one rank alone). `tensor` is that tensor itself (so a check can ask whether the tensor a
+    function returns is the one it reduced) and `before` a copy of what it held when the call
+    began (what this rank contributed)."""
 
     name: str
     peer: int | None
@@ -75,6 +78,7 @@ class Call:
     dtype: torch.dtype | None
     op: str | None = None
     sent: tuple[int, ...] | None = None
+    ranks: tuple[int, ...] | None = None
     tensor: torch.Tensor | None = field(default=None, compare=False, repr=False)
     before: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
@@ -110,6 +114,20 @@ def _sent(name: str, args: tuple, kwargs: dict) -> tuple[int, ...] | None:
     return tuple(int(rows) * row_bytes for rows in splits)
 
 
+@functools.cache
+def _parameters(name: str) -> inspect.Signature:
+    return inspect.signature(getattr(dist, name))
+
+
+def _group_ranks(name: str, args: tuple, kwargs: dict) -> tuple[int, ...] | None:
+    """The global ranks of the group a call ran on (the world when none was given)."""
+    try:
+        group = _parameters(name).bind(*args, **kwargs).arguments.get("group")
+        return tuple(members(group))
+    except (TypeError, ValueError, RuntimeError):  # not bindable, or a group torch does not know
+        return None
+
+
 def _describe(name: str, args: tuple, kwargs: dict) -> Call:
     tensor = args[0] if args else kwargs.get("tensor")
     if isinstance(tensor, list):  # all_gather's output list, and the like
@@ -118,10 +136,11 @@ def _describe(name: str, args: tuple, kwargs: dict) -> Call:
     if name in ("send", "isend", "recv", "irecv"):
         peer = kwargs.get("dst", kwargs.get("src", args[1] if len(args) > 1 else None))
     op, sent = _reduction(name, args, kwargs), _sent(name, args, kwargs)
+    ranks = _group_ranks(name, args, kwargs)
     if not isinstance(tensor, torch.Tensor):
-        return Call(name, peer, 0, (), None, op, sent)
-    return Call(name, peer, tensor.nbytes, tuple(tensor.shape), tensor.dtype, op, sent, tensor,
-                tensor.detach().clone())
+        return Call(name, peer, 0, (), None, op, sent, ranks)
+    return Call(name, peer, tensor.nbytes, tuple(tensor.shape), tensor.dtype, op, sent, ranks,
+                tensor, tensor.detach().clone())
 
 
 @contextlib.contextmanager
@@ -180,31 +199,39 @@ def messages_sent() -> Iterator[list[Message]]:
         yield sent
 
 
-class _Tampered(dist.Work):
-    """A receive whose message, once it has arrived, gets `delta` added to every element."""
+class _Arrival(dist.Work):
+    """A receive whose message, once it has arrived (the first wait(), or is_completed() turning
+    True), is handed over by `arrive` once: tampered with, or copied to where the caller looks."""
 
-    def __init__(self, work: dist.Work, tensors: list[torch.Tensor], delta: float) -> None:
+    def __init__(self, work: dist.Work, arrive: Callable[[], None]) -> None:
         super().__init__()
-        self.work, self.tensors, self.delta, self.done = work, tensors, delta, False
+        self.work, self.arrive, self.done = work, arrive, False
+
+    def _arrived(self) -> None:
+        if not self.done:
+            self.done = True
+            self.arrive()
 
     def wait(self, timeout: Any = None) -> bool:
         arrived = self.work.wait() if timeout is None else self.work.wait(timeout)
-        if not self.done:
-            self.done = True
-            for tensor in self.tensors:
-                tensor.add_(self.delta if tensor.is_floating_point() else round(self.delta))
+        self._arrived()
         return arrived
 
     def is_completed(self) -> bool:
-        return self.work.is_completed()
+        completed = self.work.is_completed()
+        if completed:
+            self._arrived()
+        return completed
 
 
 @contextlib.contextmanager
-def tampered_receives(*, delta: float = 1.0, nth: int | None = None) -> Iterator[list[int]]:
+def tampered_receives(*, delta: float = 1.0, scale: float = 1.0,
+                      nth: int | None = None) -> Iterator[list[int]]:
     """Inside the block the `nth` point-to-point message this rank receives (counting from 0;
-    every one with nth=None) arrives with `delta` added to each element, however it was
-    received (dist.recv, dist.irecv, batch_isend_irecv, minidist's rings). The list it
-    yields holds the source (global rank) of each message received, in order.
+    every one with nth=None) arrives as `scale` * message + `delta`, element by element, however
+    it was received (dist.recv, dist.irecv, batch_isend_irecv, minidist's rings). The list it
+    yields holds the source (global rank) of each message received, in order. A scale other
+    than 1 also moves a result that adds what arrived to a value obtained another way.
 
     A check runs the student's function and the library's under the same tampering: a
     function whose result really comes from what it received changes as the library's does;
@@ -218,7 +245,16 @@ def tampered_receives(*, delta: float = 1.0, nth: int | None = None) -> Iterator
         work = proceed(group, tensors, src, *args, **kwargs)
         index = len(sources)
         sources.append(members(group)[src] if src >= 0 else src)
-        return _Tampered(work, tensors, delta) if nth is None or index == nth else work
+        if nth is not None and index != nth:
+            return work
+
+        def tamper() -> None:
+            for tensor in tensors:
+                if tensor.is_floating_point():
+                    tensor.mul_(scale).add_(delta)
+                else:
+                    tensor.mul_(round(scale)).add_(round(delta))
+        return _Arrival(work, tamper)
 
     with interposer.subscribed("tampering", {"ProcessGroup.recv": receive}):
         yield sources
@@ -294,7 +330,9 @@ def in_flight(ops: tuple[str, ...] = MATMULS) -> Iterator[list[FlightRecord]]:
     then wait), every wait on one of them (`Work.wait`), and every call of the aten operators
     `ops`, however the caller spelled them (@, F.linear, torch.matmul, einsum for matmuls). An
     op between a request's post and its wait ran while that request was in flight
-    (`ran_while_in_flight`)."""
+    (`ran_while_in_flight`). A received message is handed over at its wait (on CPU): polling
+    the receive buffer shows nothing arriving earlier, as on a device where the copy lands
+    when the wait says so."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     records: list[FlightRecord] = []
@@ -315,8 +353,13 @@ def in_flight(ops: tuple[str, ...] = MATMULS) -> Iterator[list[FlightRecord]]:
             records.append(FlightRecord("post", "isend" if name == "send" else "irecv", peer,
                                         tensor.nbytes,
                                         tuple(tensor.shape), number))
-            work = proceed(group, tensors, *args)
-            numbers[id(work)] = number
+            if name == "send" or tensor.device.type != "cpu":
+                work = posted = proceed(group, tensors, *args)
+            else:  # the message lands in a buffer of its own, handed over at the wait
+                landing = [torch.empty_like(t) for t in tensors]
+                posted = proceed(group, landing, *args)
+                work = _Arrival(posted, functools.partial(_copy_all, tensors, landing))
+            numbers[id(posted)] = number  # the wait the caller makes ends in posted's
             works.append(work)
             return work
         return call
@@ -344,6 +387,11 @@ def in_flight(ops: tuple[str, ...] = MATMULS) -> Iterator[list[FlightRecord]]:
             yield records
     finally:
         dist.Work.wait = original_wait
+
+
+def _copy_all(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    for destination, source in zip(destinations, sources, strict=True):
+        destination.copy_(source)
 
 
 def ran_while_in_flight(records: list[FlightRecord]) -> dict[int, int]:
@@ -388,12 +436,15 @@ def holding() -> Iterator[Held]:
         held.new_bytes(exclude=[shard.grad for shard in shards])  # 0 beyond the shards' grads?
 
     PyTorch's profiler reports each allocation and free of the block's thread (and of
-    autograd's, which runs CPU backward on it); the bytes are known when the block ends."""
+    autograd's, which runs CPU backward on it), so starting a thread inside the block is
+    refused (what it held would go uncounted); the bytes are known when the block ends."""
     from torch.profiler import ProfilerActivity, profile
 
     quiet_profiler()
     held = Held()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+    with unavailable("threading.Thread.start", "_thread.start_new_thread",
+                     reason="the memory a block holds is counted on its own thread"), \
+            profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
         yield held
     held.nbytes = sum(event.nbytes() for event in profiler.profiler.kineto_results.events()
                       if event.name() == "[memory]")

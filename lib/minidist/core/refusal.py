@@ -10,10 +10,13 @@ of that code is refused by its fingerprint (its instructions, whatever its local
 when it is long, has no line table, or keeps the original's name, docstring, place in the
 library's file or the layout of its source; a class by every method it defines; a C function
 or method by its identity; and a torch.distributed collective together with what torch runs it
-through below. A refusal the checked function catches is raised again when the block ends.
+through below. A refusal the checked function catches is raised again when the block ends. What
+would work out of the block's sight is refused with it: switching its watch off, a thread or a
+process the notebook left running beside it, and (when asked) files, pipes and sockets.
 
-Why one module of about 520 lines: the refusal of each kind of callable (Python function, class
-method, C function, dispatcher op, a copy's code) is one mechanism, swapped in and out together.
+Why one module of about 630 lines: the refusal of each kind of callable (Python function, class
+method, C function, dispatcher op, a copy's code) is one mechanism, swapped in and out together,
+and what it watches (this thread, and what runs beside it) is what makes it hold.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import contextlib
 import dis
 import functools
 import importlib
+import importlib.util
 import inspect
 import sys
 import textwrap
@@ -37,7 +41,7 @@ from torch._ops import _OpNamespace
 from minidist.core import interposer
 
 __all__ = ["unavailable", "Refusals", "LibraryVersionUsed", "PROCESS_STARTERS",
-           "TORCH_COLLECTIVES", "TORCH_STORE"]
+           "TORCH_COLLECTIVES", "TORCH_STORE", "FILES"]
 
 
 class LibraryVersionUsed(RuntimeError):
@@ -179,6 +183,12 @@ def unavailable(*paths: str, reason: str = "", allow: Iterable[str] = (),
 
     for path in targets:  # import every module first: one may subclass what another refuses
         _owner(path)
+    beside = _started_beside(processes)
+    if beside:
+        raise LibraryVersionUsed(
+            f"{beside[0]} is still running beside the check: a checked function runs alone, in "
+            f"this thread, where the library's versions it is compared with are unavailable; "
+            f"finish it (join it, shut the pool down) before the check")
     try:
         refuse()
         with interposer.subscribed("recording", {"minidist.refusal": keep}), \
@@ -188,6 +198,75 @@ def unavailable(*paths: str, reason: str = "", allow: Iterable[str] = (),
         lift()
     if refusals:  # refused, and the function caught it and went on: still refused
         raise LibraryVersionUsed(f"{refusals[0]} (your function caught the refusal and went on)")
+
+
+def _started_beside(processes: bool) -> list[str]:
+    """What the notebook started that still runs beside this thread: a thread running the
+    notebook's code (or a pool's worker, which runs whatever it is handed), and with `processes`
+    a child process other than multiprocessing's own servers. Code running there would be out
+    of the block's sight (a profile hook watches only its own thread)."""
+    found = []
+    stacks = sys._current_frames()
+    for thread in threading.enumerate():
+        if thread is threading.current_thread() or not thread.is_alive():
+            continue
+        # what it was given to run (a Timer's function too), and what it runs now
+        runs = [getattr(thread, "_target", None), getattr(thread, "function", None),
+                type(thread).run]
+        frame, codes = stacks.get(thread.ident), []
+        while frame is not None:
+            codes.append(frame.f_code)
+            frame = frame.f_back
+        for callable_ in filter(None, runs):
+            callable_ = getattr(callable_, "func", callable_)  # a functools.partial
+            callable_ = getattr(callable_, "__func__", callable_)  # a bound method
+            codes.append(getattr(callable_, "__code__", None))
+            if (getattr(callable_, "__module__", "") or "").startswith(
+                    ("concurrent.futures", "multiprocessing.pool")):
+                codes.append(None)  # a pool's worker runs whatever it is handed
+        if any(code is None or _notebooks(code.co_filename) for code in codes):
+            found.append(f"a thread your notebook started ({thread.name!r})")
+    if processes:
+        found += [f"a process your notebook started (pid {pid})" for pid in _children()]
+    return found
+
+
+def _notebooks(filename: str) -> bool:
+    """Whether code from `filename` is the notebook's (a cell, or a file it wrote) rather than
+    an installed package's, the standard library's or minidist's."""
+    libraries = (sys.prefix, sys.base_prefix, sys.exec_prefix, _MINIDIST, "<frozen ")
+    return not filename.startswith(libraries)
+
+
+_MINIDIST = __file__.rsplit("/core/", 1)[0]
+
+
+def _children() -> list[int]:
+    """The pids of this process's live children, less multiprocessing's fork server and
+    resource tracker (Linux; elsewhere none are found)."""
+    import multiprocessing.forkserver
+    import multiprocessing.resource_tracker
+    import os
+
+    servers = {getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None),
+               getattr(multiprocessing.resource_tracker._resource_tracker, "_pid", None)}
+    pids = []
+    for listing in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else []:
+        try:
+            with open(f"/proc/self/task/{listing}/children") as file:
+                pids += [int(pid) for pid in file.read().split()]
+        except OSError:
+            continue
+    alive = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as file:
+                state = file.read().rpartition(")")[2].split()[0]
+        except OSError:
+            continue
+        if pid not in servers and state not in ("Z", "X"):
+            alive.append(pid)
+    return alive
 
 
 class Refusals:
@@ -238,6 +317,16 @@ def _resolvable(path: str) -> bool:
     return True
 
 
+FILES = tuple(path for path in (
+    "io.open", "os.open", "os.pipe", "os.mkfifo", "os.memfd_create", "socket.socket",
+    "socket.socketpair", "mmap.mmap", "_posixshmem.shm_open")
+    if importlib.util.find_spec(path.partition(".")[0])
+    and hasattr(importlib.import_module(path.partition(".")[0]), path.partition(".")[2]))
+"""What opens a file, a pipe, a socket or shared memory: the side channels beside the
+collectives, to pass to `unavailable` where an exercise has no business with files (a verdict,
+a norm or a state shared through /tmp would pass every count of its collectives). Reading a
+source file to show a traceback or a warning stays allowed."""
+
 PROCESS_STARTERS = (
     "os.fork", "os.forkpty", "os.posix_spawn", "os.posix_spawnp", "os.system",
     "_posixsubprocess.fork_exec", "multiprocessing.process.BaseProcess.start",
@@ -247,7 +336,23 @@ and what calls it (os.spawn*, pty), os.system, and multiprocessing (its fork ser
 minidist's run); refused by `unavailable(..., processes=True)`."""
 
 
+_SOURCE_READERS = ("linecache", "tokenize")  # they open .py files to show a line of a traceback
+
+_WATCH_SWITCHES = (sys.setprofile, sys.settrace)
+"""What would switch the copy detection off in this thread (a profile hook is per thread)."""
+
+
 def _refusal(path: str, reason: str) -> str:
+    if path in ("sys.setprofile", "sys.settrace", "threading.setprofile", "threading.settrace"):
+        return (f"your function called {path}: it would switch off the check's watch for the "
+                f"library's versions (a profile hook); a checked function leaves it alone")
+    if path in ("threading.Thread.start", "_thread.start_new_thread"):
+        return (f"your function started a thread ({path}): a checked function runs in the "
+                f"check's thread{': ' + reason if reason else ''}")
+    if path in FILES:
+        return (f"your function called {path}: this exercise shares nothing through files, "
+                f"pipes or sockets; what the ranks need travels by the collectives it names"
+                f"{': ' + reason if reason else ''}")
     if path in PROCESS_STARTERS:
         return (f"your function started a process ({path}): a check runs your function in this "
                 f"process, where the library's versions it is compared with are unavailable; "
@@ -467,23 +572,41 @@ def _refusing_copies(builtins: dict[int, str], code: dict[tuple, list[_Original]
     def profile(frame: Any, event: str, arg: Any) -> None:
         if event == "call":
             refused = refused_copy(frame.f_code)
+            if frame.f_code in _THREAD_SWITCHES and not _ours(frame.f_back):
+                refused = f"threading.{frame.f_code.co_name}"
         elif event == "c_call":
             refused = builtins.get(id(arg))
             if refused is None and methods:
                 refused = _refused_method(arg, methods)
+            if refused in FILES and frame.f_globals.get("__name__") in _SOURCE_READERS:
+                refused = None
+            if any(arg is switch for switch in _WATCH_SWITCHES) and not _ours(frame):
+                refused = f"sys.{arg.__name__}"
         else:
             return
         if refused is not None:
+            raised.append(refused)  # Python unsets a profile hook that raises
             raise LibraryVersionUsed(_refusal(refused, reason))
 
+    raised: list[str] = []
     previous, previous_threads = sys.getprofile(), threading.getprofile()
     sys.setprofile(profile)
     threading.setprofile(profile)
     try:
         yield
+        if sys.getprofile() is not profile and not raised:  # switched off, unseen by the hook
+            raise LibraryVersionUsed(_refusal("sys.setprofile", reason))
     finally:
         sys.setprofile(previous)
         threading.setprofile(previous_threads)
+
+
+_THREAD_SWITCHES = (threading.setprofile.__code__, threading.settrace.__code__)
+
+
+def _ours(frame: Any) -> bool:
+    """Whether `frame` runs this module's code (its own switching of the hook)."""
+    return frame is not None and frame.f_code.co_filename == __file__
 
 
 def _refused_method(called: Any, methods: dict[int, str]) -> str | None:
