@@ -465,7 +465,14 @@ def test_the_watch_cannot_be_switched_off_and_nothing_runs_beside_a_check():
 
     global _SAVED_RING
     _SAVED_RING = comm.ring_all_reduce.__code__
-    for switch_off in (_switches_the_watch_off, lambda: threading.setprofile(None)):
+    from minidist.core import interposer
+
+    def mute_tampering():
+        with interposer.muted("tampering"):
+            pass
+
+    for switch_off in (_switches_the_watch_off, lambda: threading.setprofile(None),
+                       mute_tampering):
         with pytest.raises(LibraryVersionUsed, match="switch off the check's watch"):
             with unavailable("minidist.communication.comm.*"):
                 switch_off()
@@ -543,3 +550,57 @@ def test_holding_refuses_a_thread_whose_memory_it_would_not_count():
     with pytest.raises(LibraryVersionUsed, match="started a thread"):
         with holding():
             threading.Thread(target=torch.ones, args=(1000,)).start()
+
+
+def test_plain_converts_what_would_compute_later_inside_the_block():
+    """A float whose value asks the library when it is compared: plain() makes it ask now,
+    inside the block, where the library refuses; a liar's comparisons are left behind."""
+    from minidist.core.checking import plain
+    from minidist.costs import cost
+
+    class Later(float):
+        def __float__(self):
+            return float(cost.all_reduce_time("ring", 1000, 2, 1e-5, 1e-9))
+
+    class Liar(int):
+        def __eq__(self, other):
+            return True
+
+        __hash__ = int.__hash__
+
+    with pytest.raises(LibraryVersionUsed, match="all_reduce_time"):
+        with unavailable("minidist.costs.cost.*"):
+            plain(Later(0.0))
+    with unavailable("minidist.costs.cost.*"):
+        found = plain({"tp": Liar(3), "terms": [Liar(1), (2.5, "s")], "t": torch.ones(2)})
+    assert found["tp"] != 4 and type(found["tp"]) is int and found["terms"] == [1, (2.5, "s")]
+    assert type(found["t"]) is torch.Tensor
+
+
+def test_an_edited_copy_is_refused_and_the_solutions_are_not_copies():
+    """A copy of the library's code compiled from its source with a line added is refused by
+    what it keeps of the original's columns; code written anew is not (the solutions resemble
+    the library at most 0.78 of the way, below the 0.9 a copy keeps)."""
+    import textwrap
+
+    from minidist.jobs import profiling
+
+    lines = textwrap.dedent(inspect.getsource(profiling.merge)).split("\n")
+    lines.insert(3, " " * (len(lines[3]) - len(lines[3].lstrip())) + "_unused = 0")
+    namespace = dict(vars(profiling))
+    exec(compile("\n".join(lines), "<mine>", "exec"), namespace)
+    with pytest.raises(LibraryVersionUsed, match="profiling.merge"):
+        with unavailable("minidist.jobs.profiling.merge"):
+            namespace["merge"]([(0.0, 1.0), (0.5, 2.0)])
+
+    def union(intervals):  # an honest merge of intervals, as a student writes it
+        merged = []
+        for start, end in sorted(intervals):
+            if merged and start <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+            else:
+                merged.append((start, end))
+        return merged
+
+    with unavailable("minidist.jobs.profiling.merge"):
+        assert union([(0.0, 1.0), (0.5, 2.0)]) == [(0.0, 2.0)]

@@ -384,3 +384,88 @@ FAKES["impl-layout-cost"] += [
                          capture_output=True, check=True, env=dict(os.environ, PYTHONPATH=path))
     return pickle.loads(out.stdout)"""),
 ]
+
+
+# Red team rt12 (stop 47): values that compute later, once the check's refusals are lifted.
+FAKES['impl-bytes-per-dimension'] += [
+    Fake("TP's bytes as an int that asks the traffic formula later",
+         "derives nothing: TP's bytes are an int whose comparisons call "
+         "traffic.tensor_parallel_traffic after the check's block",
+         ('test-bytes-per-dimension',), """\
+    class _LaterInt(int):
+        def __new__(cls, compute):
+            self = super().__new__(cls, 0)
+            self._compute = compute
+            return self
+        def _v(self): return self._compute()
+        def __int__(self): return int(self._v())
+        def __float__(self): return float(self._v())
+        def __index__(self): return int(self._v())
+        def __eq__(self, other): return self._v() == other
+        def __ne__(self, other): return self._v() != other
+        def __lt__(self, other): return self._v() < other
+        def __le__(self, other): return self._v() <= other
+        def __gt__(self, other): return self._v() > other
+        def __ge__(self, other): return self._v() >= other
+        def __add__(self, other): return self._v() + other
+        def __radd__(self, other): return other + self._v()
+        def __sub__(self, other): return self._v() - other
+        def __rsub__(self, other): return other - self._v()
+        def __mul__(self, other): return self._v() * other
+        def __rmul__(self, other): return other * self._v()
+        def __truediv__(self, other): return self._v() / other
+        def __hash__(self): return hash(self._v())
+        def __repr__(self): return repr(self._v())
+        def __str__(self): return str(self._v())
+        def __format__(self, spec): return format(self._v(), spec)
+
+    def _tp():
+        from minidist.costs import traffic
+        layer = traffic.tensor_parallel_traffic(s, b, h, 2, bytes_per_element=bytes_per_element)
+        return int(blocks_on_stage * microbatches
+                   * sum(c.count * c.nbytes for c in layer.collectives))
+
+    tp_bytes = _LaterInt(_tp)
+    pp_bytes = ((stage < pp - 1) + (stage > 0)) * b * s * h * bytes_per_element * microbatches
+    dp_bytes = rank_params * bytes_per_element"""),
+]
+FAKES['impl-layout-cost'] += [
+    Fake('every term a float that asks the planner later',
+         "derives nothing: each term is a float whose comparisons call "
+         "planner.estimate_time / estimate_memory after the check's block",
+         ('test-layout-cost',), """\
+    import functools as _functools
+
+    @_functools.lru_cache(maxsize=None)
+    def _all():
+        t = planner.estimate_time(layout, model, cluster, global_batch, efficiency)
+        return {"memory": planner.estimate_memory(layout, model).total, "compute": t.compute,
+                "bubble": t.bubble, "tp": t.tp_comm, "pp": t.pp_comm, "dp": t.dp_comm}
+
+    class _Later(float):
+        def __new__(cls, term):
+            self = super().__new__(cls, 0.0)
+            self._term = term
+            return self
+        def __float__(self): return float(_all()[self._term])
+        def __eq__(self, other): return float(self) == other
+        def __ne__(self, other): return float(self) != other
+        def __lt__(self, other): return float(self) < other
+        def __le__(self, other): return float(self) <= other
+        def __gt__(self, other): return float(self) > other
+        def __ge__(self, other): return float(self) >= other
+        def __sub__(self, other): return float(self) - other
+        def __rsub__(self, other): return other - float(self)
+        def __add__(self, other): return float(self) + other
+        def __radd__(self, other): return other + float(self)
+        def __mul__(self, other): return float(self) * other
+        def __rmul__(self, other): return other * float(self)
+        def __truediv__(self, other): return float(self) / other
+        def __rtruediv__(self, other): return other / float(self)
+        def __abs__(self): return abs(float(self))
+        def __hash__(self): return hash(float(self))
+        def __repr__(self): return repr(float(self))
+        def __format__(self, spec): return format(float(self), spec)
+
+    return {term: _Later(term) for term in ("memory", "compute", "bubble", "tp", "pp", "dp")}"""),
+]

@@ -30,6 +30,7 @@ in between: what overlapped what, from the order alone, so no timing can make it
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib
 import inspect
@@ -49,6 +50,7 @@ from minidist.core.refusal import unavailable
 __all__ = [
     "Call", "RECORDED", "recording", "Message", "messages_sent", "tampered_receives", "Seen",
     "watching", "MATMULS", "FlightRecord", "in_flight", "ran_while_in_flight", "Held", "holding",
+    "plain",
 ]
 
 RECORDED = (
@@ -448,3 +450,34 @@ def holding() -> Iterator[Held]:
         yield held
     held.nbytes = sum(event.nbytes() for event in profiler.profiler.kineto_results.events()
                       if event.name() == "[memory]")
+
+
+# --- What a checked function returned, as plain data -------------------------------------------
+
+
+def plain(value: Any) -> Any:
+    """`value` as plain data, converted now: a number, string or None of its exact built-in
+    type, a tuple, list or dict (or a dataclass's fields) of such, a tensor as a plain tensor;
+    any other object as it is. A subclass of one of these is converted by its own float(),
+    int(), items(), ... here: called inside a check's `unavailable` block, whatever those
+    compute runs where the library is refused, not later when the check compares the value."""
+    if value is None or type(value) in (bool, int, float, complex, str, bytes):
+        return value
+    for kind in (bool, int, float, complex, str, bytes):
+        if isinstance(value, kind):
+            return kind(value)
+    if isinstance(value, torch.Tensor):
+        return value if type(value) in (torch.Tensor, torch.nn.Parameter) else (
+            value.as_subclass(torch.Tensor).clone())
+    if isinstance(value, dict):
+        return {plain(key): plain(item) for key, item in dict.items(value)}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple keeps its type
+        return type(value)(*(plain(item) for item in tuple.__iter__(value)))
+    if isinstance(value, (list, tuple)):
+        items = [plain(item) for item in (list.__iter__ if isinstance(value, list)
+                                          else tuple.__iter__)(value)]
+        return items if isinstance(value, list) else tuple(items)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.replace(value, **{field.name: plain(getattr(value, field.name))
+                                            for field in dataclasses.fields(value) if field.init})
+    return value

@@ -8,13 +8,13 @@ builds. `unavailable` makes the function objects themselves refuse, so every nam
 and path that reaches them is caught: a Python function's code is swapped for a refusal, a copy
 of that code is refused by its fingerprint (its instructions, whatever its locals are named)
 when it is long, has no line table, or keeps the original's name, docstring, place in the
-library's file or the layout of its source; a class by every method it defines; a C function
-or method by its identity; and a torch.distributed collective together with what torch runs it
-through below. A refusal the checked function catches is raised again when the block ends. What
+library's file or the layout of its source, and an edited copy by the columns it keeps; a class
+by every method it defines; a C function or method by its identity; and a torch.distributed
+collective together with what torch runs it through below. A refusal the checked function catches is raised again when the block ends. What
 would work out of the block's sight is refused with it: switching its watch off, a thread or a
 process the notebook left running beside it, and (when asked) files, pipes and sockets.
 
-Why one module of about 630 lines: the refusal of each kind of callable (Python function, class
+Why one module of about 690 lines: the refusal of each kind of callable (Python function, class
 method, C function, dispatcher op, a copy's code) is one mechanism, swapped in and out together,
 and what it watches (this thread, and what runs beside it) is what makes it hold.
 """
@@ -23,6 +23,7 @@ from __future__ import annotations
 import __future__
 
 import contextlib
+import difflib
 import dis
 import functools
 import importlib
@@ -343,7 +344,8 @@ _WATCH_SWITCHES = (sys.setprofile, sys.settrace)
 
 
 def _refusal(path: str, reason: str) -> str:
-    if path in ("sys.setprofile", "sys.settrace", "threading.setprofile", "threading.settrace"):
+    if path in ("sys.setprofile", "sys.settrace", "threading.setprofile", "threading.settrace",
+                "minidist.core.interposer.muted"):
         return (f"your function called {path}: it would switch off the check's watch for the "
                 f"library's versions (a profile hook); a checked function leaves it alone")
     if path in ("threading.Thread.start", "_thread.start_new_thread"):
@@ -383,7 +385,8 @@ def _refuse(path: str, reason: str, refused_builtins: dict[int, str],
         innermost = functions[-1].__code__
         for compiled in _compiled_both_ways(innermost):
             refused_code.setdefault(_fingerprint(compiled), []).append(
-                _Original(path, *_identity(innermost), len(compiled.co_code)))
+                _Original(path, *_identity(innermost), len(compiled.co_code),
+                          _columns(innermost)))
         for function, code in saved:
             function.__code__ = _refusing_code(code, _refusal(path, reason))
 
@@ -495,6 +498,7 @@ class _Original(NamedTuple):
     place: tuple[str, int]  # its file and first line
     layout: tuple[tuple[int | None, ...], ...]
     size: int  # bytes of its bytecode, the same in every copy: a quick first test
+    columns: tuple[tuple[int, int, int], ...] = ()  # `_columns`: what an edited copy keeps
 
 
 def _identity(code: types.CodeType) -> tuple[str, str | None, tuple[str, int],
@@ -519,6 +523,41 @@ def _layout(code: types.CodeType) -> tuple[tuple[int | None, ...], ...]:
     first = min(line for line, *_ in body)
     return tuple((line - first, column, end - first, end_column)
                  for line, end, column, end_column in body)
+
+
+def _columns(code: types.CodeType) -> tuple[tuple[int, int, int], ...]:
+    """Where each instruction of the body stands on its line: its first and last column (from
+    the body's least indented) and how many lines it spans. A copy whose lines were edited,
+    added or removed keeps nearly all of them in order; code written anew, even to the same
+    instructions, puts its tokens elsewhere (the solutions resemble the library at most 0.78
+    of the way)."""
+    body = [position for position in code.co_positions()
+            if position[0] is not None and position[0] > code.co_firstlineno
+            and position[2] is not None and position[3] is not None]
+    if not body:
+        return ()
+    base = min(column for _, _, column, _ in body)
+    return tuple((column - base, end_column - base, end - line)
+                 for line, end, column, end_column in body)
+
+
+_RESEMBLING, _EDITED = 40, 0.9  # instructions, and how much of their columns a copy keeps
+
+
+def _resembles(called: types.CodeType, originals: list[_Original]) -> str | None:
+    """The path of the refused function `called` is an edited copy of (a line added, removed
+    or changed, then compiled from the library's source): most of its columns, in order."""
+    columns = _columns(called)
+    if len(columns) < _RESEMBLING:
+        return None
+    for original in originals:
+        if not 0.75 * len(original.columns) <= len(columns) <= 1.33 * len(original.columns):
+            continue
+        matcher = difflib.SequenceMatcher(None, original.columns, columns, autojunk=False)
+        if (matcher.real_quick_ratio() >= _EDITED and matcher.quick_ratio() >= _EDITED
+                and matcher.ratio() >= _EDITED):
+            return original.path
+    return None
 
 
 # Instructions: code this short (`return self.module(*args)`) is the library's only when it comes
@@ -557,16 +596,19 @@ def _refusing_copies(builtins: dict[int, str], code: dict[tuple, list[_Original]
     seen: dict[int, tuple[types.CodeType, str | None]] = {}  # id(code) -> (code, refused path)
     sizes = {original.size for originals in code.values() for original in originals}
 
+    every = [original for originals in code.values() for original in originals]
+
     def refused_copy(called: types.CodeType) -> str | None:
         found = seen.get(id(called))
         if found is None or found[0] is not called:
-            if len(called.co_code) not in sizes:  # most code: no disassembly needed
-                seen[id(called)] = (called, None)
-                return None
-            fingerprint = _fingerprint(called)
-            originals = code.get(fingerprint)
-            found = seen[id(called)] = (called, originals and _copied(called, originals,
-                                                                      len(fingerprint)))
+            path = None
+            if len(called.co_code) in sizes:  # most code: no disassembly needed
+                fingerprint = _fingerprint(called)
+                originals = code.get(fingerprint)
+                path = originals and _copied(called, originals, len(fingerprint))
+            if not path and _notebooks(called.co_filename):  # the notebook's own code
+                path = _resembles(called, every)
+            found = seen[id(called)] = (called, path or None)
         return found[1]
 
     def profile(frame: Any, event: str, arg: Any) -> None:
@@ -574,6 +616,8 @@ def _refusing_copies(builtins: dict[int, str], code: dict[tuple, list[_Original]
             refused = refused_copy(frame.f_code)
             if frame.f_code in _THREAD_SWITCHES and not _ours(frame.f_back):
                 refused = f"threading.{frame.f_code.co_name}"
+            elif frame.f_code is _MUTING and frame.f_locals.get("layer") != "counting":
+                refused = "minidist.core.interposer.muted"  # the check's own watching layers
         elif event == "c_call":
             refused = builtins.get(id(arg))
             if refused is None and methods:
@@ -602,6 +646,9 @@ def _refusing_copies(builtins: dict[int, str], code: dict[tuple, list[_Original]
 
 
 _THREAD_SWITCHES = (threading.setprofile.__code__, threading.settrace.__code__)
+_MUTING = interposer.muted.__wrapped__.__code__
+"""Muting a layer of the interposer: the library's scaffolding mutes traffic counting alone;
+muting a check's recording, tampering or messages would blind it."""
 
 
 def _ours(frame: Any) -> bool:
