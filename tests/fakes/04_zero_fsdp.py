@@ -468,3 +468,47 @@ FAKES["impl-gather-free"].append(Fake(
     (indented(BACKWARD.replace("free(unit)\n", "free(unit)\nunit.__dict__.pop('_kept', None)\n"),
               8),
      indented(ALL_GATHER_PARAMS, 4), indented(STASH_GATHER, 4), indented(STASH_FREE, 4))))
+
+# Red team rt10 (issue 38): the private flattener, and two copies of modelled_step made from its
+# file (a second module, an AST with its docstring stripped and renamed).
+FAKES["impl-flat-shard"].append(Fake(
+    "the library's private flattener", "minidist.parallel.fsdp._Flat, the helper class "
+    "FullyShardedDataParallel flattens with, builds the shard", ("test-flat-shard",), indented("""\
+from minidist.parallel.fsdp import _Flat
+slots = [SimpleNamespace(shape=p.shape) for p in params]
+return _Flat(slots, list(params), None, True, False).shard
+""", 4)))
+FAKES["impl-fsdp-schedule"].append(Fake(
+    "a second copy of the library's module", "minidist.costs.overlap loaded again from its file "
+    "with importlib (a module of its own), its modelled_step's events replayed through run_on",
+    ("test-fsdp-schedule",), indented("""\
+import importlib.util as _ilu
+from minidist.costs import overlap as _overlap
+_spec = _ilu.spec_from_file_location("rt10_overlap_copy", _overlap.__file__)
+_copy = _ilu.module_from_spec(_spec)
+_spec.loader.exec_module(_copy)
+for e in _copy.modelled_step(unit_params, tokens, world_size, flops_per_s, link_bytes_per_s,
+                             bytes_per_element, prefetch):
+    lane = "compute" if e.kind in ("forward", "backward") else "link"
+    run_on(lane, e.kind, e.name, e.start, e.end - e.start)
+""", 4)))
+FAKES["impl-fsdp-schedule"].append(Fake(
+    "the library's model, parsed and renamed", "modelled_step's syntax tree read from the "
+    "library's file, its docstring stripped, renamed and compiled under another file name; its "
+    "events replayed through run_on", ("test-fsdp-schedule",), indented("""\
+import ast as _ast
+from minidist.costs import overlap as _overlap
+_tree = _ast.parse(open(_overlap.__file__).read())
+_fn = next(n for n in _tree.body if isinstance(n, _ast.FunctionDef) and n.name == "modelled_step")
+_fn.name = "my_model"
+_fn.body = [s for s in _fn.body if not (isinstance(s, _ast.Expr)
+                                        and isinstance(getattr(s, "value", None), _ast.Constant))]
+_ns = {}
+_imports = [n for n in _tree.body if isinstance(n, (_ast.Import, _ast.ImportFrom))]
+_mod = _ast.Module(body=_imports + [_fn], type_ignores=[])
+exec(compile(_ast.fix_missing_locations(_mod), "<my schedule>", "exec"), _ns)
+for e in _ns["my_model"](unit_params, tokens, world_size, flops_per_s, link_bytes_per_s,
+                        bytes_per_element, prefetch):
+    lane = "compute" if e.kind in ("forward", "backward") else "link"
+    run_on(lane, e.kind, e.name, e.start, e.end - e.start)
+""", 4)))

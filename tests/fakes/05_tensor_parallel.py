@@ -248,3 +248,76 @@ FAKES["impl-sp-operators"].append(Fake(
     out = torch.empty_like(mine)
     dist.reduce_scatter(out, [torch.zeros_like(mine) for _ in range(t)])  # for show
     return mine""", *SP_METHODS)))
+
+# --- Red team rt10 (issue 38): the whole layer where FlopCounterMode does not look (numpy, a
+# worker thread) with g's all-reduce on a discarded copy; no max shift in float64; the library's
+# traffic model; a sum through an all-gather torch records as coalesced -------------------------
+
+FAKES["impl-mlp"].append(Fake(
+    "the whole MLP in numpy", "numpy matmuls on the unsharded weights give the output, which "
+    "FlopCounterMode does not see; the shard path only carries the gradients and g all-reduces "
+    "a copy whose sum is thrown away", ("test-mlp",), """\
+    import numpy as _np
+    xp = CopyToParallel.apply(x)
+    hidden = F.gelu(F.linear(xp, shard_weight(fc1.weight, rank, t, "column"),
+                             fc1.bias.chunk(t)[rank]))
+    partial = F.linear(hidden, shard_weight(fc2.weight, rank, t, "row"))
+    dist.all_reduce(partial.detach().clone())
+    h1 = torch.from_numpy(_np.matmul(x.detach().numpy(), fc1.weight.detach().numpy().T))
+    h1 = h1 + fc1.bias.detach()
+    whole = torch.from_numpy(_np.matmul(F.gelu(h1).numpy(), fc2.weight.detach().numpy().T))
+    return whole + (partial - partial.detach()) + fc2.bias"""))
+FAKES["impl-attention"].append(Fake(
+    "the whole attention in a worker thread", "the unsharded attention runs in a thread, where "
+    "the check's per-thread dispatch modes do not reach; this rank's heads only carry the "
+    "gradients and g all-reduces a copy whose sum is thrown away", ("test-attention",), """\
+    import threading as _threading
+    box = {}
+    def _whole():
+        with torch.no_grad():
+            heads = attend(attn.q_proj(x), attn.k_proj(x), attn.v_proj(x), attn.heads)
+            box["y"] = attn.out_proj(heads) - attn.out_proj.bias
+    worker = _threading.Thread(target=_whole)
+    worker.start()
+    width = x.shape[-1]
+    mine = slice(rank * width // t, (rank + 1) * width // t)
+    xp = CopyToParallel.apply(x)
+    q, k, v = (F.linear(xp, getattr(attn, n).weight[mine], getattr(attn, n).bias[mine])
+               for n in ("q_proj", "k_proj", "v_proj"))
+    partial = F.linear(attend(q, k, v, attn.heads // t), attn.out_proj.weight[:, mine])
+    dist.all_reduce(partial.detach().clone())
+    worker.join()
+    return box["y"] + (partial - partial.detach()) + attn.out_proj.bias"""))
+FAKES["impl-vocab-ce"].append(Fake(
+    "no max shift, in float64", "exp taken in float64, finite up to about 709, instead of after "
+    "the max shift; the MAX all-reduce runs for show", ("test-vocab-ce",), """\
+    n = local_logits.shape[0]
+    shown = local_logits.max(dim=-1).values.clone()
+    dist.all_reduce(shown, op=dist.ReduceOp.MAX)
+    z = local_logits.double()
+    inside = (targets >= start) & (targets < start + vocab_local)
+    picked = z.gather(-1, (targets - start).clamp(0, vocab_local - 1).unsqueeze(-1)).squeeze(-1)
+    both = torch.cat([torch.where(inside, picked, torch.zeros_like(picked)), z.exp().sum(-1)])
+    dist.all_reduce(both)
+    return (both[n:].log() - both[:n]).float()"""))
+FAKES["impl-tp-seconds"].append(Fake(
+    "the library's traffic model", "the communication is half the forward and backward bytes of "
+    "minidist.costs.traffic.tensor_parallel_traffic, not derived", ("test-tp-seconds",), """\
+    from minidist.costs.traffic import tensor_parallel_traffic as _tpt
+    flops = 2 * b * s * (4 * h * h + 8 * h * h) / t
+    return {"compute": flops / peak_flops,
+            "communication": _tpt(s, b, h, t, bytes_per_element=bytes_per_element).bytes_sent
+            / 2 / bandwidth}"""))
+FAKES["impl-sp-operators"].append(Fake(
+    "reduce-scatter by a coalesced all-gather", "every rank's whole partial sums all-gathered "
+    "with dist.all_gather_coalesced (t times the bytes) and summed here; a right-sized "
+    "reduce-scatter runs for show", ("test-sp-operators",), ("""\
+    pieces = [torch.empty_like(x.contiguous()) for _ in range(dist.get_world_size())]
+    dist.all_gather(pieces, x.contiguous())
+    return torch.cat(pieces, dim=1)""", """\
+    world, rank = dist.get_world_size(), dist.get_rank()
+    whole = [[torch.empty_like(x.contiguous())] for _ in range(world)]
+    dist.all_gather_coalesced(whole, [x.detach().contiguous()])
+    inputs = [p.contiguous() for p in x.detach().chunk(world, dim=1)]
+    dist.reduce_scatter(torch.empty_like(inputs[0]), inputs)
+    return sum(w[0] for w in whole).chunk(world, dim=1)[rank].clone()""", *SP_METHODS)))

@@ -234,3 +234,108 @@ FAKES["impl-save_load"].append(Fake(
         write_atomically(path / "metadata.json", lambda p: p.write_text(json.dumps(meta)))
         write_atomically(path / "COMPLETE", lambda p: p.write_text(""))
     dist.barrier()""", LOAD_BY_FORMULA)))
+
+# --- Red team rt10 (issue 38): verdicts and pieces through files beside the collectives, the
+# generators' states in a side file, and torch.load through its alias ---------------------------
+FAKES["impl-nan_guard"].append(Fake(
+    "verdicts through files",
+    "each rank writes its verdict to a file in a shared folder and reads every rank's; the "
+    "one all-reduce, of a zero, is a barrier whose value is never read",
+    ("test-nan_guard",), """\
+    import sys as _sys, tempfile as _tf
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ok = bool(torch.isfinite(loss).all()) and all(bool(torch.isfinite(g).all())
+                                                  for g in grads if g is not None)
+    folder = Path(_tf.gettempdir()) / f"rt10-nan-guard-{os.environ.get('MASTER_PORT', 'x')}-{world}"
+    folder.mkdir(exist_ok=True)
+    main = _sys.modules["__main__"]
+    main._rt10_calls = getattr(main, "_rt10_calls", 0) + 1
+    k = main._rt10_calls
+    (folder / f"{k}-{rank}").write_text("1" if ok else "0")
+    dist.all_reduce(torch.zeros(1))
+    verdict = all((folder / f"{k}-{r}").read_text() == "1" for r in range(world))
+    (folder / f"{k - 1}-{rank}").unlink(missing_ok=True)
+    return verdict"""))
+FAKES["impl-rng_state"].append(Fake(
+    "the states in a side file",
+    "the generators' states pickled to a file of their own in /tmp; what capture_state "
+    "returns, and a checkpoint would hold, is only its name and the sampler's state",
+    ("test-rng_state",), ("""\
+    import pickle as _pickle, tempfile as _tf, uuid as _uuid
+    file = Path(_tf.gettempdir()) / f"rt10-rng-{_uuid.uuid4().hex}.pkl"
+    states = (torch.get_rng_state(), random.getstate(), np.random.get_state())
+    file.write_bytes(_pickle.dumps(states))
+    return {"file": str(file), "sampler": dict(sampler.state_dict())}""", """\
+    import pickle as _pickle
+    t, p, n = _pickle.loads(Path(state["file"]).read_bytes())
+    torch.set_rng_state(t)
+    random.setstate(p)
+    np.random.set_state(n)
+    sampler.load_state_dict(state["sampler"])""")))
+FAKES["impl-save_load"].append(Fake(
+    "the pieces shared through files",
+    "atomic writes, but each rank's [offset, count] pieces reach rank 0 through files in /tmp "
+    "instead of all_gather_object; two barriers stand in for the collectives",
+    ("test-save_load",), ("""\
+    import tempfile as _tf, hashlib as _hl
+    rank, world = dist.get_rank(), dist.get_world_size()
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    digest = _hl.md5(str(path.resolve()).encode()).hexdigest()
+    side = Path(_tf.gettempdir()) / f"rt10-pieces-{digest}"
+    side.mkdir(exist_ok=True)
+    (side / f"{rank}.json").write_text(json.dumps(
+        {name: [offset, flat.numel(), numel] for name, (offset, flat, numel) in shards.items()}))
+    tensors = {name: flat.clone() for name, (offset, flat, numel) in shards.items()}
+    write_atomically(path / f"rank_{rank}.pt", lambda p: torch.save(tensors, p))
+    dist.barrier()
+    if rank == 0:
+        mine = [json.loads((side / f"{r}.json").read_text()) for r in range(world)]
+        meta = {"world_size": world, "tensors": {name: {"numel": numel, "pieces": [
+                    [r, mine[r][name][0], mine[r][name][1]] for r in range(world)]}
+                                                 for name, (offset, flat, numel) in shards.items()}}
+        write_atomically(path / "metadata.json", lambda p: p.write_text(json.dumps(meta)))
+        write_atomically(path / "COMPLETE", lambda p: p.write_text(""))
+    dist.barrier()""", """\
+    path = Path(path)
+    if not (path / "COMPLETE").exists():
+        raise RuntimeError(f"{path} has no COMPLETE marker")
+    meta = json.loads((path / "metadata.json").read_text())
+    out = torch.empty(end - start)
+    for r, offset, count in meta["tensors"][name]["pieces"]:
+        lo, hi = max(start, offset), min(end, offset + count)
+        if lo < hi:
+            piece = torch.load(path / f"rank_{r}.pt")[name]
+            out[lo - start:hi - start] = piece[lo - offset:hi - offset]
+    return out""")))
+FAKES["impl-save_load"].append(Fake(
+    "in place, the formula, and load through an alias",
+    "files written in place (a rename onto itself for show), the metadata predicted from "
+    "comm.chunk_bounds, and load_range reads every rank file through "
+    "torch.serialization.load, an alias of torch.load",
+    ("test-save_load",), ("""\
+    rank, world = dist.get_rank(), dist.get_world_size()
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    mine = path / f"rank_{rank}.pt"
+    torch.save({name: flat.clone() for name, (offset, flat, numel) in shards.items()}, mine)
+    os.replace(mine, mine)
+    dist.barrier()
+    if rank == 0:
+        meta = {"world_size": world, "tensors": {name: {"numel": numel, "pieces": [
+                    [r, s, e - s] for r, (s, e) in enumerate(comm.chunk_bounds(numel, world))]}
+                                                 for name, (offset, flat, numel) in shards.items()}}
+        (path / "metadata.json").write_text(json.dumps(meta))
+        os.replace(path / "metadata.json", path / "metadata.json")
+        (path / "COMPLETE").write_text("")
+        os.replace(path / "COMPLETE", path / "COMPLETE")
+    dist.barrier()""", """\
+    import torch.serialization as _ser
+    path = Path(path)
+    if not (path / "COMPLETE").exists():
+        raise RuntimeError(f"{path} has no COMPLETE marker")
+    meta = json.loads((path / "metadata.json").read_text())
+    whole = torch.zeros(meta["tensors"][name]["numel"])
+    for r, offset, count in meta["tensors"][name]["pieces"]:
+        whole[offset:offset + count] = _ser.load(path / f"rank_{r}.pt")[name]
+    return whole[start:end].clone()""")))
