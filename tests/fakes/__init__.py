@@ -1,7 +1,11 @@
 """Plausible fakes of every implementation exercise: what a student who wants the points
 without the work might hand in. Each lab's module, `NN_topic.py`, maps the grade id of an
 exercise's solution cell to its fakes (`FAKES`); tests/test_grading.py (test i) grades them with
-nbgrader and requires each to score 0 on the test cells that check that exercise.
+nbgrader and requires each to score 0 on the test cells that check that exercise: an
+exercise's first fake in a submission of its own, the others tried in the solution's notebook
+(or, for an exercise whose checks lie far below it, in rounds of submissions). A fake that
+leaves a thread or a process running is its exercise's first: tried in the solution's notebook,
+it would refuse every check below it.
 
 The mirror: a module's `ALTERNATIVES` (optional) maps a grade id to correct answers that differ
 from the solution in what the spec leaves open (an order it does not define, a warm-up it
