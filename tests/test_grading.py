@@ -755,6 +755,17 @@ def test_feedback_hides_hidden_tests_and_tracebacks_that_quote_them() -> None:
     assert said.outputs[0].traceback == [
         "A hidden test failed: AssertionError: f(2) should be 4, got 5"]
     assert quoted.outputs[0].traceback == ["A hidden test failed: AssertionError"]
+    # A helper from one cell's hidden tests, failing in a later cell: hidden there too.
+    later = nbformat.v4.new_code_cell("check_again()", metadata={"nbgrader": {
+        **meta, "grade_id": "test-g"}}, outputs=[nbformat.v4.new_output(
+            "error", ename="AssertionError", evalue="", traceback=[
+                "Cell In[4], line 1\n----> 1 check_again()",
+                "Cell In[3], line 3, in check_again\n----> 3 assert f(2) == 4",
+                "AssertionError: "])])
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [nbformat.v4.new_code_cell(source, metadata={"nbgrader": meta}), later]
+    shown = HideHiddenTests().preprocess(notebook, {})[0].cells[1]
+    assert not any("f(2) == 4" in line for line in shown.outputs[0].traceback), shown.outputs
 
 
 def test_trials_fail_a_fake_pass_an_alternative_and_put_the_notebook_back() -> None:

@@ -46,19 +46,26 @@ _EXECUTING_LINE = re.compile(r"^\s*-+>\s*\d+\s?(.*)$")
 
 
 class HideHiddenTests(ClearHiddenTests):
-    """Remove hidden tests, and error output quoting them, from autograded test cells."""
+    """Remove hidden tests from autograded test cells, and error output quoting any of them
+    from every cell: a helper defined in one cell's hidden tests may fail in another's."""
 
     # The feedback's HTML exporter configures this (unused) trait for every preprocessor;
     # declared configurable, as nbgrader's own GetGrades does, so traitlets doesn't warn.
     display_data_priority = List().tag(config=True)
 
+    def preprocess(self, nb: NotebookNode, resources: ResourcesDict
+                   ) -> tuple[NotebookNode, ResourcesDict]:
+        self._notebook_hidden = [line for cell in nb.cells if utils.is_grade(cell)
+                                 for line in self._hidden_lines(cell.source)]
+        return super().preprocess(nb, resources)
+
     def preprocess_cell(
         self, cell: NotebookNode, resources: ResourcesDict, cell_index: int
     ) -> tuple[NotebookNode, ResourcesDict]:
-        if not utils.is_grade(cell):
-            return cell, resources
-        hidden = self._hidden_lines(cell.source)
-        self._remove_hidden_test_region(cell)
+        own = self._hidden_lines(cell.source) if utils.is_grade(cell) else []
+        hidden = [*own, *getattr(self, "_notebook_hidden", [])]
+        if utils.is_grade(cell):
+            self._remove_hidden_test_region(cell)
         if hidden and cell.cell_type == "code":
             cell.outputs = [_redact(output, hidden) for output in cell.outputs]
         return cell, resources
