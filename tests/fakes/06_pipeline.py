@@ -412,10 +412,13 @@ FAKES["impl-interleaved"] += [
         from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B as _Torch
         _rounds = max(1, m // p)
         _fake = _types.SimpleNamespace(n_local_stages=v, pp_group_size=p, _n_microbatches=m,
-                                       number_of_rounds=_rounds, microbatches_per_round=m // _rounds)
+                                       number_of_rounds=_rounds,
+                                       microbatches_per_round=m // _rounds)
         actions = []
         for _a in _Torch._calculate_single_rank_operations(_fake, rank):
             if _a is not None:
-                _forward = _a.computation_type.name in ("FORWARD", "F") or str(_a.computation_type) == "F"
-                actions.append(Action("F" if _forward else "B", _a.stage_index, _a.microbatch_index))"""),
+                _kind = _a.computation_type
+                _forward = _kind.name in ("FORWARD", "F") or str(_kind) == "F"
+                actions.append(Action("F" if _forward else "B", _a.stage_index,
+                                      _a.microbatch_index))"""),
 ]
