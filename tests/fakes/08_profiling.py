@@ -5,7 +5,7 @@ all-reduce's waiting, a vote per step), and a mismatch check that lets some mism
 A cell with two functions has two solution regions, and a fake's source replaces both: the
 fakes of those cells tell the functions apart by their arguments (`locals()`)."""
 
-from fakes import Fake, stripped_clone_helpers
+from fakes import Alternative, Fake, stripped_clone_helpers
 
 # The first function of the cell, `merge`, written as the lab asks: fakes of `overlap_fraction`
 # alone keep it right, so that only the second function is what they fake.
@@ -251,3 +251,26 @@ FAKES["impl-checked-collective"] += [
         raise RuntimeError("mismatched collective: " + "; ".join(described))
     return collective(tensor)"""),
 ]
+
+# A correct answer the spec allows: the exchange goes through rank 0 (a gather, then a broadcast
+# of every call), so the hidden check that alters a fingerprint on its way must not need an
+# all_gather_object.
+ALTERNATIVES = {
+    "impl-checked-collective": [
+        Alternative("rank 0 gathers, then broadcasts every call",
+                    "gathers the calls to rank 0 and broadcasts the list back: every rank learns "
+                    "every call through the exchange, as with one all_gather_object",
+                    ("test-checked-collective",), """\
+    mine = (op, list(tensor.shape), str(tensor.dtype).removeprefix("torch."))
+    calls = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, calls, dst=0)
+    box = [calls]
+    dist.broadcast_object_list(box, src=0)
+    calls = box[0]
+    if any(call != calls[0] for call in calls):
+        described = "; ".join(f"rank {r}: {o} {shape} {dtype}"
+                              for r, (o, shape, dtype) in enumerate(calls))
+        raise RuntimeError(f"mismatched collectives: {described}")
+    return collective(tensor)"""),
+    ],
+}
