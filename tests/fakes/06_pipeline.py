@@ -375,3 +375,50 @@ from minidist.costs import bubbles as _bubbles
 
 _bubble_time = _stripped(_bubbles.bubble_time)"""),
 ]
+
+# Red team rt13 (issue 38), written from the student notebook and deck alone.
+FAKES["impl-1f1b"] += [
+    Fake("the library's 1F1B in a fresh interpreter",
+         "writes no schedule: a subprocess, where nothing is refused, runs "
+         "pipeline.schedule('1f1b') and prints each rank's actions as JSON", ("test-1f1b",), """\
+        import json as _json, subprocess as _subprocess, sys as _sys, os as _os
+        _code = ("import json; from minidist.parallel import pipeline; "
+                 f"s = pipeline.schedule('1f1b', {p}, {m}); "
+                 f"print(json.dumps([[tuple(a) for a in s.compute(r)] for r in range({p})]))")
+        _env = dict(_os.environ, PYTHONPATH=_os.pathsep.join(_sys.path))
+        _lists = _json.loads(_subprocess.run([_sys.executable, "-c", _code], capture_output=True,
+                                             text=True, env=_env, check=True).stdout)
+        actions = [Action(*a) for a in _lists[rank]]"""),
+]
+FAKES["impl-interleaved"] += [
+    Fake("the library's interleaved schedule, its source tweaked",
+         "writes no schedule: pipeline._interleaved exec'd from its source with one harmless "
+         "statement added, so its instructions differ from the refused original's",
+         ("test-interleaved",), """\
+        global _INTERLEAVED_COPY
+        if "_INTERLEAVED_COPY" not in globals():
+            import inspect as _inspect, textwrap as _textwrap
+            _lines = _textwrap.dedent(_inspect.getsource(pipeline._interleaved)).split("\\n")
+            _lines.insert(1, "    _unused = 0")
+            _namespace = dict(vars(pipeline))
+            exec(compile("\\n".join(_lines), "<mine>", "exec"), _namespace)
+            _INTERLEAVED_COPY = _namespace["_interleaved"]
+        actions = _INTERLEAVED_COPY(rank, p, m, v)"""),
+    Fake("PyTorch's interleaved 1F1B order",
+         "writes no schedule: torch's ScheduleInterleaved1F1B._calculate_single_rank_operations, "
+         "called unbound on a stand-in object (no stages needed), its _Actions mapped to Actions",
+         ("test-interleaved",), """\
+        import types as _types
+        from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B as _Torch
+        _rounds = max(1, m // p)
+        _fake = _types.SimpleNamespace(n_local_stages=v, pp_group_size=p, _n_microbatches=m,
+                                       number_of_rounds=_rounds,
+                                       microbatches_per_round=m // _rounds)
+        actions = []
+        for _a in _Torch._calculate_single_rank_operations(_fake, rank):
+            if _a is not None:
+                _kind = _a.computation_type
+                _forward = _kind.name in ("FORWARD", "F") or str(_kind) == "F"
+                actions.append(Action("F" if _forward else "B", _a.stage_index,
+                                      _a.microbatch_index))"""),
+]

@@ -5,7 +5,7 @@ all-reduce's waiting, a vote per step), and a mismatch check that lets some mism
 A cell with two functions has two solution regions, and a fake's source replaces both: the
 fakes of those cells tell the functions apart by their arguments (`locals()`)."""
 
-from fakes import Fake, stripped_clone_helpers
+from fakes import Alternative, Fake, stripped_clone_helpers
 
 # The first function of the cell, `merge`, written as the lab asks: fakes of `overlap_fraction`
 # alone keep it right, so that only the second function is what they fake.
@@ -173,3 +173,104 @@ FAKES["impl-checked-collective"] += [
         raise RuntimeError("the ranks called different collectives: " + "; ".join(calls))
     return collective(tensor)"""),
 ]
+
+# Red team rt13 (issue 38), written from the student notebook and deck alone.
+FAKES["impl-overlap"] += [
+    Fake("the library's interval code, its source tweaked",
+         "writes no interval arithmetic: profiling.merge, total and intersect exec'd from their "
+         "own source with one harmless statement added to each body, so their instructions "
+         "differ from the refused originals'", ("test-overlap",), (
+             """\
+    global _LIB_COPY
+    if "_LIB_COPY" not in globals():
+        import inspect as _inspect, textwrap as _textwrap
+        from minidist.jobs import profiling as _prof
+        _LIB_COPY = dict(vars(_prof))  # the module's globals, then the copies
+        for _f in (_prof.merge, _prof.total, _prof.intersect):
+            _lines = _textwrap.dedent(_inspect.getsource(_f)).split("\\n")
+            _lines.insert(2, "    _unused = 0")  # after the def line and the one-line docstring
+            exec(compile("\\n".join(_lines), "<mine>", "exec"), _LIB_COPY)
+    return [tuple(pair) for pair in _LIB_COPY["merge"](intervals)]""",
+             """\
+    union([])  # builds the copies
+    mine = [e for e in timeline.events if e.rank == rank]
+    comm = [(e.start, e.end) for e in mine if e.kind == "communication"]
+    comp = [(e.start, e.end) for e in mine if e.kind == "compute"]
+    length = _LIB_COPY["total"](comm)
+    if length <= 0:
+        return 0.0
+    return float(_LIB_COPY["total"](_LIB_COPY["intersect"](comm, comp)) / length)""")),
+]
+FAKES["impl-straggler"] += [
+    Fake("the middle key", "every example shown has three ranks with the straggler in the "
+         "middle: returns the middle rank", ("test-straggler",), """\
+    ranks = sorted(per_rank)
+    return ranks[len(ranks) // 2]"""),
+    Fake("the slowest fastest step", "compares each rank's fastest (minimum) compute step, "
+         "immune to hiccups but not a median", ("test-straggler",), """\
+    return max(per_rank, key=lambda r: min(per_rank[r]["compute"]))"""),
+]
+FAKES["impl-checked-collective"] += [
+    Fake("the calls through files in /tmp",
+         "exchanges nothing through torch.distributed: each rank writes its call to a file in "
+         "/tmp, dist.barrier() syncs the ranks (the torch.distributed call the check sees), "
+         "then every rank reads every file", ("test-checked-collective",), """\
+    import os as _os
+    _rank, _world = dist.get_rank(), dist.get_world_size()
+    _counter = globals().setdefault("_CC_COUNTER", [0])
+    _counter[0] += 1
+    _dir = f"/tmp/rt13_cc_{_os.getppid()}_{_counter[0]}"
+    _os.makedirs(_dir, exist_ok=True)
+    mine = f"rank {_rank}: {op} {list(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')}"
+    with open(f"{_dir}/{_rank}", "w") as fh:
+        fh.write(mine)
+    dist.barrier()
+    calls = [open(f"{_dir}/{r}").read() for r in range(_world)]
+    dist.barrier()
+    if len({c.split(": ", 1)[1] for c in calls}) > 1:
+        raise RuntimeError("mismatched collective: " + "; ".join(calls))
+    return collective(tensor)"""),
+    Fake("the calls read up the stack",
+         "exchanges nothing it uses: every rank's call is read from a caller's frame (the "
+         "check's `calls`); an all_gather_object of the rank number runs for show",
+         ("test-checked-collective",), """\
+    import sys as _sys
+    _frame, _calls = _sys._getframe(1), None
+    while _frame is not None and _calls is None:
+        _c = _frame.f_locals.get("calls")
+        if isinstance(_c, (list, tuple)) and _c and isinstance(_c[0], tuple):
+            _calls = _c
+        _frame = _frame.f_back
+    _box = [None] * dist.get_world_size()
+    dist.all_gather_object(_box, dist.get_rank())
+    if _calls is None:  # nobody to compare with: run it
+        return collective(tensor)
+    described = [f"rank {r}: {o} {list(s)} {str(d).removeprefix('torch.')}"
+                 for r, (o, s, d) in enumerate(_calls)]
+    if len(set((o, tuple(s), d) for o, s, d in _calls)) > 1:
+        raise RuntimeError("mismatched collective: " + "; ".join(described))
+    return collective(tensor)"""),
+]
+
+# A correct answer the spec allows: the exchange goes through rank 0 (a gather, then a broadcast
+# of every call), so the hidden check that alters a fingerprint on its way must not need an
+# all_gather_object.
+ALTERNATIVES = {
+    "impl-checked-collective": [
+        Alternative("rank 0 gathers, then broadcasts every call",
+                    "gathers the calls to rank 0 and broadcasts the list back: every rank learns "
+                    "every call through the exchange, as with one all_gather_object",
+                    ("test-checked-collective",), """\
+    mine = (op, list(tensor.shape), str(tensor.dtype).removeprefix("torch."))
+    calls = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, calls, dst=0)
+    box = [calls]
+    dist.broadcast_object_list(box, src=0)
+    calls = box[0]
+    if any(call != calls[0] for call in calls):
+        described = "; ".join(f"rank {r}: {o} {shape} {dtype}"
+                              for r, (o, shape, dtype) in enumerate(calls))
+        raise RuntimeError(f"mismatched collectives: {described}")
+    return collective(tensor)"""),
+    ],
+}

@@ -604,3 +604,57 @@ FAKES["impl-predict"] += [
 """ + stripped_clone_helpers() + """
 _forward_times = _stripped(context_parallel.forward_times)"""),
 ]
+
+# Red team rt13 (issue 38), written from the student notebook and deck alone.
+FAKES["impl-merge"] += [
+    Fake("PyTorch's merger, the empty parts handled first",
+         "writes no merge: torch's context-parallel _SDPAMerger rescales and adds the two "
+         "parts; a part with lse = -inf is passed through by torch.where",
+         checked_by=("test-merge",),
+         source="""\
+    from torch.distributed.tensor.experimental._context_parallel._attention import _SDPAMerger
+    merger = _SDPAMerger(convert_to_f32=True, seq_dim=2)
+    merger.step(out1, lse1, False)
+    merger.step(out2, lse2, False)
+    out, lse = merger.results()
+    empty1, empty2 = torch.isneginf(lse1), torch.isneginf(lse2)
+    out = torch.where(empty1.unsqueeze(-1), out2.to(out.dtype),
+                      torch.where(empty2.unsqueeze(-1), out1.to(out.dtype), out))
+    lse = torch.where(empty1, lse2.to(lse.dtype), torch.where(empty2, lse1.to(lse.dtype), lse))
+    return out, lse"""),
+]
+FAKES["impl-zigzag"] += [
+    Fake("the library's split, its source tweaked",
+         "writes no split: context_parallel.chunks_of and split_sequence exec'd from their "
+         "source with one harmless statement added",
+         checked_by=("test-zigzag",),
+         source="""\
+    global _SPLIT_COPY
+    if "_SPLIT_COPY" not in globals():
+        import inspect as _inspect, textwrap as _textwrap
+        _SPLIT_COPY = dict(vars(context_parallel))
+        for _f in (context_parallel.chunks_of, context_parallel.split_sequence):
+            _lines = _textwrap.dedent(_inspect.getsource(_f)).split("\\n")
+            _k = next(i for i, l in enumerate(_lines) if l.strip().startswith("_check_layout"))
+            _lines.insert(_k, "    _unused = 0")
+            exec(compile("\\n".join(_lines), "<mine>", "exec"), _SPLIT_COPY)
+    return _SPLIT_COPY["split_sequence"](x, cp_size, layout="zigzag", dim=dim)"""),
+]
+FAKES["impl-predict"] += [
+    Fake("the library's forward times, its source tweaked",
+         "derives nothing: context_parallel.forward_times exec'd from its own source with one "
+         "harmless statement added",
+         checked_by=("test-predict",),
+         source="""\
+    global _FORWARD_TIMES_COPY
+    if "_FORWARD_TIMES_COPY" not in globals():
+        import inspect as _inspect, textwrap as _textwrap
+        _lines = _textwrap.dedent(_inspect.getsource(context_parallel.forward_times)).split("\\n")
+        _body = next(i for i, l in enumerate(_lines) if l.strip().startswith("step ="))
+        _lines.insert(_body, "    _unused = 0")
+        _namespace = dict(vars(context_parallel))
+        exec(compile("\\n".join(_lines), "<mine>", "exec"), _namespace)
+        _FORWARD_TIMES_COPY = _namespace["forward_times"]
+    times = _FORWARD_TIMES_COPY(seq_len, BATCH, HEADS, HEAD_DIM, cp_size, link, flops_per_second)
+    return times["ring"], times["ulysses"]"""),
+]
