@@ -658,3 +658,24 @@ FAKES["impl-predict"] += [
     times = _FORWARD_TIMES_COPY(seq_len, BATCH, HEADS, HEAD_DIM, cp_size, link, flops_per_second)
     return times["ring"], times["ulysses"]"""),
 ]
+
+# Red team rt13 (stop 47): the library's split compiled again from its source, its checks removed.
+FAKES["impl-zigzag"] += [
+    Fake("the library's split recompiled without its checks",
+         "writes no layout: split_sequence and chunks_of compiled from their source with their "
+         "_check_ lines removed and a line added",
+         checked_by=("test-zigzag",), source="""\
+    global _SPLIT_COPY
+    if "_SPLIT_COPY" not in globals():
+        import inspect as _inspect, textwrap as _textwrap
+        _SPLIT_COPY = dict(vars(context_parallel))
+        for _f in (context_parallel.chunks_of, context_parallel.split_sequence):
+            _lines = [l for l in _textwrap.dedent(_inspect.getsource(_f)).split("\n")
+                      if "_check_" not in l]
+            _a = next(i for i, l in enumerate(_lines) if ''''' in l)  # the docstring's first line
+            _k = _a + 1 if _lines[_a].count(''''') == 2 else next(
+                i for i in range(_a + 1, len(_lines)) if ''''' in _lines[i]) + 1
+            _lines.insert(_k, "    _unused = 0")
+            exec(compile("\n".join(_lines), "<mine>", "exec"), _SPLIT_COPY)
+    return _SPLIT_COPY["split_sequence"](x, cp_size, layout="zigzag", dim=dim)"""),
+]

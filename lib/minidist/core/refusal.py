@@ -570,7 +570,7 @@ def _columns(code: types.CodeType) -> tuple[tuple[int, int, int], ...]:
                  for line, end, column, end_column in body)
 
 
-_RESEMBLING, _EDITED = 40, 0.9  # instructions, and how much of their columns a copy keeps
+_RESEMBLING, _EDITED = 40, 0.7  # instructions, and how much of their columns a copy keeps
 
 
 def _made_from_text(filename: str) -> bool:
