@@ -260,5 +260,22 @@ FAKES = {
         Fake("no emulated network", "ranks_per_node is ignored: no two-tier links, the "
              "all-reduces by plain torch, a faster race (red team rt8, F4a)", ("test-race",),
              _edit(_JOB, *_NO_NETWORK)),
+        # Red team rt14's five 15/15 jobs: test-equal refuses minidist's engines while the job
+        # runs, tampers each mesh dimension's piece traffic on its own, and bounds each rank's
+        # FLOPs by 1/(pp·tp) of one process's step.
+        Fake("replica, pieces on dummies", "every rank trains the whole model on the whole "
+             "batch; TP/PP pieces on zero-weight dummies whose outputs are added back; checkpoint "
+             "all by rank 0 (red team rt14, run 3)", ("test-equal",), _whole("rt14_replica_v3")),
+        Fake("parallelize for TP and PP", "minidist.parallel.parallelize does TP and PP, its DDP "
+             "silenced; only the DP piece carries the training (red team rt14, run 9)",
+             ("test-equal",), _whole("rt14_delegate_tp_pp_v9")),
+        Fake("parallelize, 4-byte TP message", "parallelize does everything; a 4-byte zero sent "
+             "inside the TP group is added to the weights so tampering moves the losses (red "
+             "team rt14, run 10)", ("test-equal",), _whole("rt14_delegate_all_sidemsg_v10")),
+        Fake("parallelize, replica elsewhere, ring zeros", "parallelize on dp2·pp2·tp2; a pure "
+             "replica elsewhere whose DP piece all-reduces zeros by the ring (red team rt14, "
+             "run 13)", ("test-equal",), _whole("rt14_zero_dp_ring_v13")),
+        Fake("rng for show", "run 13 plus capture_state thrown away and a no-op restore (red "
+             "team rt14, run 15)", ("test-equal",), _whole("rt14_noop_rng_v15")),
     ],
 }

@@ -437,6 +437,8 @@ _CALLS: Counter = Counter()  # {piece name: calls of its functions}, in this pro
 _BYTES: Counter = Counter()  # {group's global ranks (tuple), or "world": bytes sent through it}
 _ROUTED: Counter = Counter()  # the same, of the bytes the emulated network's route carried
 _TAMPER = [0.0]  # added to what each collective on a mesh group returns, each receive delivers
+_TAMPER_SCALE = [1.0]  # what each is multiplied by first
+_TAMPER_ONLY: list[tuple | None] = [None]  # the one group tampered (global ranks); None: all
 _USAGE_FILE = "MINIDIST_PIECES_USAGE"
 
 
@@ -456,16 +458,22 @@ def reset_usage() -> None:
 
 
 @contextlib.contextmanager
-def tampered(delta: float) -> Iterator[None]:
+def tampered(delta: float, group: Iterable[int] | None = None,
+             scale: float = 1.0) -> Iterator[None]:
     """Inside the block, add `delta` to what every piece's collective on a mesh group returns
     and every receive through a group delivers (floating-point tensors), in this process. A
     grader's check that the pieces' traffic carries the training: their messages tampered, a
-    real job's losses change."""
-    previous, _TAMPER[0] = _TAMPER[0], float(delta)
+    real job's losses change. `group` (global ranks): tamper on that group only, so that each
+    mesh dimension's traffic is checked on its own (one group carrying a token message does not
+    carry the others). `scale`: multiply by it first (a uniform `delta` on an activation a
+    LayerNorm follows cancels out; a scale does not)."""
+    previous = _TAMPER[0], _TAMPER_ONLY[0], _TAMPER_SCALE[0]
+    _TAMPER[0], _TAMPER_ONLY[0] = float(delta), None if group is None else tuple(group)
+    _TAMPER_SCALE[0] = float(scale)
     try:
         yield
     finally:
-        _TAMPER[0] = previous
+        _TAMPER[0], _TAMPER_ONLY[0], _TAMPER_SCALE[0] = previous
 
 
 def _routed_now() -> bool:
@@ -481,8 +489,9 @@ class _TamperedRequest:
 
     def wait(self, *args, **kwargs):
         result = self._work.wait(*args, **kwargs)
-        _add(self._tensor, self._delta)
-        self._delta = 0.0  # arrived: a second wait() must not add it again
+        if self._delta is not None:
+            _add(self._tensor, self._delta)
+        self._delta = None  # arrived: a second wait() must not add it again
         return result
 
     def __getattr__(self, name: str) -> Any:
@@ -490,8 +499,8 @@ class _TamperedRequest:
 
 
 def _add(tensor: Any, delta: float) -> None:
-    if delta and hasattr(tensor, "is_floating_point") and tensor.is_floating_point():
-        tensor.data.add_(delta)
+    if hasattr(tensor, "is_floating_point") and tensor.is_floating_point():
+        tensor.data.mul_(_TAMPER_SCALE[0]).add_(delta)
 
 
 def _write_usage_at_exit() -> None:
@@ -565,8 +574,11 @@ class _OnGroup:
     def _tampered(self, result: Any, tensor: Any, group=None) -> Any:
         """`result` of a call on the bound mesh group, its `tensor` tampered (see `tampered`)."""
         delta = _TAMPER[0]
-        if not delta or group is not None or self.group is None:
+        if (not delta and _TAMPER_SCALE[0] == 1.0) or group is not None or self.group is None:
             return result
+        if (_TAMPER_ONLY[0] is not None
+                and tuple(dist.get_process_group_ranks(self.group)) != _TAMPER_ONLY[0]):
+            return result  # another group's traffic: not the one tampered
         if result is not None and hasattr(result, "wait"):
             return _TamperedRequest(result, tensor, delta)
         _add(tensor, delta)
