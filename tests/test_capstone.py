@@ -157,6 +157,26 @@ def test_tampered_changes_what_a_mesh_group_delivers_and_routed_says_the_network
     assert sorted(got for *_, got, _ in results) == [[0.0] * 3] * 2 + [[1.5] * 3] * 2
 
 
+def _tampered_on_one_group(rank, world_size, path):
+    loaded = pieces.load(path)
+    groups = loaded.build_groups({"dp": 2, "tp": 2})
+    dp, tp = loaded.on(groups["dp"][0]), loaded.on(groups["tp"][0])
+    with pieces.tampered(0.5, group=groups["dp"][1], scale=2.0):
+        on_dp, on_tp = torch.ones(2), torch.ones(2)
+        dp.dist.all_reduce(on_dp)
+        tp.dist.all_reduce(on_tp)
+    return on_dp.tolist(), on_tp.tolist()
+
+
+def test_tampered_on_one_group_leaves_the_others_alone(tmp_path: Path):
+    """tampered(delta, group=ranks, scale=s): only that group's piece traffic becomes s·x + delta
+    (a grader checks each mesh dimension's traffic on its own); the other groups' is untouched."""
+    pieces.export(REPO / "solutions", tmp_path / "pieces.py")
+    results = run(_tampered_on_one_group, 4, str(tmp_path / "pieces.py"))
+    for on_dp, on_tp in results:
+        assert on_dp == [2.0 * 2.0 + 0.5] * 2 and on_tp == [2.0] * 2
+
+
 def test_a_script_run_names_what_cannot_be_pickled(tmp_path: Path):
     """`python my_job.py` whose `train` lives in __main__: run sends it by value, and a method
     that uses `dist` and `self.config` drags in torch.distributed.config. The error names that
