@@ -353,12 +353,9 @@ FAKES["impl-all-reduce"] += [
 
 
 # Red team rt12 (stop 47): values that compute later, once the check's refusals are lifted.
-FAKES['impl-predict'] += [
-    Fake('a float that asks the cost model later',
-         'derives nothing: returns a float whose value and comparisons call '
-         'cost.all_reduce_time when the check compares it, after its block of refusals has '
-         'closed',
-         ('test-predict',), """\
+# A float whose value, comparisons and arithmetic call `compute` only when the check uses it,
+# after its block of refusals has closed (checking.plain now converts it inside the block).
+_DEFERRED_FLOAT = """\
     class _Later(float):
         def __new__(cls, compute):
             self = super().__new__(cls, 0.0)
@@ -383,37 +380,20 @@ FAKES['impl-predict'] += [
         def __hash__(self): return hash(float(self))
         def __repr__(self): return repr(float(self))
         def __format__(self, spec): return format(float(self), spec)
+"""
+FAKES['impl-predict'] += [
+    Fake('a float that asks the cost model later',
+         'derives nothing: returns a float whose value and comparisons call '
+         'cost.all_reduce_time when the check compares it, after its block of refusals has '
+         'closed',
+         ('test-predict',), _DEFERRED_FLOAT + """\
     return _Later(lambda: cost.all_reduce_time("ring", nbytes, world_size, alpha, beta))"""),
 ]
 FAKES['impl-crossover'] += [
     Fake('a float that asks the cost model later',
          'derives nothing: returns a float whose comparisons call cost.crossover_size when the '
          'check compares it, after its block',
-         ('test-crossover',), """\
-    class _Later(float):
-        def __new__(cls, compute):
-            self = super().__new__(cls, 0.0)
-            self._compute = compute
-            return self
-        def __float__(self): return float(self._compute())
-        def __eq__(self, other): return float(self) == other
-        def __ne__(self, other): return float(self) != other
-        def __lt__(self, other): return float(self) < other
-        def __le__(self, other): return float(self) <= other
-        def __gt__(self, other): return float(self) > other
-        def __ge__(self, other): return float(self) >= other
-        def __sub__(self, other): return float(self) - other
-        def __rsub__(self, other): return other - float(self)
-        def __add__(self, other): return float(self) + other
-        def __radd__(self, other): return other + float(self)
-        def __mul__(self, other): return float(self) * other
-        def __rmul__(self, other): return other * float(self)
-        def __truediv__(self, other): return float(self) / other
-        def __rtruediv__(self, other): return other / float(self)
-        def __abs__(self): return abs(float(self))
-        def __hash__(self): return hash(float(self))
-        def __repr__(self): return repr(float(self))
-        def __format__(self, spec): return format(float(self), spec)
+         ('test-crossover',), _DEFERRED_FLOAT + """\
     return _Later(lambda: cost.crossover_size("recursive_doubling", "ring", world_size, alpha,
                                               beta))"""),
 ]

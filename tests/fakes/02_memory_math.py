@@ -4,7 +4,7 @@ without recomputing, without the overlap or the latency, or from the library (or
 A cell with two solution regions (the Function's forward and backward; the two functions of
 the overlap exercise) gets a tuple: one source per region."""
 
-from fakes import Fake
+from fakes import PRESTARTED_PROCESS, PRESTARTED_THREAD, Fake
 
 # The backward of the fakes that keep forward's graph in ctx.stash: it runs the module once,
 # without autograd, for the check's counter to see, then backpropagates through the kept graph.
@@ -17,91 +17,13 @@ _BACKWARD_FROM_STASH = """\
         return inner.grad, None"""
 
 
-# Red team rt9 (issue 38): code that runs when the answer cell runs, before any check: a thread
-# that runs clones of the library's functions (or builds a graph), or a forked process where
-# nothing is refused. Appended at column 0 after a solution region that ends its cell's
-# function (or, for the Function, its class).
-# Such a fake is its exercise's first, graded in a submission of its own (the mistaken one):
-# tried in the solution's notebook, what it left running would refuse every check below it.
-_PRESTARTED_THREAD = """
-
-
-import inspect as _inspect, queue as _queue, threading as _threading, types as _types
-
-
-def _clone_module(module):
-    # copies of every function the module defines, bound to a private copy of its globals,
-    # made now (before any check swaps the originals' code)
-    g = dict(vars(module))
-    for name, value in list(g.items()):
-        if _inspect.isfunction(value) and value.__module__ == module.__name__:
-            g[name] = _types.FunctionType(value.__code__, g, name, value.__defaults__,
-                                          value.__closure__)
-            g[name].__kwdefaults__ = value.__kwdefaults__
-    return g
-
-
-_jobs = _queue.Queue()
-
-
-def _worker():
-    while True:
-        fn, args, box, done = _jobs.get()
-        try:
-            box.append(fn(*args))
-        except BaseException as error:  # noqa: BLE001
-            box.append(error)
-        done.set()
-
-
-_threading.Thread(target=_worker, daemon=True).start()  # started now, before any check
-
-
-def _elsewhere(fn, *args):
-    box, done = [], _threading.Event()
-    _jobs.put((fn, args, box, done))
-    done.wait()
-    if isinstance(box[0], BaseException):
-        raise box[0]
-    return box[0]
-"""
-
-_PRESTARTED_PROCESS = """
-
-
-import importlib as _importlib
-import multiprocessing as _mp
-
-
-def _serve(connection):
-    while True:
-        module, name, args = connection.recv()
-        try:
-            connection.send((True, getattr(_importlib.import_module(module), name)(*args)))
-        except Exception as error:  # noqa: BLE001
-            connection.send((False, repr(error)))
-
-
-_here, _there = _mp.get_context("fork").Pipe()
-_helper = _mp.get_context("fork").Process(target=_serve, args=(_there,), daemon=True)
-_helper.start()  # forked now, before any check
-
-
-def _library(module, name, *args):
-    _here.send((module, name, args))
-    ok, value = _here.recv()
-    if not ok:
-        raise RuntimeError(value)
-    return value
-"""
-
 FAKES = {
     "impl-held-bytes": [
         Fake("the library's footprint, cloned into a pre-started thread", "a code-clone of "
              "footprint.model_state_footprint, made and run in a thread started when the "
              "answer cell ran", ("test-held-bytes",), """\
     state = _elsewhere(_fp["model_state_footprint"], model, optimizer)
-    return (int(state.params), int(state.grads), int(state.optimizer))""" + _PRESTARTED_THREAD + """
+    return (int(state.params), int(state.grads), int(state.optimizer))""" + PRESTARTED_THREAD + """
 
 import minidist.costs.footprint as _footprint
 _fp = _clone_module(_footprint)"""),
@@ -179,7 +101,7 @@ _fp = _clone_module(_footprint)"""),
              "cell ran (its hooks and the module's run happen there)", ("test-saved-bytes",),
              """\
     return int(sum(t.nbytes for t in _elsewhere(_fp2["saved_activations"], module, x)))"""
-             + _PRESTARTED_THREAD + """
+             + PRESTARTED_THREAD + """
 
 import minidist.costs.footprint as _footprint
 _fp2 = _clone_module(_footprint)"""),
@@ -255,7 +177,7 @@ _fp2 = _clone_module(_footprint)"""),
         ctx.out.backward(grad_output)  # through the graph kept since forward
         grad = ctx.xx.grad
         ctx.xx = ctx.out = None
-        return grad, None""" + _PRESTARTED_THREAD)),
+        return grad, None""" + PRESTARTED_THREAD)),
         Fake("the whole graph, under the Function's own hooks", "no recompute: forward keeps "
              "the whole graph, built under its own saved_tensors_hooks (the innermost wins, so "
              "the check's pack hook never sees it); backward reruns the module for show",
@@ -376,7 +298,7 @@ _fp2 = _clone_module(_footprint)"""),
     return float(_library("minidist.costs.cost", "exposed_time", flops, nbytes, peak_flops,
                           link))""", """\
     return float(_library("minidist.costs.cost", "critical_intensity", nbytes, peak_flops,
-                          link))""" + _PRESTARTED_PROCESS)),
+                          link))""" + PRESTARTED_PROCESS)),
         Fake("the library's overlap", "delegates to minidist.costs.cost.exposed_time and "
              "critical_intensity", ("test-hiding",), (
                  """\

@@ -2,7 +2,7 @@
 
 import textwrap
 
-from fakes import Fake
+from fakes import PRESTARTED_PROCESS, PRESTARTED_THREAD, Fake
 
 
 def indented(body: str, indent: int = 8) -> str:
@@ -42,83 +42,6 @@ if self.pending[index] == 0:  # complete: launch it now, whatever comes before i
     self.next_to_launch += 1
 """
 
-
-# Red team rt9 (issue 38): code that runs when the answer cell runs, before any check: a thread
-# that runs clones of the library's functions, or a forked process where nothing is refused.
-# Appended at column 0 after a solution region that ends its cell's function.
-# Such a fake is its exercise's first, graded in a submission of its own (the mistaken one):
-# tried in the solution's notebook, what it left running would refuse every check below it.
-PRESTARTED_THREAD = """
-
-
-import inspect as _inspect, queue as _queue, threading as _threading, types as _types
-
-
-def _clone_module(module):
-    # copies of every function the module defines, bound to a private copy of its globals,
-    # made now (before any check swaps the originals' code)
-    g = dict(vars(module))
-    for name, value in list(g.items()):
-        if _inspect.isfunction(value) and value.__module__ == module.__name__:
-            g[name] = _types.FunctionType(value.__code__, g, name, value.__defaults__,
-                                          value.__closure__)
-            g[name].__kwdefaults__ = value.__kwdefaults__
-    return g
-
-
-_jobs = _queue.Queue()
-
-
-def _worker():
-    while True:
-        fn, args, box, done = _jobs.get()
-        try:
-            box.append(fn(*args))
-        except BaseException as error:  # noqa: BLE001
-            box.append(error)
-        done.set()
-
-
-_threading.Thread(target=_worker, daemon=True).start()  # started now, before any check
-
-
-def _elsewhere(fn, *args):
-    box, done = [], _threading.Event()
-    _jobs.put((fn, args, box, done))
-    done.wait()
-    if isinstance(box[0], BaseException):
-        raise box[0]
-    return box[0]
-"""
-
-PRESTARTED_PROCESS = """
-
-
-import importlib as _importlib
-import multiprocessing as _mp
-
-
-def _serve(connection):
-    while True:
-        module, name, args = connection.recv()
-        try:
-            connection.send((True, getattr(_importlib.import_module(module), name)(*args)))
-        except Exception as error:  # noqa: BLE001
-            connection.send((False, repr(error)))
-
-
-_here, _there = _mp.get_context("fork").Pipe()
-_helper = _mp.get_context("fork").Process(target=_serve, args=(_there,), daemon=True)
-_helper.start()  # forked now, before any check
-
-
-def _library(module, name, *args):
-    _here.send((module, name, args))
-    ok, value = _here.recv()
-    if not ok:
-        raise RuntimeError(value)
-    return value
-"""
 
 WAIT_UNLESS_RING = """\
 while self.next_to_launch < len(self.buckets) and self.pending[self.next_to_launch] == 0:
