@@ -1,3 +1,7 @@
+import json
+import os
+import time
+
 import pytest
 
 pytest_plugins = ["cluster_fixtures"]
@@ -29,14 +33,28 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 # capstone's grading trains its model several times; the cluster's tests share one Slurm, hub
 # and network namespace set-up).
 LONGEST_FIRST = [
-    "lab-14_capstone", "cluster", "lab-12_memory_beyond_the_gpu", "lab-13_long_context",
-    "lab-02_memory_math", "lab-04_zero_fsdp", "lab-11_nodes_and_links", "lab-08_profiling",
-    "lab-07_3d_parallel", "lab-06_pipeline", "lab-01_collectives", "lab-05_tensor_parallel",
-    "lab-03_data_parallel", "lab-10_beyond_allreduce", "lab-09_fault_tolerance",
-    "lab-00_first_ranks", "classroom", "self_grade", "jupyterlab",
+    "lab-14_capstone", "cluster", "lab-04_zero_fsdp", "lab-03_data_parallel",
+    "lab-12_memory_beyond_the_gpu", "lab-06_pipeline", "lab-01_collectives",
+    "lab-07_3d_parallel", "lab-13_long_context", "lab-08_profiling", "lab-05_tensor_parallel",
+    "lab-11_nodes_and_links", "lab-10_beyond_allreduce", "lab-02_memory_math",
+    "lab-09_fault_tolerance", "lab-00_first_ranks", "classroom", "self_grade", "jupyterlab",
 ]
 
 
 def group_of(item: pytest.Item) -> str | None:
     marker = item.get_closest_marker("xdist_group")
     return (marker.args[0] if marker.args else marker.kwargs.get("name")) if marker else None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """With SCALING_LAB_TIMELINE=path, each test's worker, group, start and end (epoch seconds)
+    are appended to that file, one JSON line per test: what ran beside what, and which group
+    kept one worker busy at the end (LONGEST_FIRST's order comes from it)."""
+    start = time.time()
+    yield
+    if path := os.environ.get("SCALING_LAB_TIMELINE"):
+        with open(path, "a") as timeline:
+            timeline.write(json.dumps({
+                "test": item.nodeid, "group": group_of(item), "start": start, "end": time.time(),
+                "worker": os.environ.get("PYTEST_XDIST_WORKER", "main")}) + "\n")

@@ -177,6 +177,40 @@ def test_tampered_on_one_group_leaves_the_others_alone(tmp_path: Path):
         assert on_dp == [2.0 * 2.0 + 0.5] * 2 and on_tp == [2.0] * 2
 
 
+def _checkpoint_tampered(rank, world_size, path, folder, minidist_for):
+    world = pieces.load(path, minidist_for=minidist_for).on(None)
+    world.save_shards({"w": (0, torch.arange(6.0), 6)}, Path(folder))
+    stream = ProblemStream(Reversal(4), seed=3)
+    saved = world.capture_state(stream)
+    after = stream.next_batch(2)[0]
+    with pieces.tampered_checkpoint(scale=1.5, generators=True) as done:
+        inside = world.load_range(Path(folder), "w", 0, 6)
+        restored = ProblemStream(Reversal(4), seed=99)
+        world.restore_state(saved, restored)
+        drawn = restored.next_batch(2)[0]
+        unchanged = ProblemStream(Reversal(4), seed=5)
+        world.restore_state(world.capture_state(unchanged), unchanged)  # a restore of nothing
+        left_alone = torch.equal(unchanged.next_batch(2)[0],
+                                 ProblemStream(Reversal(4), seed=5).next_batch(2)[0])
+    outside = world.load_range(Path(folder), "w", 0, 6)
+    return inside.tolist(), outside.tolist(), torch.equal(drawn, after), left_alone, done
+
+
+@pytest.mark.parametrize("minidist_for", [(), ("checkpoint", "rng")])
+def test_tampered_checkpoint_scales_what_is_loaded_and_moves_restored_generators(
+        tmp_path: Path, minidist_for):
+    """tampered_checkpoint: load_range's tensors scaled, the generator states restore_state is
+    given moved on a draw (a state some generator holds already left alone), yours or
+    minidist's pieces; outside the block, what was saved."""
+    pieces.export(REPO / "solutions", tmp_path / "pieces.py")
+    (inside, outside, same_draws, left_alone, done), = run(
+        _checkpoint_tampered, 1, str(tmp_path / "pieces.py"), str(tmp_path / "ckpt"), minidist_for)
+    assert inside == [1.5 * k for k in range(6)] and outside == [float(k) for k in range(6)]
+    assert not same_draws, "the restored stream should draw other problems, its state moved"
+    assert left_alone, "a restore of the state a generator holds should change nothing"
+    assert done == {"scaled": 1, "moved": 1}, done
+
+
 def test_a_script_run_names_what_cannot_be_pickled(tmp_path: Path):
     """`python my_job.py` whose `train` lives in __main__: run sends it by value, and a method
     that uses `dist` and `self.config` drags in torch.distributed.config. The error names that

@@ -7,9 +7,9 @@ would hand in: the released notebook with every answer cell filled in from the s
 looping forever and another deadlocking two ranks ("mistaken"). The plausible fakes of the lab's
 exercises (tests/fakes/): each exercise's first fake goes in the mistaken submission; its
 others are tried in the solution's own notebook, each run through the cells from the exercise's
-answer to its last check (a trial: cells the harness adds after that check, then the solution
-run through them again, so the notebook goes on as it was), or, for an exercise whose checks
-lie far below its answer, in rounds of submissions of their own. The correct alternatives
+answer to the last check of those fakes (a trial: cells the harness adds after that check, then
+the solution run through them again, so the notebook goes on as it was), or, for a fake whose
+checks lie far below its answer, in rounds of submissions of their own. The correct alternatives
 (tests/fakes/), which differ from the solution only where the spec allows it, are tried the
 same way. The solution's autograde run, less its trials, is also the lab's timed run.
 
@@ -396,8 +396,9 @@ def check_span(solution: NotebookNode, exercise: str, checks: Iterable[str]) -> 
 
 
 def tried_here(solution: NotebookNode, exercise: str, checks: Iterable[str]) -> bool:
-    """Whether `exercise`'s further fakes are tried in the solution's notebook: its checks lie
-    close below its answer (a trial reruns the cells in between, twice)."""
+    """Whether a further fake (or alternative) of `exercise` checked by `checks` is tried in the
+    solution's notebook: those checks lie close below its answer (a trial reruns the cells in
+    between, and the solution's trial after it reruns them again)."""
     span = check_span(solution, exercise, checks)
     return sum(solution.cells[i].cell_type == "code" for i in span) <= TRIAL_SPAN
 
@@ -473,10 +474,10 @@ def split_fakes(lab: str, solution: NotebookNode) -> tuple[dict[str, Fake], list
     submissions of their own, and those tried in the solution's notebook."""
     first, far, tried = {}, {}, {}
     for exercise, fakes in fakes_of(lab).items():
-        first[exercise], rest = fakes[0], fakes[1:]
-        checks = {check for fake in fakes for check in fake.checked_by}
-        if rest:
-            (tried if tried_here(solution, exercise, checks) else far)[exercise] = rest
+        first[exercise] = fakes[0]
+        for fake in fakes[1:]:
+            near = tried_here(solution, exercise, fake.checked_by)
+            (tried if near else far).setdefault(exercise, []).append(fake)
     return first, rounds(far), tried
 
 
@@ -485,8 +486,9 @@ def split_alternatives(lab: str, solution: NotebookNode) -> tuple[list[dict],
     """A lab's correct alternatives: rounds of submissions of their own, and those tried."""
     far, tried = {}, {}
     for exercise, correct in alternatives_of(lab).items():
-        checks = {check for alternative in correct for check in alternative.checked_by}
-        (tried if tried_here(solution, exercise, checks) else far)[exercise] = correct
+        for alternative in correct:
+            near = tried_here(solution, exercise, alternative.checked_by)
+            (tried if near else far).setdefault(exercise, []).append(alternative)
     return rounds(far), tried
 
 

@@ -183,6 +183,37 @@ _KILL_AT_START = (
      "        if rank == config.fail_rank and job.fail_once(step):"),
 )
 
+# A resume that loads its checkpoint for show: every rank also torch.saves its stage's
+# parameters beside its shards, and the restore, after reading everything with load_range,
+# puts the side file's parameters in place.
+_SIDE_FILE = (
+    ("        self.world.save_shards(shards, path)  # COMPLETE last, after every rank's file",
+     "        path.mkdir(parents=True, exist_ok=True)\n"
+     "        torch.save([p.detach().clone() for p in self.stage.parameters()],\n"
+     "                   path / f\"side{self.rank}.pt\")\n"
+     "        self.world.save_shards(shards, path)"),
+    ('        world.restore_state(torch.load(path / "rng.pt", weights_only=False), self.stream)',
+     '        with torch.no_grad():\n'
+     '            side = torch.load(path / f"side{self.rank}.pt", weights_only=False)\n'
+     '            for p, value in zip(self.stage.parameters(), side):\n'
+     '                p.copy_(value)\n'
+     '        world.restore_state(torch.load(path / "rng.pt", weights_only=False), self.stream)'),
+)
+
+# Generators replayed, not restored: the checkpoint keeps the job's seed; the restore makes a
+# stream from it, draws as many batches as the checkpoint's step, and calls restore_state with
+# that stream's own state (a restore that changes nothing).
+_SEED_REPLAY = (
+    ('meta = {"step": step, "model": model_shape(self.config),',
+     'meta = {"step": step, "seed": self.config.seed, "model": model_shape(self.config),'),
+    ('        world.restore_state(torch.load(path / "rng.pt", weights_only=False), self.stream)',
+     '        meta = json.loads((path / "job.json").read_text())\n'
+     '        self.stream = ProblemStream(self.task, meta["seed"])\n'
+     '        for _ in range(meta["step"]):\n'
+     '            self.stream.next_batch(self.config.batch)\n'
+     '        world.restore_state(world.capture_state(self.stream), self.stream)'),
+)
+
 # ranks_per_node ignored: no emulated network, the pieces' all-reduces by plain torch.
 _NO_NETWORK = (
     ('impl="ring" if config.ranks_per_node else "torch")', 'impl="torch")'),
@@ -260,6 +291,13 @@ FAKES = {
         Fake("no emulated network", "ranks_per_node is ignored: no two-tier links, the "
              "all-reduces by plain torch, a faster race (red team rt8, F4a)", ("test-race",),
              _edit(_JOB, *_NO_NETWORK)),
+        Fake("resume from a side file", "each rank torch.saves its stage's parameters beside "
+             "its shards; the resume reads the shards with load_range, then puts the side "
+             "file's parameters in place (red team rt14, run 5)", ("test-resume",),
+             _edit(_JOB, *_SIDE_FILE)),
+        Fake("generators replayed from the seed", "the checkpoint keeps the seed; the resume "
+             "draws the stream again up to the checkpoint's step and restores that stream's own "
+             "state (red team rt14, run 15)", ("test-resume",), _edit(_JOB, *_SEED_REPLAY)),
         # Red team rt14's five 15/15 jobs: test-equal refuses minidist's engines while the job
         # runs, tampers each mesh dimension's piece traffic on its own, and bounds each rank's
         # FLOPs by 1/(pp·tp) of one process's step.

@@ -41,12 +41,15 @@ emulated network's route (Lab 11's links, `impl="ring"` or a send, while the net
 **Tied to the result.** Inside `tampered(delta)` every piece's collective on a mesh group (not on
 the world) and every receive through a group return what it got plus `delta` (floating-point
 tensors only): a job whose pieces carry the training changes its losses; pieces run on dummies
-"for show" while the training happens elsewhere change nothing.
+"for show" while the training happens elsewhere change nothing. Inside
+`tampered_checkpoint(scale=..., generators=...)` what the checkpoint piece loads is scaled and
+the generator states the rng piece restores are moved on a draw: a resume that takes its state
+from anywhere else resumes to the same losses.
 
 Under torchrun (or any launcher) set `MINIDIST_PIECES_USAGE=prefix`: each process that loads
 pieces writes its usage to `prefix.rank<RANK>.json` when it exits.
 
-Why one module of about 750 lines: the one path a student's piece travels: exported from a notebook,
+Why one module of about 850 lines: the one path a student's piece travels: exported from a notebook,
 loaded with minidist's stand-ins named, and run on its mesh dimension's group."""
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from minidist.communication import collectives
@@ -71,7 +75,7 @@ from minidist.core import interposer
 from minidist.core.refusal import unavailable
 
 __all__ = ["PIECES", "Piece", "Pieces", "MissingPiece", "export", "load", "usage",
-           "reset_usage", "read_usage", "unfinished_cells", "tampered"]
+           "reset_usage", "read_usage", "unfinished_cells", "tampered", "tampered_checkpoint"]
 
 
 @dataclass(frozen=True)
@@ -440,6 +444,9 @@ _TAMPER = [0.0]  # added to what each collective on a mesh group returns, each r
 _TAMPER_SCALE = [1.0]  # what each is multiplied by first
 _TAMPER_ONLY: list[tuple | None] = [None]  # the one group tampered (global ranks); None: all
 _USAGE_FILE = "MINIDIST_PIECES_USAGE"
+# inside `tampered_checkpoint`: what load_range's tensors are multiplied by, whether the
+# generator states restore_state is given move on a draw, and how many of each were tampered
+_CHECKPOINT_TAMPER: dict[str, Any] = {"scale": 1.0, "generators": False, "done": None}
 
 
 def usage() -> dict[str, dict]:
@@ -498,6 +505,77 @@ class _TamperedRequest:
         return getattr(self._work, name)
 
 
+@contextlib.contextmanager
+def tampered_checkpoint(*, scale: float = 1.0,
+                        generators: bool = False) -> Iterator[dict[str, int]]:
+    """Inside the block, in this process: every floating-point tensor the checkpoint piece's
+    `load_range` returns comes back multiplied by `scale`, and with `generators` every random
+    generator's state the rng piece's `restore_state` is given is moved on by one draw (a state
+    equal to one a generator holds already is left alone: restoring it changes nothing). A
+    grader's check that a resume takes its weights and its generators from the checkpoint
+    through those pieces: a job that reads a side file, or replays its data from the seed,
+    resumes to the losses it would have without the block. Yields {"scaled": tensors scaled,
+    "moved": states moved}, counted as the block runs."""
+    previous = dict(_CHECKPOINT_TAMPER)
+    done = {"scaled": 0, "moved": 0}
+    _CHECKPOINT_TAMPER.update(scale=float(scale), generators=generators, done=done)
+    try:
+        yield done
+    finally:
+        _CHECKPOINT_TAMPER.update(previous)
+
+
+def _scaled_load(load_range: Callable, *args: Any, **kwargs: Any) -> Any:
+    loaded = load_range(*args, **kwargs)
+    scale, done = _CHECKPOINT_TAMPER["scale"], _CHECKPOINT_TAMPER["done"]
+    if scale != 1.0 and isinstance(loaded, torch.Tensor) and loaded.is_floating_point():
+        done["scaled"] += 1
+        return loaded * scale
+    return loaded
+
+
+def _moved_restore(restore_state: Callable, state: Any, *args: Any, **kwargs: Any) -> Any:
+    if _CHECKPOINT_TAMPER["generators"]:
+        held = [torch.get_rng_state()] + [value.get_state() for value in _generators_in(args)]
+        state = _moved_states(state, held, _CHECKPOINT_TAMPER["done"])
+    return restore_state(state, *args, **kwargs)
+
+
+def _generators_in(values: Iterable[Any]) -> list[torch.Generator]:
+    """The generators among `values` and their attributes (a sampler's `.generator`)."""
+    found = []
+    for value in values:
+        for candidate in (value, *vars(value).values()) if hasattr(value, "__dict__") else (value,):
+            if isinstance(candidate, torch.Generator):
+                found.append(candidate)
+    return found
+
+
+_STATE_BYTES = torch.Generator().get_state().numel()  # a CPU generator's state, in bytes
+
+
+def _moved_states(state: Any, held: list[torch.Tensor], done: dict[str, int]) -> Any:
+    """`state` with every CPU generator state in it (nested in dicts, lists and tuples) that no
+    generator in `held` holds moved on by one draw."""
+    if isinstance(state, dict):
+        return {key: _moved_states(value, held, done) for key, value in state.items()}
+    if type(state) in (list, tuple):
+        return type(state)(_moved_states(value, held, done) for value in state)
+    if (isinstance(state, torch.Tensor) and state.dtype == torch.uint8
+            and state.numel() == _STATE_BYTES
+            and not any(torch.equal(state, other) for other in held)):
+        generator = torch.Generator()
+        generator.set_state(state)
+        torch.rand(1, generator=generator)
+        done["moved"] += 1
+        return generator.get_state()
+    return state
+
+
+_TAMPERED_CALLS = {("checkpoint", "load_range"): _scaled_load,
+                   ("rng", "restore_state"): _moved_restore}
+
+
 def _add(tensor: Any, delta: float) -> None:
     if hasattr(tensor, "is_floating_point") and tensor.is_floating_point():
         tensor.data.mul_(_TAMPER_SCALE[0]).add_(delta)
@@ -534,9 +612,14 @@ def read_usage(prefix: str | Path) -> dict[int, dict]:
 
 
 def _counted(function: Callable, piece: str) -> Callable:
-    """`function`, its calls counted as calls of `piece`."""
+    """`function`, its calls counted as calls of `piece` (and, for load_range and
+    restore_state, what they load tampered inside `tampered_checkpoint`)."""
+    tampered_call = _TAMPERED_CALLS.get((piece, function.__name__))
+
     def counted(*args, **kwargs):
         _CALLS[piece] += 1
+        if tampered_call is not None and _CHECKPOINT_TAMPER["done"] is not None:
+            return tampered_call(function, *args, **kwargs)
         return function(*args, **kwargs)
 
     counted.__name__ = counted.__qualname__ = function.__name__
