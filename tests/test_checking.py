@@ -638,3 +638,27 @@ def test_work_handed_to_the_library_thread_is_watched_as_the_caller_is():
     with pytest.raises(LibraryVersionUsed, match="ring_all_reduce"):
         with unavailable("minidist.communication.comm.*"):
             in_background(lambda: types.FunctionType(saved, {})(None, None, None)).result()
+
+
+def test_a_library_name_rebound_inside_a_check_is_refused_and_put_back():
+    """A student's function that rebinds the library's reference (the check would compare with
+    the stand-in) is refused; a spy the check bound before its block stays."""
+    from minidist.costs import planner
+
+    original = planner.estimate_time
+
+    def stand_in(*args, **kwargs):
+        return 0.0
+
+    with pytest.raises(LibraryVersionUsed, match=r"minidist\.costs\.planner\.estimate_time "
+                                                 r"was rebound inside the check"):
+        with unavailable("minidist.costs.planner.estimate_memory"):
+            planner.estimate_time = stand_in
+    assert planner.estimate_time is original, "put back at the block's end"
+    planner.estimate_time = stand_in
+    try:
+        with unavailable("minidist.costs.planner.estimate_memory"):
+            pass
+        assert planner.estimate_time is stand_in
+    finally:
+        planner.estimate_time = original

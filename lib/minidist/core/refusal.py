@@ -15,7 +15,7 @@ catches is raised again when the block ends. What would work out of the block's 
 refused with it: switching its watch off, a thread or a process the notebook left running
 beside it, and (when asked) files, pipes and sockets.
 
-Why one module of about 690 lines: the refusal of each kind of callable (Python function, class
+Why one module of about 720 lines: the refusal of each kind of callable (Python function, class
 method, C function, dispatcher op, a copy's code) is one mechanism, swapped in and out together,
 and what it watches (this thread, and what runs beside it) is what makes it hold.
 """
@@ -155,8 +155,9 @@ def unavailable(*paths: str, reason: str = "", allow: Iterable[str] = (),
 
     With processes=True, starting a process is refused too (subprocess, os.fork, os.system,
     multiprocessing, minidist's own run): a fresh interpreter would reach the library's
-    versions out of the block's sight. The block yields a `Refusals`, whose `exempt` lets the
-    check itself call the library inside the block."""
+    versions out of the block's sight. A function or class of a minidist module rebound inside
+    the block (the check's reference swapped for a stand-in) is put back, and refused. The block
+    yields a `Refusals`, whose `exempt` lets the check itself call the library inside it."""
     allowed = set(allow)
     targets = [target for path in paths for target in _expand(path) if target not in allowed]
     targets += [below for path in paths for below in _below(path)
@@ -193,6 +194,9 @@ def unavailable(*paths: str, reason: str = "", allow: Iterable[str] = (),
             f"{beside[0]} is still running beside the check: a checked function runs alone, in "
             f"this thread, where the library's versions it is compared with are unavailable; "
             f"finish it (join it, shut the pool down) before the check")
+    # What the check compares with: a name the checked function rebinds is put back (a
+    # check's own spy, bound before the block, stays).
+    library = _library_names()
     try:
         refuse()
         with interposer.subscribed("recording", {"minidist.refusal": keep}), \
@@ -200,8 +204,37 @@ def unavailable(*paths: str, reason: str = "", allow: Iterable[str] = (),
             yield Refusals(refuse, lift)
     finally:
         lift()
+        rebound = _put_back(library)
     if refusals:  # refused, and the function caught it and went on: still refused
         raise LibraryVersionUsed(f"{refusals[0]} (your function caught the refusal and went on)")
+    if rebound:
+        raise LibraryVersionUsed(
+            f"{rebound[0]} was rebound inside the check: a checked function leaves the library "
+            f"as it found it (the check compares with it); it is put back")
+
+
+def _library_names() -> dict[str, Any]:
+    """Every function and class a loaded minidist module holds, by dotted name: what a check
+    compares the student's function with."""
+    found = {}
+    for name, module in list(sys.modules.items()):
+        if name.startswith("minidist.") and module is not None:
+            for attribute, value in list(vars(module).items()):
+                if isinstance(value, (types.FunctionType, type, functools.partial)):
+                    found[f"{name}.{attribute}"] = value
+    return found
+
+
+def _put_back(library: dict[str, Any]) -> list[str]:
+    """The names of `library` (dotted) bound to something else now, each put back."""
+    rebound = []
+    for dotted, value in library.items():
+        module_name, attribute = dotted.rsplit(".", 1)
+        module = sys.modules.get(module_name)
+        if module is not None and vars(module).get(attribute, value) is not value:
+            setattr(module, attribute, value)
+            rebound.append(dotted)
+    return rebound
 
 
 def _started_beside(processes: bool) -> list[str]:
