@@ -4,7 +4,7 @@ without recomputing, without the overlap or the latency, or from the library (or
 A cell with two solution regions (the Function's forward and backward; the two functions of
 the overlap exercise) gets a tuple: one source per region."""
 
-from fakes import PRESTARTED_PROCESS, PRESTARTED_THREAD, Fake
+from fakes import PRESTARTED_PROCESS, PRESTARTED_THREAD, Alternative, Fake
 
 # The backward of the fakes that keep forward's graph in ctx.stash: it runs the module once,
 # without autograd, for the check's counter to see, then backpropagates through the kept graph.
@@ -478,5 +478,27 @@ _fp2 = _clone_module(_footprint)"""),
     namespace = dict(vars(cost))
     exec(compile(tree, "<my notes>", "exec"), namespace)
     return float(namespace["_intensity"](nbytes, peak_flops, link))""")),
+    ],
+}
+
+
+ALTERNATIVES = {
+    "impl-recompute": [
+        Alternative("the random state saved for backward", "keeps forward's random state with "
+                    "ctx.save_for_backward, beside x, instead of as an attribute of ctx: the "
+                    "spec asks that nothing the module computes be kept, and the random state "
+                    "is not", ("test-recompute",), (
+                        """\
+        ctx.module = module
+        ctx.save_for_backward(x, torch.get_rng_state())
+        with torch.no_grad():
+            return module(x)""", """\
+        x, state = ctx.saved_tensors
+        x = x.detach().requires_grad_(True)
+        with torch.random.fork_rng(devices=[]), torch.enable_grad():
+            torch.set_rng_state(state)
+            out = ctx.module(x)
+        torch.autograd.backward(out, grad_output)
+        return x.grad, None""")),
     ],
 }
