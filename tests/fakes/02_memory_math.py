@@ -4,7 +4,7 @@ without recomputing, without the overlap or the latency, or from the library (or
 A cell with two solution regions (the Function's forward and backward; the two functions of
 the overlap exercise) gets a tuple: one source per region."""
 
-from fakes import PRESTARTED_PROCESS, PRESTARTED_THREAD, Fake
+from fakes import PRESTARTED_PROCESS, PRESTARTED_THREAD, Alternative, Fake
 
 # The backward of the fakes that keep forward's graph in ctx.stash: it runs the module once,
 # without autograd, for the check's counter to see, then backpropagates through the kept graph.
@@ -94,6 +94,54 @@ _fp = _clone_module(_footprint)"""),
     st = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     extra_grads = [p.grad for p in extra if p.grad is not None]
     return distinct(ps), distinct(gs + extra_grads), distinct(extra + st)"""),
+        # Red team rt15 (issue 38).
+        Fake("optimizer tensors by their own size", "dedupes the parameters' and gradients' "
+             "storages but sums the optimizer's tensors by numel x element size: moments laid "
+             "out in one flat buffer with spare room come out short", ("test-held-bytes",), """\
+    def _storage_bytes(tensors):
+        seen = {}
+        for t in tensors:
+            s = t.untyped_storage()
+            seen[s.data_ptr()] = s.nbytes()
+        return sum(seen.values())
+
+    params = list(model.parameters())
+    mine = {id(p) for p in params}
+    state = [v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+    extra = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in mine]
+    return (_storage_bytes(params), _storage_bytes([p.grad for p in params if p.grad is not None]),
+            sum(t.numel() * t.element_size() for t in state + extra))"""),
+        Fake("master copies by dtype", "takes the optimizer's tensors whose dtype differs from "
+             "the model's first parameter for its master copies, not those that are not the "
+             "model's", ("test-held-bytes",), """\
+    def _storage_bytes(tensors):
+        seen = {}
+        for t in tensors:
+            s = t.untyped_storage()
+            seen[s.data_ptr()] = s.nbytes()
+        return sum(seen.values())
+
+    params = list(model.parameters())
+    model_dtype = params[0].dtype if params else torch.float32
+    state = [v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+    extra = [p for g in optimizer.param_groups for p in g["params"] if p.dtype != model_dtype]
+    return (_storage_bytes(params), _storage_bytes([p.grad for p in params if p.grad is not None]),
+            _storage_bytes(state + extra))"""),
+        Fake("gradients as the parameters' bytes", "reports the parameters' bytes for the "
+             "gradients, whether or not each has one", ("test-held-bytes",), """\
+    def _storage_bytes(tensors):
+        seen = {}
+        for t in tensors:
+            s = t.untyped_storage()
+            seen[s.data_ptr()] = s.nbytes()
+        return sum(seen.values())
+
+    params = list(model.parameters())
+    mine = {id(p) for p in params}
+    state = [v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+    extra = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in mine]
+    p_bytes = _storage_bytes(params)
+    return (p_bytes, p_bytes, _storage_bytes(state + extra))"""),
     ],
     "impl-saved-bytes": [
         Fake("the library's measurement, cloned into a pre-started thread", "a code-clone of "
@@ -145,6 +193,45 @@ _fp2 = _clone_module(_footprint)"""),
     with holding() as held:
         out = module(x)
     return int(held.nbytes - out.untyped_storage().nbytes() + x.untyped_storage().nbytes())"""),
+        # Red team rt15 (issue 38).
+        Fake("saved tensors' own bytes, by address", "the pack hook dedupes by the tensor's "
+             "data_ptr and counts its numel x element size, not its storage's: views that cover "
+             "part of a storage come out short", ("test-saved-bytes",), """\
+    skip = {p.data_ptr() for p in module.parameters()}
+    seen = {}
+
+    def pack(t):
+        if t.data_ptr() not in skip:
+            seen[t.data_ptr()] = t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(x)
+    return sum(seen.values())"""),
+        Fake("the graph's saved attributes, no hooks", "runs module(x) without "
+             "saved_tensors_hooks, then walks the output's grad_fn graph reading every node's "
+             "_saved_* attributes, deduped by storage", ("test-saved-bytes",), """\
+    out = module(x)
+    skip = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    seen, stack, visited = {}, [out.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in visited:
+            continue
+        visited.add(id(node))
+        for name in dir(node):
+            if name.startswith("_saved_"):
+                try:
+                    value = getattr(node, name)
+                except Exception:
+                    continue
+                for t in (value if isinstance(value, (tuple, list)) else [value]):
+                    if isinstance(t, torch.Tensor):
+                        s = t.untyped_storage()
+                        if s.data_ptr() not in skip:
+                            seen[s.data_ptr()] = s.nbytes()
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return sum(seen.values())"""),
     ],
     "impl-recompute": [
         Fake("the whole graph, kept from a pre-started thread", "no recompute: forward builds "
@@ -290,6 +377,37 @@ _fp2 = _clone_module(_footprint)"""),
         ctx.stash = (inner, out)
         return out.detach()""",
                  _BACKWARD_FROM_STASH)),
+        # Red team rt15 (issue 38).
+        Fake("recompute without the random state", "a plain recompute that neither keeps nor "
+             "restores the random state: with dropout the rerun draws another mask",
+             ("test-recompute",), (
+                 """\
+        ctx.module = module
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return module(x)""", """\
+        x, = ctx.saved_tensors
+        x = x.detach().requires_grad_(True)
+        with torch.enable_grad():
+            out = ctx.module(x)
+        torch.autograd.backward(out, grad_output)
+        return x.grad, None""")),
+        Fake("a fixed seed for both runs", "reseeds torch.manual_seed(0) before forward and "
+             "before the rerun instead of keeping and restoring the random state (the draws "
+             "are not the caller's, and the global stream is clobbered)", ("test-recompute",), (
+                 """\
+        ctx.module = module
+        ctx.save_for_backward(x)
+        torch.manual_seed(0)
+        with torch.no_grad():
+            return module(x)""", """\
+        x, = ctx.saved_tensors
+        x = x.detach().requires_grad_(True)
+        torch.manual_seed(0)
+        with torch.enable_grad():
+            out = ctx.module(x)
+        torch.autograd.backward(out, grad_output)
+        return x.grad, None""")),
     ],
     "impl-hiding": [
         Fake("the library's overlap, in a pre-started process", "cost.exposed_time and "
@@ -360,5 +478,27 @@ _fp2 = _clone_module(_footprint)"""),
     namespace = dict(vars(cost))
     exec(compile(tree, "<my notes>", "exec"), namespace)
     return float(namespace["_intensity"](nbytes, peak_flops, link))""")),
+    ],
+}
+
+
+ALTERNATIVES = {
+    "impl-recompute": [
+        Alternative("the random state saved for backward", "keeps forward's random state with "
+                    "ctx.save_for_backward, beside x, instead of as an attribute of ctx: the "
+                    "spec asks that nothing the module computes be kept, and the random state "
+                    "is not", ("test-recompute",), (
+                        """\
+        ctx.module = module
+        ctx.save_for_backward(x, torch.get_rng_state())
+        with torch.no_grad():
+            return module(x)""", """\
+        x, state = ctx.saved_tensors
+        x = x.detach().requires_grad_(True)
+        with torch.random.fork_rng(devices=[]), torch.enable_grad():
+            torch.set_rng_state(state)
+            out = ctx.module(x)
+        torch.autograd.backward(out, grad_output)
+        return x.grad, None""")),
     ],
 }

@@ -116,6 +116,12 @@ FAKES = {
         for t, value in zip(tensors, box[0]):
             t.copy_(value)
     dist.broadcast(torch.zeros(sum(t.nbytes for t in tensors), dtype=torch.uint8), src=0)"""),
+        # Red team rt15 (issue 38).
+        Fake("the state_dict's tensors", "broadcasts model.state_dict().values(): a tied weight "
+             "twice, a buffer registered with persistent=False never", ("test-broadcast",), """\
+    with torch.no_grad():
+        for t in model.state_dict().values():
+            dist.broadcast(t, src=0)"""),
     ],
     "impl-naive": [
         # Red team rt9 (issue 38): gradients through the rendezvous store; the given all_reduce
@@ -188,6 +194,14 @@ FAKES = {
             pieces = [torch.empty_like(p.grad) for _ in range(world_size)]
             distributed_c10d.all_gather(pieces, p.grad)
             p.grad.copy_(torch.stack(pieces).mean(0))"""),
+        # Red team rt15 (issue 38).
+        Fake("no gradient read as frozen", "all-reduces the .grad of every parameter that "
+             "requires a gradient: a trainable parameter the forward never uses has none",
+             ("test-naive",), """\
+    for p in model.parameters():
+        if p.requires_grad:
+            all_reduce(p.grad)
+            p.grad /= world_size"""),
     ],
     "impl-flat": [
         # Red team rt9 (issue 38): gradients through files; one flat all_reduce of zeros (the
@@ -257,6 +271,28 @@ FAKES = {
     for g in grads:
         g.copy_(total[offset:offset + g.numel()].view_as(g))
         offset += g.numel()"""),
+        # Red team rt15 (issue 38): the packing handed to torch's own helpers.
+        Fake("torch's private flatten helpers", "torch._utils._flatten_dense_tensors and "
+             "_unflatten_dense_tensors pack the gradients into one buffer and back",
+             ("test-flat",), """\
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+    if not grads:
+        return
+    flat = _flatten_dense_tensors(grads)
+    all_reduce(flat)
+    flat /= world_size
+    for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        g.copy_(synced)"""),
+        Fake("torch's parameters_to_vector", "torch.nn.utils.parameters_to_vector and "
+             "vector_to_parameters, applied to the gradients, pack them and back",
+             ("test-flat",), """\
+    from torch.nn.utils import parameters_to_vector, vector_to_parameters
+    if not grads:
+        return
+    flat = parameters_to_vector(grads)
+    all_reduce(flat)
+    flat /= world_size
+    vector_to_parameters(flat, grads)"""),
     ],
     "impl-buckets": [
         # Red team rt9 (issue 38): the library's assign_buckets, cloned when the cell ran and
