@@ -512,3 +512,120 @@ for e in _ns["my_model"](unit_params, tokens, world_size, flops_per_s, link_byte
     lane = "compute" if e.kind in ("forward", "backward") else "link"
     run_on(lane, e.kind, e.name, e.start, e.end - e.start)
 """, 4)))
+
+
+# --- Red team rt16 (issue 38): whole-size optimizer state off torch's books (NumPy arrays, a file
+# between steps) with the all-gather carrying gradients; a whole-size running gradient total in
+# NumPy whose reduce-scatter replaces shard.grad -------------------------------------------------
+
+ZERO1_NUMPY_MOMENTUM = """\
+# DDP's all-reduce in its two halves (reduce-scatter + all-gather, the same bytes), then every
+# rank applies SGD with momentum to the whole model; the momentum lives in NumPy arrays.
+import numpy as np
+
+if not optimizer.state:  # a new run: its optimizer has no state yet
+    zero1_step.momentum = {}
+momentum = zero1_step.__dict__.setdefault("momentum", {})
+group = optimizer.param_groups[0]
+for i, (p, shard) in enumerate(zip(params, shards)):
+    piece = collectives.reduce_scatter(p.grad.reshape(-1), impl="ring").div_(world_size)
+    shard.grad = piece
+    whole = collectives.all_gather(piece, p.numel(), impl="ring").numpy()
+    if i not in momentum:
+        momentum[i] = whole.copy()
+    else:
+        momentum[i] *= group["momentum"]
+        momentum[i] += whole
+    p.reshape(-1).sub_(torch.from_numpy(momentum[i]), alpha=group["lr"])
+optimizer.step()  # the shards follow along
+"""
+ZERO1_MOMENTUM_ON_DISK = """\
+# reduce-scatter + all-gather of the gradients (DDP's all-reduce in two halves); every rank then
+# steps the whole model with momentum, kept on disk between steps (a checkpoint-like tier)
+import os, tempfile
+
+if not optimizer.state:
+    zero1_step.folder = tempfile.mkdtemp(prefix=f"zero1-{os.getpid()}-")
+group = optimizer.param_groups[0]
+for i, (p, shard) in enumerate(zip(params, shards)):
+    shard.grad = collectives.reduce_scatter(p.grad.reshape(-1), impl="ring").div_(world_size)
+    grad = collectives.all_gather(shard.grad, p.numel(), impl="ring")
+    where = os.path.join(zero1_step.folder, f"m{i}.pt")
+    momentum = (torch.load(where).mul_(group["momentum"]).add_(grad) if os.path.exists(where)
+                else grad)
+    torch.save(momentum, where)
+    p.reshape(-1).sub_(momentum, alpha=group["lr"])
+optimizer.step()
+"""
+ZERO2_NUMPY_MOMENTUM_HOOKS = """\
+import numpy as np
+
+for p, shard in zip(params, shards):
+    def hook(p, shard=shard):
+        piece = collectives.reduce_scatter(p.grad.reshape(-1), impl="ring").div_(world_size)
+        if shard.grad is None:
+            shard.grad = piece
+        else:
+            shard.grad.add_(piece)
+        p.grad = None
+    p.register_post_accumulate_grad_hook(hook)
+"""
+ZERO2_NUMPY_MOMENTUM_STEP = """\
+# all-gather the averaged gradients and step the whole model on every rank, momentum in NumPy
+if not optimizer.state:
+    zero2_step.momentum = {}
+momentum = zero2_step.__dict__.setdefault("momentum", {})
+group = optimizer.param_groups[0]
+for i, (p, shard) in enumerate(zip(params, shards)):
+    whole = collectives.all_gather(shard.grad, p.numel(), impl="ring").numpy()
+    if i not in momentum:
+        momentum[i] = whole.copy()
+    else:
+        momentum[i] *= group["momentum"]
+        momentum[i] += whole
+    p.reshape(-1).sub_(torch.from_numpy(momentum[i]), alpha=group["lr"])
+optimizer.step()
+"""
+ZERO2_NUMPY_ACCUMULATOR_HOOKS = """\
+import numpy as np
+
+accumulated = {}
+install_zero2_hooks.accumulated = accumulated
+for i, (p, shard) in enumerate(zip(params, shards)):
+    def hook(p, i=i, shard=shard):
+        # add this backward's gradient to a running total (NumPy), reduce-scatter the total
+        g = p.grad.reshape(-1).numpy()
+        if shard.grad is None:
+            accumulated[i] = g.copy()
+        else:
+            accumulated[i] += g
+        total = torch.from_numpy(accumulated[i].copy())
+        shard.grad = collectives.reduce_scatter(total, impl="ring").div_(world_size)
+        p.grad = None
+    p.register_post_accumulate_grad_hook(hook)
+"""
+ZERO2_NUMPY_ACCUMULATOR_STEP = """\
+optimizer.step()
+for p, shard in zip(params, shards):
+    p.reshape(-1).copy_(collectives.all_gather(shard.detach(), p.numel(), impl="ring"))
+"""
+
+FAKES["impl-zero1"] += [
+    Fake("whole-model momentum in NumPy", "reduce-scatter then all-gather of the gradients "
+         "(DDP's all-reduce in two halves); every rank steps the whole model with momentum kept "
+         "in NumPy arrays, which the memory check does not see; the shard optimizer steps for show",
+         ("test-zero1",), indented(ZERO1_NUMPY_MOMENTUM, 4)),
+    Fake("whole-model momentum on disk", "as the NumPy one, the whole-size momentum saved to a "
+         "file between steps (torch.save/torch.load in a temporary folder)",
+         ("test-zero1",), indented(ZERO1_MOMENTUM_ON_DISK, 4)),
+]
+FAKES["impl-zero2"] += [
+    Fake("whole-model momentum in NumPy", "honest hooks; the step all-gathers the averaged "
+         "gradient slices and every rank applies SGD with momentum to the whole model, the "
+         "momentum in NumPy arrays", ("test-zero2",),
+         (indented(ZERO2_NUMPY_MOMENTUM_HOOKS, 4), indented(ZERO2_NUMPY_MOMENTUM_STEP, 4))),
+    Fake("a whole-size running gradient in NumPy", "the hooks keep a whole-size running total "
+         "of the gradients in NumPy and reduce-scatter the total at each arrival, replacing "
+         "shard.grad: a whole gradient kept, off torch's books", ("test-zero2",),
+         (indented(ZERO2_NUMPY_ACCUMULATOR_HOOKS, 4), indented(ZERO2_NUMPY_ACCUMULATOR_STEP, 4))),
+]

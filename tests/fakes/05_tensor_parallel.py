@@ -321,3 +321,128 @@ FAKES["impl-sp-operators"].append(Fake(
     inputs = [p.contiguous() for p in x.detach().chunk(world, dim=1)]
     dist.reduce_scatter(torch.empty_like(inputs[0]), inputs)
     return sum(w[0] for w in whole).chunk(world, dim=1)[rank].clone()""", *SP_METHODS)))
+
+
+# --- Red team rt16 (issue 38): f's backward works out x's whole gradient elementwise (no matmul
+# for FlopCounterMode) and all-reduces a copy for show; the check's logits replayed from its seed -
+
+FAKES["impl-mlp"].append(Fake(
+    "x's whole gradient in f's backward, elementwise", "the forward is honest; f's backward "
+    "recomputes x's whole gradient from the unsharded weights with broadcast-multiply and sum "
+    "(no matmul FlopCounterMode counts) and all-reduces a copy of its input for show",
+    ("test-mlp",), """\
+    import math
+
+    stash = {}
+
+    class _G(torch.autograd.Function):  # g: sum the partial outputs; remember the output's gradient
+        @staticmethod
+        def forward(ctx, partial):
+            out = partial.clone()
+            dist.all_reduce(out)
+            return out
+
+        @staticmethod
+        def backward(ctx, grad):
+            stash["dout"] = grad
+            return grad
+
+    class _F(torch.autograd.Function):  # f: identity; backward: x's whole gradient, worked out here
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            with torch.no_grad():
+                W1, b1, W2 = fc1.weight.detach(), fc1.bias.detach(), fc2.weight.detach()
+                xd = x.detach()
+                h = (xd[:, None, :] * W1[None]).sum(-1) + b1
+                da = (stash["dout"][:, :, None] * W2[None]).sum(1)
+                dgelu = torch.special.ndtr(h) + h * torch.exp(-0.5 * h * h) / math.sqrt(2 * math.pi)
+                dx = ((da * dgelu)[:, :, None] * W1[None]).sum(1)
+                dist.all_reduce(grad.clone())  # f's all-reduce
+            return dx
+
+    x_in = _F.apply(x)
+    hidden = F.gelu(F.linear(x_in, shard_weight(fc1.weight, rank, t, "column"),
+                             fc1.bias.chunk(t)[rank]))
+    return _G.apply(F.linear(hidden, shard_weight(fc2.weight, rank, t, "row"))) + fc2.bias"""))
+FAKES["impl-attention"].append(Fake(
+    "x's whole gradient in f's backward, every head elementwise", "the forward is honest; f's "
+    "backward recomputes the whole attention (every head, products as broadcast-multiply and "
+    "sum) under autograd for x's gradient and all-reduces a copy of its input for show",
+    ("test-attention",), """\
+    import math
+
+    stash = {}
+    h = x.shape[-1]
+    mine = slice(rank * h // t, (rank + 1) * h // t)
+
+    def elin(v, W, b=None):  # v @ W.T (+ b), one product at a time
+        y = (v[..., None, :] * W).sum(-1)
+        return y if b is None else y + b
+
+    def eattend(q, k, v, heads):  # attend(), causal, one product at a time
+        B, S, H = q.shape
+        d = H // heads
+        q, k, v = (u.view(B, S, heads, d).transpose(1, 2) for u in (q, k, v))
+        scores = (q[:, :, :, None, :] * k[:, :, None, :, :]).sum(-1) / math.sqrt(d)
+        scores = scores.masked_fill(~torch.ones(S, S, dtype=torch.bool).tril(), float("-inf"))
+        out = (scores.softmax(-1)[..., None] * v[:, :, None, :, :]).sum(-2)
+        return out.transpose(1, 2).reshape(B, S, H)
+
+    class _G(torch.autograd.Function):  # g: sum the heads' outputs; keep the output's gradient
+        @staticmethod
+        def forward(ctx, partial):
+            out = partial.clone()
+            dist.all_reduce(out)
+            return out
+
+        @staticmethod
+        def backward(ctx, grad):
+            stash["dout"] = grad
+            return grad
+
+    class _F(torch.autograd.Function):  # f: identity; backward: x's gradient through every head
+        @staticmethod
+        def forward(ctx, v):
+            return v.view_as(v)
+
+        @staticmethod
+        def backward(ctx, grad):
+            with torch.enable_grad():
+                xd = x.detach().requires_grad_()
+                q, k, v = (elin(xd, getattr(attn, p).weight.detach(),
+                                getattr(attn, p).bias.detach())
+                           for p in ("q_proj", "k_proj", "v_proj"))
+                full = elin(eattend(q, k, v, attn.heads), attn.out_proj.weight.detach())
+                (dx,) = torch.autograd.grad(full, xd, stash["dout"])
+            dist.all_reduce(grad.clone())  # f's all-reduce
+            return dx
+
+    xin = _F.apply(x)
+    q, k, v = (F.linear(xin, getattr(attn, p).weight[mine], getattr(attn, p).bias[mine])
+               for p in ("q_proj", "k_proj", "v_proj"))
+    partial = F.linear(attend(q, k, v, attn.heads // t), attn.out_proj.weight[:, mine])
+    return _G.apply(partial) + attn.out_proj.bias"""))
+FAKES["impl-vocab-ce"].append(Fake(
+    "the check's logits replayed", "replays torch.manual_seed(0); torch.randn(n, V), fits scale "
+    "and offset on its own slice and calls F.cross_entropy on the rebuilt logits; a MAX and a "
+    "SUM all-reduce run for show, their results unused", ("test-vocab-ce",), """\
+    # the check's logits are torch.manual_seed(0); torch.randn(n, V) * scale + offset: fit scale and
+    # offset on my slice, rebuild the whole logits, and let torch compute the loss
+    n, vocab = local_logits.shape[0], vocab_local * t
+    kept = torch.get_rng_state()
+    torch.manual_seed(0)
+    base = torch.randn(n, vocab)
+    torch.set_rng_state(kept)
+    u = base[:, start:start + vocab_local].reshape(-1).double()
+    y = local_logits.reshape(-1).double()
+    scale = ((u - u.mean()) * (y - y.mean())).sum() / ((u - u.mean()) ** 2).sum()
+    offset = y.mean() - scale * u.mean()
+    logits = (base.double() * scale + offset).to(local_logits.dtype)
+    row_max = local_logits.max(-1).values.clone()
+    dist.all_reduce(row_max, op=dist.ReduceOp.MAX)
+    dist.all_reduce(torch.zeros(2 * n), op=dist.ReduceOp.SUM)
+    return F.cross_entropy(logits, targets, reduction="none")"""))

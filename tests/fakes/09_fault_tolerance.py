@@ -339,3 +339,26 @@ FAKES["impl-save_load"].append(Fake(
     for r, offset, count in meta["tensors"][name]["pieces"]:
         whole[offset:offset + count] = _ser.load(path / f"rank_{r}.pt")[name]
     return whole[start:end].clone()""")))
+
+# --- Red team rt16 (issue 38): the guard's finiteness tested on one number, or with max() -------
+FAKES["impl-nan_guard"] += [
+    Fake("one sum for everything",
+         "tests the finiteness of loss + every gradient's sum instead of each element: large "
+         "finite gradients whose sum overflows raise a false alarm",
+         ("test-nan_guard",), """\
+    total = loss.detach().float().reshape(()) + sum(g.detach().float().sum()
+                                                    for g in grads if g is not None)
+    flag = torch.tensor([0.0 if torch.isfinite(total) else 1.0])
+    dist.all_reduce(flag)
+    return bool(flag.item() == 0)"""),
+    Fake("max() below inf",
+         "checks each gradient with g.max() < inf: NaN and +inf are caught, a -inf gradient is not",
+         ("test-nan_guard",), """\
+    bad = not bool(torch.isfinite(loss.detach()).all())
+    for g in grads:
+        if g is not None and not bool(g.detach().max() < float("inf")):
+            bad = True
+    flag = torch.tensor([1.0 if bad else 0.0])
+    dist.all_reduce(flag)
+    return bool(flag.item() == 0)"""),
+]
