@@ -31,6 +31,11 @@ in between: what overlapped what, from the order alone, so no timing can make it
 
 `detached` keeps out what an earlier cell computed (a table of the library's answers, a model
 fitted to them), which no refusal during the call can reach.
+
+Why one module of about 550 lines: these are the instruments of one check, used together inside
+one `unavailable` block (what was called, what travelled, what a tampered message changed, what
+overlapped, what was held, what came back, what the function could reach), and most share the
+interposer's layers.
 """
 
 from __future__ import annotations
