@@ -662,3 +662,42 @@ def test_a_library_name_rebound_inside_a_check_is_refused_and_put_back():
         assert planner.estimate_time is stand_in
     finally:
         planner.estimate_time = original
+
+
+def test_detached_keeps_imports_and_own_code_but_not_what_the_notebook_computed():
+    """A table or fitted constant an earlier cell made with the library is out of reach of the
+    detached function; its imports, its own helpers and builtins are not."""
+    import math
+
+    from minidist.core.checking import detached
+
+    notebook = {"__name__": "__main__"}
+    exec("import math\nfrom minidist.core.checking import plain\n"
+         "_FIT = 3.0\n_TABLE = {(2, 3): 0.25}\n"
+         "def helper(p):\n    return math.sqrt(p)\n"
+         "def honest(p, m):\n    return helper(p) * m + len([p])\n"
+         "def fitted(p, m):\n    return _FIT * p\n"
+         "def looked_up(p, m, table=_TABLE):\n    return table[p, m]\n"
+         "def via_main(p, m):\n    import __main__\n    return __main__._FIT\n"
+         "def outer():\n    fit = _FIT\n"
+         "    def inner(p, m):\n        return fit\n    return inner\n"
+         "closed = outer()\n", notebook)
+    import builtins
+    builtins._STASHED_BY_A_CELL = 1.0  # a name added to builtins later is state too
+    try:
+        exec("def stashed(p, m):\n    return _STASHED_BY_A_CELL\n", notebook)
+        assert detached(notebook["honest"], notebook)(4, 3) == 2.0 * 3 + 1
+        assert detached(notebook["honest"], notebook)(4, 3) == notebook["honest"](4, 3)
+        for name in ("fitted", "stashed"):
+            with pytest.raises(NameError):
+                detached(notebook[name], notebook)(2, 3)
+        with pytest.raises(TypeError):  # a default argument is a value computed outside the code
+            detached(notebook["looked_up"], notebook)(2, 3)
+        with pytest.raises(ImportError):
+            detached(notebook["via_main"], notebook)(2, 3)
+        with pytest.raises(AssertionError, match="top level"):
+            detached(notebook["closed"], notebook)
+        with pytest.raises(AssertionError, match="defined in its cell"):
+            detached(math.sqrt, notebook)
+    finally:
+        del builtins._STASHED_BY_A_CELL

@@ -422,3 +422,47 @@ FAKES["impl-interleaved"] += [
                 actions.append(Action("F" if _forward else "B", _a.stage_index,
                                       _a.microbatch_index))"""),
 ]
+
+# Red team rt19 (issue 38): the simulator asked when the cell runs, before the check refuses it,
+# and fitted: GPipe's makespan is affine in p and m, ZB-H1's idle time linear in T_F, T_B, T_W for
+# each p, so a few runs give a model exact for any input. (The red team put the fit in an earlier
+# prediction cell; at module level after the answer it runs at the same point, before the check.)
+FAKES["impl-bubble-formulas"] += [
+    Fake("GPipe's makespan fitted to three simulator runs",
+         "red team rt19: makespan(2, 2), +1 microbatch, +1 stage simulated when the cell runs; "
+         "the bubble read off the affine fit, for any p and m", ("test-bubble-formulas",), (
+             """\
+    span = _M0 + _DM * (m - 2) + _DP * (p - 2)
+    return (span - 3 * m) / span""", """\
+    span = _M0 + _DM * (m - 2) + _DP * (p - 2)
+    return (span - 3 * m) / (3 * m)
+
+
+def _makespan(p, m):
+    return pipeline_simulator.simulate(pipeline.schedule("gpipe", p, m)).makespan
+
+
+_M0 = _makespan(2, 2); _DM = _makespan(2, 3) - _M0; _DP = _makespan(3, 2) - _M0""")),
+]
+FAKES["impl-zb-idle"] += [
+    Fake("ZB-H1's idle time fitted per p to simulator runs",
+         "red team rt19: for every p <= 16, ZB-H1 simulated at three cost settings when the cell "
+         "runs; the idle time is the fitted cf·T_F + cb·T_B + cw·T_W", ("test-zb-idle",), """\
+    cf, cb, cw = _ZB_COEF[p]
+    return cf * t_f + cb * t_b + cw * t_w
+
+
+# calibrate: idle is linear in the three costs for a given p; fit it on the simulator
+def _sim_idle(p, f, b, w):
+    t = pipeline_simulator.simulate(pipeline.schedule("zb-h1", p, 2 * p), Costs(F=f, B=b, W=w))
+    return t.makespan - 2 * p * (f + b + w)
+
+
+_ZB_COEF = {}
+for _p in range(1, 17):
+    _base = _sim_idle(_p, 1.0, 1.0, 1.0)
+    _cf = _sim_idle(_p, 2.0, 1.0, 1.0) - _base
+    _cb = _sim_idle(_p, 1.0, 2.0, 1.0) - _base
+    _cw = _base - _cf - _cb
+    _ZB_COEF[_p] = (_cf, _cb, _cw)"""),
+]

@@ -274,3 +274,36 @@ ALTERNATIVES = {
     return collective(tensor)"""),
     ],
 }
+
+# Red team rt19 (issue 38): the library's overlap of the lab's two real profiles worked out when
+# the cell runs (before any check refuses it) and looked up by the timeline's id; sympy's interval
+# sets (Union, Intersection, measure) for every made-up timeline, fast enough on a handful of
+# events. (The red team's table went at module level after the function, as here.)
+FAKES["impl-overlap"] += [
+    Fake("the real profiles cached, sympy for the rest",
+         "red team rt19: profiling.overlap_fraction of ddp_flat and ddp_buckets computed when the "
+         "cell runs, keyed by id(timeline); made-up timelines through sympy's set algebra",
+         ("test-overlap",), (
+             """\
+    import sympy
+    if not intervals:
+        return []
+    u = sympy.Union(*[sympy.Interval(s, e) for s, e in intervals])
+    parts = u.args if isinstance(u, sympy.Union) else (u,)
+    num = lambda x: int(x) if x.is_Integer else float(x)  # noqa: E731
+    return sorted((num(i.start), num(i.end)) for i in parts if not i.is_empty)""",
+             """\
+    import sympy
+    if id(timeline) in _KNOWN:
+        return _KNOWN[id(timeline)][rank]
+    def mine(kind):
+        return sympy.Union(*[sympy.Interval(e.start, e.end) for e in timeline.events
+                             if e.rank == rank and e.kind == kind])
+    comm = mine("communication")
+    if comm.is_empty or comm.measure == 0:
+        return 0.0
+    return float(sympy.Intersection(comm, mine("compute")).measure / comm.measure)
+
+
+_KNOWN = {id(t): profiling.overlap_fraction(t) for t in (ddp_flat, ddp_buckets)}""")),
+]

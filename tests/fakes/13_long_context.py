@@ -679,3 +679,20 @@ FAKES["impl-zigzag"] += [
             exec(compile("\n".join(_lines), "<mine>", "exec"), _SPLIT_COPY)
     return _SPLIT_COPY["split_sequence"](x, cp_size, layout="zigzag", dim=dim)"""),
 ]
+
+# Red team rt19 (issue 38): the library's zigzag pairing read for every cp up to 256 when an
+# earlier cell ran (before any check refuses it); the split only chunks and indexes the table.
+# (The red team's table went in cell answer-plain_imbalance; at module level after the function,
+# as here, it is made at the same point, before the check.)
+FAKES["impl-zigzag"] += [
+    Fake("a table of the library's pairings up to cp = 256",
+         "red team rt19: context_parallel.chunks_of(r, c, layout='zigzag') for every c <= 256 "
+         "read before the check; the split indexes it", checked_by=("test-zigzag",), source="""\
+    chunks = x.chunk(2 * cp_size, dim=dim)
+    return [torch.cat([chunks[c] for c in _ZIGZAG[cp_size][r]], dim=dim) for r in range(cp_size)]
+
+
+# which chunks each rank holds, for every cp I may meet (read from the library once)
+_ZIGZAG = {c: [context_parallel.chunks_of(r, c, layout="zigzag") for r in range(c)]
+           for c in range(1, 257)}"""),
+]

@@ -25,16 +25,30 @@ each step (a partial sum, a finished chunk), not only how many bytes.
 `watching` sees calls of any function (a file renamed, a file loaded); `in_flight` sees when
 each point-to-point request was posted and waited on, and the operators (matmuls) that ran
 in between: what overlapped what, from the order alone, so no timing can make it flaky.
+
+    with unavailable("minidist.costs.bubbles.*"):
+        detached(bubble_of_total, globals())(31, 66)  # its own code, the notebook's imports only
+
+`detached` keeps out what an earlier cell computed (a table of the library's answers, a model
+fitted to them), which no refusal during the call can reach.
+
+Why one module of about 550 lines: these are the instruments of one check, used together inside
+one `unavailable` block (what was called, what travelled, what a tampered message changed, what
+overlapped, what was held, what came back, what the function could reach), and most share the
+interposer's layers.
 """
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import dataclasses
 import functools
 import importlib
 import inspect
+import sys
 import threading
+import types
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,7 +64,7 @@ from minidist.core.refusal import unavailable
 __all__ = [
     "Call", "RECORDED", "recording", "Message", "messages_sent", "tampered_receives", "Seen",
     "watching", "MATMULS", "FlightRecord", "in_flight", "ran_while_in_flight", "Held", "holding",
-    "plain",
+    "plain", "detached",
 ]
 
 RECORDED = (
@@ -481,3 +495,62 @@ def plain(value: Any) -> Any:
         return dataclasses.replace(value, **{field.name: plain(getattr(value, field.name))
                                             for field in dataclasses.fields(value) if field.init})
     return value
+
+
+# --- A checked function with only its own code and the notebook's imports ---------------------
+
+_BUILTINS = dict(vars(builtins))  # as minidist found them: a name a notebook adds later is state
+
+
+def _imported(value: Any) -> bool:
+    """Whether `value` is something a notebook imports (a module, or a function or class a
+    module defines, reachable under its own name there) rather than state it computed."""
+    if isinstance(value, types.ModuleType):
+        return value.__name__ != "__main__"
+    if isinstance(value, types.BuiltinFunctionType):  # a method of a table is state, not code
+        return value.__self__ is None or isinstance(value.__self__, types.ModuleType)
+    if not isinstance(value, (type, types.FunctionType)):
+        return False
+    module = sys.modules.get(getattr(value, "__module__", None) or "")
+    if module is None or module.__name__ == "__main__":
+        return False
+    found: Any = module
+    for part in value.__qualname__.split("."):
+        found = getattr(found, part, None)
+    return found is value
+
+
+def _notebook_import(name: str, *args: Any, **kwargs: Any) -> Any:
+    if name == "__main__":
+        raise ImportError("a checked function does not reach the notebook's own namespace")
+    return builtins.__import__(name, *args, **kwargs)
+
+
+def detached(function: Callable, namespace: dict[str, Any]) -> Callable:
+    """`function` as its own code computes it, rebound to what `namespace` (the notebook's
+    globals) imported: its modules and the library's classes and functions, the functions the
+    notebook defined (rebound the same way), and builtins as they were. Every value the
+    notebook computed is out of reach (a table, a fitted model, a cache an earlier cell filled
+    with the library's answers, a default argument): called inside a check's `unavailable`
+    block, the result is what the function works out itself, from the check's inputs.
+
+    Why: refusing the library while a function runs does not stop an earlier cell from asking
+    it in advance; a name the function reads from that cell now raises NameError."""
+    clean: dict[str, Any] = {"__name__": namespace.get("__name__", "__main__"),
+                             "__builtins__": dict(_BUILTINS, __import__=_notebook_import)}
+    for name, value in namespace.items():
+        if _imported(value):
+            clean[name] = value
+        elif isinstance(value, types.FunctionType) and value.__globals__ is namespace \
+                and value.__closure__ is None:  # the notebook's own code: rebound, no defaults
+            clean[name] = types.FunctionType(value.__code__, clean, value.__name__)
+    if not (isinstance(function, types.FunctionType) and function.__globals__ is namespace):
+        raise AssertionError(f"{getattr(function, '__name__', function)!r} should be a function "
+                             f"defined in its cell with def, got {type(function).__name__}")
+    if function.__closure__ is not None:
+        raise AssertionError(f"{function.__name__} should be defined at the top level of its "
+                             "cell, not inside another function that hands it values")
+    rebound = clean.get(function.__name__)
+    if not (isinstance(rebound, types.FunctionType) and rebound.__code__ is function.__code__):
+        rebound = types.FunctionType(function.__code__, clean, function.__name__)
+    return rebound
