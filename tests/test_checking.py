@@ -701,3 +701,35 @@ def test_detached_keeps_imports_and_own_code_but_not_what_the_notebook_computed(
             detached(math.sqrt, notebook)
     finally:
         del builtins._STASHED_BY_A_CELL
+
+
+def test_detached_keeps_literal_defaults_and_the_notebooks_classes():
+    """An honest function's `eps=1e-6` and its own helper class survive detaching; a default
+    computed by an earlier cell and a table kept on a class do not."""
+    import linecache
+
+    from minidist.core.checking import detached
+
+    source = ("_FIT = 3.0\n"
+              "class Span:\n"
+              "    TABLE = list(range(100))\n"
+              "    def __init__(self, start, end):\n"
+              "        self.start, self.end = start, end\n"
+              "    @property\n"
+              "    def length(self):\n"
+              "        return self.end - self.start\n"
+              "def honest(p, m, eps=1e-6, *, scale=2):\n"
+              "    return Span(p, m).length * scale + eps\n"
+              "def fitted(p, m, fit=_FIT):\n"
+              "    return fit * p\n"
+              "def tabled(p, m):\n"
+              "    return Span.TABLE[p]\n")
+    filename = "<notebook cell: test_detached_keeps_literal_defaults>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    notebook = {"__name__": "__main__"}
+    exec(compile(source, filename, "exec"), notebook)
+    assert detached(notebook["honest"], notebook)(1, 4) == 3 * 2 + 1e-6
+    with pytest.raises(TypeError):  # a default from an earlier cell's value: state
+        detached(notebook["fitted"], notebook)(2, 3)
+    with pytest.raises(AttributeError):  # a table kept on a class: state
+        detached(notebook["tabled"], notebook)(2, 3)

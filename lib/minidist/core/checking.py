@@ -32,7 +32,7 @@ in between: what overlapped what, from the order alone, so no timing can make it
 `detached` keeps out what an earlier cell computed (a table of the library's answers, a model
 fitted to them), which no refusal during the call can reach.
 
-Why one module of about 550 lines: these are the instruments of one check, used together inside
+Why one module of about 630 lines: these are the instruments of one check, used together inside
 one `unavailable` block (what was called, what travelled, what a tampered message changed, what
 overlapped, what was held, what came back, what the function could reach), and most share the
 interposer's layers.
@@ -40,6 +40,7 @@ interposer's layers.
 
 from __future__ import annotations
 
+import ast
 import builtins
 import contextlib
 import dataclasses
@@ -47,6 +48,7 @@ import functools
 import importlib
 import inspect
 import sys
+import textwrap
 import threading
 import types
 from collections.abc import Callable, Iterable, Iterator
@@ -534,6 +536,9 @@ def detached(function: Callable, namespace: dict[str, Any]) -> Callable:
     with the library's answers, a default argument): called inside a check's `unavailable`
     block, the result is what the function works out itself, from the check's inputs.
 
+    Literal defaults its `def` writes (`eps=1e-6`) are kept, and the notebook's own classes,
+    their methods rebound and the tables kept on them left out.
+
     Why: refusing the library while a function runs does not stop an earlier cell from asking
     it in advance; a name the function reads from that cell now raises NameError."""
     clean: dict[str, Any] = {"__name__": namespace.get("__name__", "__main__"),
@@ -542,8 +547,10 @@ def detached(function: Callable, namespace: dict[str, Any]) -> Callable:
         if _imported(value):
             clean[name] = value
         elif isinstance(value, types.FunctionType) and value.__globals__ is namespace \
-                and value.__closure__ is None:  # the notebook's own code: rebound, no defaults
-            clean[name] = types.FunctionType(value.__code__, clean, value.__name__)
+                and value.__closure__ is None:  # the notebook's own code, rebound
+            clean[name] = _rebound(value, clean)
+        elif isinstance(value, type) and value.__module__ == namespace.get("__name__"):
+            clean[name] = _rebound_class(value, namespace, clean)
     if not (isinstance(function, types.FunctionType) and function.__globals__ is namespace):
         raise AssertionError(f"{getattr(function, '__name__', function)!r} should be a function "
                              f"defined in its cell with def, got {type(function).__name__}")
@@ -552,5 +559,77 @@ def detached(function: Callable, namespace: dict[str, Any]) -> Callable:
                              "cell, not inside another function that hands it values")
     rebound = clean.get(function.__name__)
     if not (isinstance(rebound, types.FunctionType) and rebound.__code__ is function.__code__):
-        rebound = types.FunctionType(function.__code__, clean, function.__name__)
+        rebound = _rebound(function, clean)
     return rebound
+
+
+_SCALARS = (type(None), bool, int, float, complex, str, bytes)
+
+
+def _rebound(function: types.FunctionType, clean: dict[str, Any]) -> types.FunctionType:
+    """`function`'s code with `clean` as its globals, and only the defaults its `def` line
+    writes as literals (`eps=1e-6`): a default computed by an earlier cell is state."""
+    rebound = types.FunctionType(function.__code__, clean, function.__name__)
+    written = _literal_defaults(function)
+    defaults = function.__defaults__ or ()
+    kept = 0  # defaults fill the last parameters: keep the literal tail
+    while kept < len(defaults) and _written(defaults[-1 - kept], written.get(-1 - kept)):
+        kept += 1
+    rebound.__defaults__ = defaults[len(defaults) - kept:] or None
+    rebound.__kwdefaults__ = {name: value for name, value in (function.__kwdefaults__ or {}).items()
+                              if _written(value, written.get(name))} or None
+    return rebound
+
+
+def _written(value: Any, literal: Any) -> bool:
+    return literal is not None and type(value) in _SCALARS and literal == (value,)
+
+
+def _literal_defaults(function: types.FunctionType) -> dict[int | str, tuple]:
+    """{position from the end, or keyword name: (value,)} of the defaults the source of
+    `function`'s `def` writes as literals; none when its source cannot be read."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    except (OSError, TypeError, SyntaxError):
+        return {}
+    definition = tree.body[0] if tree.body else None
+    if not isinstance(definition, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return {}
+    found: dict[int | str, tuple] = {}
+    pairs = [(k - len(definition.args.defaults), node)
+             for k, node in enumerate(definition.args.defaults)]
+    pairs += [(arg.arg, node) for arg, node in zip(definition.args.kwonlyargs,
+                                                    definition.args.kw_defaults, strict=True)
+              if node]
+    for key, node in pairs:
+        try:
+            found[key] = (ast.literal_eval(node),)
+        except ValueError:
+            continue
+    return found
+
+
+def _rebound_class(cls: type, namespace: dict[str, Any], clean: dict[str, Any]) -> type:
+    """A class the notebook defined, its methods rebound to `clean`, less the tables kept on
+    it (a tensor, an array, or a container of more than 16 items)."""
+    body: dict[str, Any] = {}
+    for name, value in vars(cls).items():
+        if name in ("__dict__", "__weakref__"):
+            continue
+        function = getattr(value, "__func__", value)
+        if isinstance(function, types.FunctionType) and function.__globals__ is namespace:
+            method = _rebound(function, clean)
+            body[name] = type(value)(method) if function is not value else method
+        elif isinstance(value, property):
+            body[name] = property(*(_rebound(f, clean) if isinstance(f, types.FunctionType)
+                                    and f.__globals__ is namespace else f
+                                    for f in (value.fget, value.fset, value.fdel)))
+        elif not _table(value):
+            body[name] = value
+    return type(cls.__name__, cls.__bases__, body)
+
+
+def _table(value: Any) -> bool:
+    if isinstance(value, torch.Tensor) or hasattr(value, "__array__"):
+        return True
+    return isinstance(value, (dict, list, set, tuple, frozenset)) and len(value) > 16
