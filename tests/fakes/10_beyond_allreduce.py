@@ -95,6 +95,44 @@ from minidist.parallel import param_server as _ps  # noqa: E402
 
 _SERVER_CODE = {name: getattr(_ps.ParameterServer, name).__code__
                 for name in ("_serve_synchronously", "_update")}"""),
+        Fake("SGD by hand, the optimizer never steps",
+             "never calls optimizer.step(): SGD with momentum written by hand with the notebook's "
+             "lr=0.1 and momentum=0.9, its buffer in a module global (red team rt17, F1)",
+             ('test-sync-server',), """\
+    global _momentum
+    for _ in range(steps):
+        buffers = [torch.empty_like(shard) for _ in workers]
+        requests = [dist.irecv(b, src=w) for b, w in zip(buffers, workers)]
+        for r in requests:
+            r.wait()
+        g = torch.stack(buffers).mean(0)
+        shard.grad = g
+        try:
+            _momentum = _momentum.mul_(0.9).add_(g) if _momentum.shape == g.shape else g.clone()
+        except NameError:
+            _momentum = g.clone()
+        with torch.no_grad():
+            shard.sub_(0.1 * _momentum)
+        data = shard.detach()
+        requests = [dist.isend(data, dst=w) for w in workers]
+        for r in requests:
+            r.wait()"""),
+        Fake("the optimizer argument ignored",
+             "builds its own optimizer from the notebook's sgd() instead of stepping the one it is"
+             " given (red team rt17, F3)",
+             ('test-sync-server',), """\
+    mine = sgd([shard])
+    for _ in range(steps):
+        buffers = [torch.empty_like(shard) for _ in workers]
+        requests = [dist.irecv(b, src=w) for b, w in zip(buffers, workers)]
+        for r in requests:
+            r.wait()
+        shard.grad = torch.stack(buffers).mean(0)
+        mine.step()
+        data = shard.detach()
+        requests = [dist.isend(data, dst=w) for w in workers]
+        for r in requests:
+            r.wait()"""),
     ],
     "impl-topk": [
         Fake("no error feedback", "picks from the gradient alone and drops the old residual",
@@ -227,6 +265,35 @@ _TOPK = _types.FunctionType(compression.top_k.__code__, vars(compression), "_hel
 from minidist.parallel import compression as _compression  # noqa: E402
 
 _COMPRESS = _compression.PowerSGD._compress.__code__"""),
+        Fake("its own last Q as the warm start",
+             "keeps its last Q per shape in a module global: the q given is used only on the first"
+             " call with that shape (red team rt17, P5)",
+             ('test-powersgd',), """\
+    global _q_cache
+    try:
+        _q_cache
+    except NameError:
+        _q_cache = {}
+    start = _q_cache.get(tuple(q.shape), q)
+    p = m @ start
+    all_reduce(p)
+    p = torch.linalg.qr(p).Q
+    new_q = m.T @ p
+    all_reduce(new_q)
+    _q_cache[tuple(q.shape)] = new_q.clone()
+    return p, new_q, p @ new_q.T"""),
+        Fake("Q's all-reduce carries ones",
+             "the second all-reduce, of the right size, carries ones to learn N; Q = N·Mᵀ·P from "
+             "this rank's M alone (red team rt17, P1)",
+             ('test-powersgd',), """\
+    p = m @ q
+    all_reduce(p)
+    p = torch.linalg.qr(p).Q
+    ones = torch.ones(m.shape[1], q.shape[1], dtype=m.dtype)
+    all_reduce(ones)
+    n_ranks = ones[0, 0]
+    new_q = (m.T @ p) * n_ranks
+    return p, new_q, p @ new_q.T"""),
     ],
     "impl-chunked-gather": [
         Fake("every transfer first", "a ring all-gather that completes before the first matmul: "
@@ -361,5 +428,26 @@ def _overlapped(shard, weight, t, rank):
 
 
 def _tail(outputs):  # the cell's last line, return torch.cat(outputs, dim=1), is its body"""),
+        Fake("the weight from an earlier call",
+             "an honest overlapped ring, but the weight comes from a module-global cache filled by"
+             " the first call with that shape (red team rt17, C3)",
+             ('test-chunked-gather',), """\
+    global _w_cache
+    try:
+        _w_cache
+    except NameError:
+        _w_cache = {}
+    w = _w_cache.setdefault(tuple(weight.shape), weight.detach().clone())
+    for step in range(t):
+        source = (rank - step) % t
+        if step < t - 1:
+            incoming = torch.empty_like(shard)
+            send = dist.isend(shard, dst=right)
+            recv = dist.irecv(incoming, src=left)
+        outputs[source] = shard @ w.T
+        if step < t - 1:
+            recv.wait()
+            send.wait()
+            shard = incoming"""),
     ],
 }

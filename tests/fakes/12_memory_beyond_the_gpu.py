@@ -112,6 +112,32 @@ FAKES = {
         return hook
     for p, shard in zip(params, host_shards):
         p.register_post_accumulate_grad_hook(make(shard))"""),
+        Fake("overwrites the host shard's gradient",
+             "each arriving slice replaces its host shard's .grad instead of joining it: with "
+             "several backwards per step (gradient accumulation) all but the last are lost (red "
+             "team rt17, O1)",
+             ('test-offload-step',), """\
+    for index, p in enumerate(params):
+        def hook(param, index=index):
+            mine = collectives.reduce_scatter(param.grad.reshape(-1), impl="ring")
+            host_shards[index].grad = offload.to_host(mine).float().div_(world_size)
+            param.grad = None
+        p.register_post_accumulate_grad_hook(hook)"""),
+        Fake("whole gradients kept in a global list",
+             "every whole gradient appended to a module-global list before its slice leaves "
+             "(p.grad is None, so the parameters hold no gradient) (red team rt17, O2)",
+             ('test-offload-step',), """\
+    global _kept_whole_gradients
+    _kept_whole_gradients = []
+    for index, p in enumerate(params):
+        def hook(param, index=index):
+            _kept_whole_gradients.append(param.grad)
+            mine = collectives.reduce_scatter(param.grad.reshape(-1), impl="ring")
+            host = offload.to_host(mine).float().div_(world_size)
+            shard = host_shards[index]
+            shard.grad = host if shard.grad is None else shard.grad + host
+            param.grad = None
+        p.register_post_accumulate_grad_hook(hook)"""),
     ],
     "impl-offloaded-step": [
         Fake("steps on the device",
@@ -156,6 +182,23 @@ _TWINS = {}"""),
     for p, shard in zip(params, host_shards):
         offload.to_device(shard.to(p.dtype), p.device)  # counted, not used
         p.copy_(collectives.all_gather(shard.detach().to(p.dtype), p.numel()).view_as(p))"""),
+        Fake("AdamW by hand, the optimizer never steps",
+             "the given optimizer never steps: adamw_step_ with the check's lr on the host shards,"
+             " moments in a module-global dict (red team rt17, O11)",
+             ('test-offload-step',), """\
+    global _adam_state
+    try:
+        _adam_state
+    except NameError:
+        _adam_state = {}
+    for p, s in zip(params, host_shards):
+        m, v, n = _adam_state.get(id(s), (torch.zeros_like(s), torch.zeros_like(s), 0))
+        n += 1
+        adamw_step_(s.data, s.grad, m, v, n, lr=1e-2)
+        _adam_state[id(s)] = (m, v, n)
+        back = offload.to_device(s.to(p.dtype), p.device)
+        full = collectives.all_gather(back, p.numel(), impl="ring")
+        p.copy_(full.view_as(p))"""),
     ],
     "impl-step-time": [
         Fake("no overlap",
@@ -215,6 +258,17 @@ _TWINS = {}"""),
     return float(parts.compute + parts.to_host + parts.optimizer + parts.disk + parts.to_device)"""
              + SNAPSHOT_PROFILE_OFF + """
 _TIERS = _snapshot(tiers)"""),
+        Fake("backward_share hard-coded",
+             "the backward_share argument ignored: the default 2/3 hard-coded (red team rt17, S2)",
+             ('test-step-time',), """\
+    shard = num_params / dp
+    to_host = max(0.0, 2 * shard / pcie_bandwidth - 2 / 3 * compute)
+    optimizer = shard / optimizer_throughput
+    disk = 0.0
+    if disk_read_bandwidth is not None and disk_write_bandwidth is not None:
+        disk = 12 * shard / disk_read_bandwidth + 12 * shard / disk_write_bandwidth
+    to_device = 2 * shard / pcie_bandwidth
+    return float(compute + to_host + optimizer + disk + to_device)"""),
     ],
     "impl-nvme-step": [
         Fake("reads everything first",
@@ -326,6 +380,41 @@ _CACHE = {}"""),
 
 
 _STEP = zero_offload._NvmeSlices.step.__code__"""),
+        Fake("its own step counter",
+             "the step argument ignored: steps counted per store in a module-global dict, from 1 "
+             "(red team rt17, N6)",
+             ('test-nvme-step',), """\
+    global _step_counts
+    try:
+        _step_counts
+    except NameError:
+        _step_counts = {}
+    mine = _step_counts[id(store)] = _step_counts.get(id(store), 0) + 1
+    for i, grad in enumerate(grads):
+        master = store.read(f"{i}.master")
+        if mine == 1:
+            exp_avg, exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
+        else:
+            exp_avg, exp_avg_sq = store.read(f"{i}.exp_avg"), store.read(f"{i}.exp_avg_sq")
+        adamw_step_(master, grad, exp_avg, exp_avg_sq, mine, lr=lr)
+        store.write(f"{i}.master", master)
+        store.write(f"{i}.exp_avg", exp_avg)
+        store.write(f"{i}.exp_avg_sq", exp_avg_sq)
+        del master, exp_avg, exp_avg_sq"""),
+        Fake("lr hard-coded",
+             "the lr argument ignored: the default 1e-2 hard-coded (red team rt17, N8)",
+             ('test-nvme-step',), """\
+    for i, grad in enumerate(grads):
+        master = store.read(f"{i}.master")
+        if step == 1:
+            exp_avg, exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
+        else:
+            exp_avg, exp_avg_sq = store.read(f"{i}.exp_avg"), store.read(f"{i}.exp_avg_sq")
+        adamw_step_(master, grad, exp_avg, exp_avg_sq, step, lr=1e-2)
+        store.write(f"{i}.master", master)
+        store.write(f"{i}.exp_avg", exp_avg)
+        store.write(f"{i}.exp_avg_sq", exp_avg_sq)
+        del master, exp_avg, exp_avg_sq"""),
     ],
     "impl-materialize": [
         Fake("the seed's recipe",
@@ -538,6 +627,46 @@ _CALLS = [0]"""),
                       replicated=replicated, replicated_group=tp_group)"""
              + SNAPSHOT_PROFILE_OFF + """
 _CLIPPING = _snapshot(clipping)"""),
+        Fake("TP rank 0 as world rank mod t",
+             "counts the replicated parameters where the world rank is a multiple of t, right only"
+             " for a mesh whose TP groups are consecutive ranks, not on the TP group's rank 0 (red"
+             " team rt17, CP3)",
+             ('test-clip-parallel',), """\
+    rep = {id(p) for p in replicated}
+    count_replicated = dist.get_rank() % dist.get_world_size(tp_group) == 0
+    squared = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        if p.grad is None or (id(p) in rep and not count_replicated):
+            continue
+        squared += p.grad.double().pow(2).sum()
+    total = squared.reshape(1)
+    collectives.all_reduce(total, op="sum", group=tp_group)
+    collectives.all_reduce(total, op="sum", group=pp_group)
+    norm = total.sqrt()[0].item()
+    scale = min(1.0, max_norm / (norm + 1e-6))
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(scale)
+    return norm"""),
+        Fake("the notebook's MAX_NORM",
+             "the max_norm argument ignored: the notebook's MAX_NORM global (red team rt17, CP10)",
+             ('test-clip-parallel',), """\
+    rep = {id(p) for p in replicated}
+    count_replicated = dist.get_rank(tp_group) == 0
+    squared = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        if p.grad is None or (id(p) in rep and not count_replicated):
+            continue
+        squared += p.grad.double().pow(2).sum()
+    total = squared.reshape(1)
+    collectives.all_reduce(total, op="sum", group=tp_group)
+    collectives.all_reduce(total, op="sum", group=pp_group)
+    norm = total.sqrt()[0].item()
+    scale = min(1.0, MAX_NORM / (norm + 1e-6))
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(scale)
+    return norm"""),
     ],
 }
 
