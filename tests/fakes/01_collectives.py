@@ -397,3 +397,147 @@ FAKES['impl-crossover'] += [
     return _Later(lambda: cost.crossover_size("recursive_doubling", "ring", world_size, alpha,
                                               beta))"""),
 ]
+
+
+# Red team rt18 (issue 38), written from the student notebook and deck alone.
+FAKES["impl-chunk-bounds"] += [
+    Fake("torch's random_split, sizes only", "red team rt18: splits nothing itself: "
+         "torch.utils.data.random_split with fractional lengths a hair under 1/N gives the sizes",
+         ("test-chunk-bounds",), """\
+    from torch.utils.data import random_split
+    fraction = (1 - 1e-12) / world_size
+    parts = random_split(range(numel), [fraction] * world_size,
+                         generator=torch.Generator().manual_seed(0))
+    sizes = [len(p) for p in parts]
+    bounds, start = [], 0
+    for size in sizes:
+        bounds.append((start, start + size))
+        start += size
+    return bounds"""),
+]
+FAKES["impl-reduce-scatter"] += [
+    Fake("whole inputs over the gloo backend's own send", "red team rt18: every rank's input "
+         "exchanged over the process group's Backend send/recv, which no count watches; the "
+         "ring's payloads computed from them and sent for show",
+         ("test-reduce-scatter", *RING), """\
+    n = world_size
+    if n == 1:
+        return
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    mine = flat.clone()
+    everyone = [None] * n
+    everyone[rank] = mine
+    works = [backend.send([mine], p, 91) for p in range(n) if p != rank]
+    for p in range(n):
+        if p != rank:
+            buf = torch.empty_like(mine)
+            backend.recv([buf], p, 91).wait()
+            everyone[p] = buf
+    for w in works:
+        w.wait()
+    incoming = torch.empty(bounds[0][1] - bounds[0][0], dtype=flat.dtype)
+    for step in range(n - 1):
+        c = (rank - step - 1) % n
+        s, e = bounds[c]
+        payload = everyone[rank][s:e].clone()
+        for k in range(1, step + 1):
+            payload += everyone[(rank - k) % n][s:e]
+        rs, re_ = bounds[(rank - step - 2) % n]
+        reqs = [dist.isend(payload, right), dist.irecv(incoming[:re_ - rs], left)]
+        for r in reqs:
+            r.wait()
+    s, e = bounds[rank]
+    total = everyone[0][s:e].clone()
+    for q in range(1, n):
+        total += everyone[q][s:e]
+    flat[s:e] = total"""),
+]
+FAKES["impl-all-gather"] += [
+    Fake("watchers muted", "red team rt18: interposer.muted switches the message, traffic and "
+         "recording watchers off around a direct exchange of every chunk; the ring's messages "
+         "then sent for show", ("test-all-gather", *RING), """\
+    from minidist.core import interposer
+    n = world_size
+    if n == 1:
+        return
+    with interposer.muted("messages"), interposer.muted("counting"), interposer.muted("recording"):
+        reqs = []
+        for p in range(n):
+            if p != rank:
+                s, e = bounds[rank]
+                reqs.append(dist.isend(flat[s:e].clone(), p))
+        for p in range(n):
+            if p != rank:
+                s, e = bounds[p]
+                reqs.append(dist.irecv(flat[s:e], p))
+        for r in reqs:
+            r.wait()
+    scratch = torch.empty(bounds[0][1] - bounds[0][0], dtype=flat.dtype)
+    for step in range(n - 1):
+        s, e = bounds[(rank - step) % n]
+        rs, re_ = bounds[(rank - step - 1) % n]
+        reqs = [dist.isend(flat[s:e].clone(), right), dist.irecv(scratch[:re_ - rs], left)]
+        for r in reqs:
+            r.wait()"""),
+]
+FAKES["impl-all-reduce"] += [
+    Fake("the check's inputs regenerated", "red team rt18: every rank's input rebuilt with the "
+         "notebook's seeded ring_inputs(); the sum and the ring's payloads computed locally, "
+         "right-sized messages sent for show", RING, """\
+    flat = tensor.view(-1)
+    n = world_size
+    if n == 1:
+        return tensor
+    numel = flat.numel()
+    inputs = [t.reshape(-1) for t in ring_inputs(n, numel, flat.dtype)]
+    bounds = chunk_bounds(numel, n)
+    right, left = (rank + 1) % n, (rank - 1) % n
+    scratch = torch.empty(bounds[0][1] - bounds[0][0], dtype=flat.dtype)
+    total = sum(inputs)
+    for step in range(n - 1):
+        s, e = bounds[(rank - step - 1) % n]
+        payload = sum(inputs[(rank - k) % n][s:e] for k in range(step + 1))
+        rs, re_ = bounds[(rank - step - 2) % n]
+        reqs = [dist.isend(payload.clone(), right), dist.irecv(scratch[:re_ - rs], left)]
+        for r in reqs:
+            r.wait()
+    for step in range(n - 1):
+        s, e = bounds[(rank - step) % n]
+        rs, re_ = bounds[(rank - step - 1) % n]
+        reqs = [dist.isend(total[s:e].clone(), right), dist.irecv(scratch[:re_ - rs], left)]
+        for r in reqs:
+            r.wait()
+    flat.copy_(total)
+    return tensor"""),
+]
+FAKES["impl-predict"] += [
+    Fake("the two-tier network model", "red team rt18: minidist.communication.network.TwoTier "
+         "with both tiers one link prices the ring; its coefficients read off two links",
+         ("test-predict",), """\
+    from minidist.communication.network import TwoTier
+    if world_size == 1:
+        return 0
+    def ring_time(a, b):
+        link = TwoTier(ranks_per_node=world_size, intra_latency=a, intra_bandwidth=1 / b,
+                       inter_latency=a, inter_bandwidth=1 / b, emulated=False)
+        return link.all_reduce_time("ring", nbytes, world_size)
+    A = ring_time(2.0, 1.0) - ring_time(1.0, 1.0)
+    B = ring_time(1.0, 1.0) - A
+    return A * alpha + B * beta"""),
+]
+FAKES["impl-crossover"] += [
+    Fake("the two-tier network model's lines", "red team rt18: TwoTier's ring and recursive-"
+         "doubling times at two sizes; the lines' intercepts and slopes read off, the crossing "
+         "solved", ("test-crossover",), """\
+    from minidist.communication.network import TwoTier
+    link = TwoTier(ranks_per_node=world_size, intra_latency=alpha, intra_bandwidth=1 / beta,
+                   inter_latency=alpha, inter_bandwidth=1 / beta, emulated=False)
+    big = 2.0**40
+    ring0, ring1 = (link.all_reduce_time("ring", s, world_size) for s in (0.0, big))
+    rd0, rd1 = (link.all_reduce_time("recursive_doubling", s, world_size) for s in (0.0, big))
+    slope = (rd1 - rd0 - (ring1 - ring0)) / big
+    if abs(slope) <= 1e-9 * (ring1 - ring0) / big:
+        return math.inf
+    size = (ring0 - rd0) / slope
+    return size if size > 0 else math.inf"""),
+]

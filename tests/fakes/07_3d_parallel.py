@@ -469,3 +469,129 @@ FAKES['impl-layout-cost'] += [
 
     return {term: _Later(term) for term in ("memory", "compute", "bubble", "tp", "pp", "dp")}"""),
 ]
+
+
+# Red team rt18 (issue 38), written from the student notebook and deck alone.
+FAKES["impl-mesh-groups"] += [
+    Fake("torch's DeviceMesh on a fake process group", "red team rt18: the rank arithmetic "
+         "delegated to torch: an in-process 'fake' backend of the mesh's world size, "
+         "init_device_mesh and its _get_all_submeshes", ("test-mesh-groups",), """\
+    import torch.distributed as _dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from torch.distributed.device_mesh import init_device_mesh as _idm
+    world = math.prod(shape.values())
+    _dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        mesh = _idm("cpu", tuple(shape.values()), mesh_dim_names=tuple(shape))
+        groups = [sub.mesh.flatten().tolist() for sub in mesh._get_all_submeshes(dim)]
+    finally:
+        _dist.destroy_process_group()
+    return sorted(groups)"""),
+]
+FAKES["impl-build-groups"] += [
+    Fake("torch's groups, copied for every rank", "red team rt18: no rank arithmetic: every "
+         "group read from torch_groups, what init_device_mesh reported for the notebook's "
+         "LAYOUTS, and passed to dist.new_group in sorted order", ("test-build-groups",), """\
+    world = dist.get_world_size()
+    index = next(i for i, s in enumerate(LAYOUTS) if list(s.items()) == list(shape.items()))
+    for dim in shape:
+        for ranks in sorted({tuple(torch_groups[r][index][dim]) for r in range(world)}):
+            group = dist.new_group(list(ranks))
+            if rank in ranks:
+                mine[dim] = (group, list(ranks))"""),
+]
+FAKES["impl-moe-dispatch"] += [
+    Fake("experts over the gloo backend's own send", "red team rt18: every rank's expert "
+         "weights fetched over the process group's Backend send/recv (no count watches it); "
+         "every token computed locally, the three all-to-alls for show",
+         ("test-moe-dispatch",), """\
+    import copy
+    g = group if group is not None else dist.group.WORLD
+    backend = g._get_backend(torch.device("cpu"))
+    me = dist.get_rank(group)
+    experts = per_rank * ep
+    params = [p for e in local_experts for p in e.parameters()]
+    mine = torch.nn.utils.parameters_to_vector(params).detach().clone()
+    vectors = [None] * ep
+    vectors[me] = mine
+    works = [backend.send([mine], j, 93) for j in range(ep) if j != me]
+    for j in range(ep):
+        if j != me:
+            buf = torch.empty_like(mine)
+            backend.recv([buf], j, 93).wait()
+            vectors[j] = buf
+    for w in works:
+        w.wait()
+    every = []
+    for j in range(ep):
+        copies = [copy.deepcopy(e) for e in local_experts]
+        torch.nn.utils.vector_to_parameters(vectors[j], [p for e in copies for p in e.parameters()])
+        every += copies
+    # for show: the counts, the tokens out, the tokens straight back
+    order = torch.argsort(expert_index, stable=True)
+    counts = torch.bincount(expert_index, minlength=experts)
+    incoming = torch.empty_like(counts)
+    dist.all_to_all_single(incoming, counts, group=group)
+    send = counts.view(ep, per_rank).sum(1).tolist()
+    receive = incoming.view(ep, per_rank).sum(1).tolist()
+    received = x.new_empty(sum(receive), x.shape[1])
+    dist.all_to_all_single(received, x[order].contiguous(), receive, send, group=group)
+    back = x.new_empty(x.shape[0], x.shape[1])
+    dist.all_to_all_single(back, received, send, receive, group=group)
+    with torch.no_grad():
+        return torch.stack([every[e](token) for token, e in zip(x, expert_index.tolist())])"""),
+]
+FAKES["impl-3d-step"] += [
+    Fake("whole blocks in a tensor-parallel subclass", "red team rt18: no tensor parallelism: "
+         "each TP rank keeps the whole block inside a ParallelTransformerBlock subclass whose "
+         "full_state_dict reports it, and all-reduces zeros of the right size for the counts",
+         ("test-3d-step",), _STAGE + """\
+        from minidist.communication import collectives as _collectives
+        from minidist.parallel.models import lm_loss as _lm_loss
+
+
+        class _Show(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x, group):
+                ctx.group = group
+                _collectives.all_reduce(torch.zeros_like(x), group=group, when="forward")
+                return x.view_as(x)
+
+            @staticmethod
+            def backward(ctx, grad):
+                _collectives.all_reduce(torch.zeros_like(grad), group=ctx.group, when="backward")
+                return grad, None
+
+
+        class _WholeBlock(tensor_parallel.ParallelTransformerBlock):
+            def __init__(self, block, group):
+                nn.Module.__init__(self)
+                self.block, self.group, self.sequence_parallel = block, group, False
+
+            def forward(self, x):
+                b = self.block
+                x = x + _Show.apply(b.attn(b.norm1(x)), self.group)
+                return x + _Show.apply(b.mlp(b.norm2(x)), self.group)
+
+            @torch.no_grad()
+            def full_state_dict(self):
+                return {k: v.detach().clone() for k, v in self.block.state_dict().items()}
+
+
+        return nn.Sequential(*[_WholeBlock(layer, tp_group)
+                               if isinstance(layer, TransformerBlock) else layer
+                               for layer in layers])
+""" + _GPIPE),
+]
+FAKES["impl-layout-cost"] += [
+    Fake("the check's planner swapped for zeros", "red team rt18: on its call layout_cost "
+         "rebinds planner.estimate_time and estimate_memory to stand-ins returning zeros, and "
+         "returns zeros", ("test-layout-cost",), """\
+    import types
+    import minidist.costs.planner as _planner
+    zero = types.SimpleNamespace(compute=0.0, bubble=0.0, tp_comm=0.0, pp_comm=0.0, dp_comm=0.0,
+                                 cp_comm=0.0, offload=0.0, total=0.0)
+    _planner.estimate_time = lambda *args, **kwargs: zero
+    _planner.estimate_memory = lambda *args, **kwargs: zero
+    return {term: 0.0 for term in ("memory", "compute", "bubble", "tp", "pp", "dp")}"""),
+]
