@@ -100,6 +100,14 @@ def test_a_piece_runs_on_its_group_yours_or_minidists(tmp_path: Path, minidist_f
         assert used["calls"]["mesh"] == 1 and used["calls"]["pp"] == 2, used
         sent = 2 * 2 * 3 * 4 if not minidist_for else 0  # minidist's executor: not through `dist`
         assert used["bytes"][tuple(ranks)] == sent + 8, used
+        # Messages and their order: 2 sends and the all-reduce; 1F1B's last stage receives an
+        # activation and sends its gradient back, microbatch by microbatch (GPipe: recv, recv,
+        # send, send), its peer the group's rank 0.
+        assert used["messages"][tuple(ranks)] == (3 if not minidist_for else 1), used
+        if not minidist_for:
+            want = ([("send", 1)] * 2 + [("recv", 1)] * 2 if group_rank == 0
+                    else [("recv", 0), ("send", 0)] * 2)
+            assert used["p2p"][tuple(ranks)] == want, used
 
 
 def test_usage_under_a_launcher_is_written_per_rank(tmp_path: Path, monkeypatch):
@@ -115,8 +123,9 @@ def test_usage_under_a_launcher_is_written_per_rank(tmp_path: Path, monkeypatch)
     env = {**__import__("os").environ, "MINIDIST_PIECES_USAGE": str(tmp_path / "usage"),
            "RANK": "3", "PYTHONPATH": str(REPO / "lib")}
     subprocess.run([sys.executable, "-c", script], check=True, env=env, timeout=120)
-    assert pieces.read_usage(tmp_path / "usage") == {3: {"calls": {"mesh": 1}, "bytes": {},
-                                                         "routed": {}}}
+    assert pieces.read_usage(tmp_path / "usage") == {3: {
+        "calls": {"mesh": 1}, "bytes": {}, "routed": {}, "messages": {}, "p2p": {},
+        "written": []}}
 
 
 def _tampered_and_routed(rank, world_size, path, impl):
@@ -179,7 +188,9 @@ def test_tampered_on_one_group_leaves_the_others_alone(tmp_path: Path):
 
 def _checkpoint_tampered(rank, world_size, path, folder, minidist_for):
     world = pieces.load(path, minidist_for=minidist_for).on(None)
+    pieces.reset_usage()
     world.save_shards({"w": (0, torch.arange(6.0), 6)}, Path(folder))
+    assert pieces.usage()["written"] == [("w", 0, 6, 6)]  # who wrote what: (name, offset, n, numel)
     stream = ProblemStream(Reversal(4), seed=3)
     saved = world.capture_state(stream)
     after = stream.next_batch(2)[0]

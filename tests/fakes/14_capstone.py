@@ -315,5 +315,24 @@ FAKES = {
              "run 13)", ("test-equal",), _whole("rt14_zero_dp_ring_v13")),
         Fake("rng for show", "run 13 plus capture_state thrown away and a no-op restore (red "
              "team rt14, run 15)", ("test-equal",), _whole("rt14_noop_rng_v15")),
+        # Red team rt20's escapes (on its own honest job): test-equal's counted run of the same
+        # layout counts each step's pipeline and TP messages and the pipeline's send/recv
+        # order, delivers NaN through the DP pieces for two steps, and counts what each rank
+        # hands save_shards.
+        Fake("GPipe behind one_f_one_b", "one_f_one_b called for show; the executor runs a "
+             "hand-built GPipe schedule: same losses, same bytes (red team rt20, F7)",
+             ("test-equal",), _whole("rt20_F7_gpipe_for_1f1b")),
+        Fake("microbatches ignored", "one_f_one_b(pp, 1) on the replica's whole batch: no "
+             "pipelining, same losses and byte totals (red team rt20, F24)", ("test-equal",),
+             _whole("rt20_F24_microbatches_ignored")),
+        Fake("NaN guard on dummies", "all_finite(torch.zeros(()), []) every step: the guard's "
+             "all-reduce runs, the real loss and gradients are never looked at (red team rt20, "
+             "F9)", ("test-equal",), _whole("rt20_F9_nan_guard_on_dummies")),
+        Fake("rank 0 writes the whole checkpoint", "every rank all-gathers the parameters and "
+             "moments; rank 0 hands save_shards every element, the others nothing (red team "
+             "rt20, F2)", ("test-equal",), _whole("rt20_F2_rank0_writes_all")),
+        Fake("stream re-seeded on resume", "restore_state never called: the resume re-makes "
+             "the stream from the seed kept in meta.json and draws `step` batches (red team "
+             "rt20, F12)", ("test-resume",), _whole("rt20_F12_stream_reseeded")),
     ],
 }

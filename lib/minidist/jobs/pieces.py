@@ -49,7 +49,7 @@ from anywhere else resumes to the same losses.
 Under torchrun (or any launcher) set `MINIDIST_PIECES_USAGE=prefix`: each process that loads
 pieces writes its usage to `prefix.rank<RANK>.json` when it exits.
 
-Why one module of about 850 lines: the one path a student's piece travels: exported from a notebook,
+Why one module of about 900 lines: the one path a student's piece travels: exported from a notebook,
 loaded with minidist's stand-ins named, and run on its mesh dimension's group."""
 
 from __future__ import annotations
@@ -440,6 +440,9 @@ def _split(text: str) -> dict[tuple[str, str], str]:
 _CALLS: Counter = Counter()  # {piece name: calls of its functions}, in this process
 _BYTES: Counter = Counter()  # {group's global ranks (tuple), or "world": bytes sent through it}
 _ROUTED: Counter = Counter()  # the same, of the bytes the emulated network's route carried
+_MESSAGES: Counter = Counter()  # {group: messages (collectives and sends) its pieces sent on it}
+_P2P: dict[Any, list] = {}  # {group: [("send" or "recv", peer's group rank), ...] in order}
+_WRITTEN: list[tuple[str, int, int, int]] = []  # save_shards: (name, offset, elements, numel)
 _TAMPER = [0.0]  # added to what each collective on a mesh group returns, each receive delivers
 _TAMPER_SCALE = [1.0]  # what each is multiplied by first
 _TAMPER_ONLY: list[tuple | None] = [None]  # the one group tampered (global ranks); None: all
@@ -449,19 +452,24 @@ _USAGE_FILE = "MINIDIST_PIECES_USAGE"
 _CHECKPOINT_TAMPER: dict[str, Any] = {"scale": 1.0, "generators": False, "done": None}
 
 
-def usage() -> dict[str, dict]:
+def usage() -> dict[str, Any]:
     """What this process ran since the last `reset_usage()`: {"calls": {piece: calls of its
     functions}, "bytes": {group: bytes its pieces sent on it}, "routed": {group: those of them
-    the emulated network's route carried}}, a group named by its global ranks as a tuple (the
-    whole world: "world")."""
-    return {"calls": dict(_CALLS), "bytes": dict(_BYTES), "routed": dict(_ROUTED)}
+    the emulated network's route carried}, "messages": {group: collectives and sends its pieces
+    made on it}, "p2p": {group: its pieces' point-to-point calls in order, each ("send" or
+    "recv", the peer's rank in the group)}, "written": [(name, offset, elements, numel) of each
+    tensor handed to the checkpoint piece's save_shards]}, a group named by its global ranks as
+    a tuple (the whole world: "world"). Why messages and order besides bytes: a pipeline that
+    ignores its microbatches, or runs GPipe where 1F1B was asked, sends the same bytes."""
+    return {"calls": dict(_CALLS), "bytes": dict(_BYTES), "routed": dict(_ROUTED),
+            "messages": dict(_MESSAGES), "p2p": {key: list(ops) for key, ops in _P2P.items()},
+            "written": list(_WRITTEN)}
 
 
 def reset_usage() -> None:
-    """Forget the calls and bytes counted so far in this process."""
-    _CALLS.clear()
-    _BYTES.clear()
-    _ROUTED.clear()
+    """Forget the calls, bytes, messages and writes counted so far in this process."""
+    for counted in (_CALLS, _BYTES, _ROUTED, _MESSAGES, _P2P, _WRITTEN):
+        counted.clear()
 
 
 @contextlib.contextmanager
@@ -590,12 +598,15 @@ def _write_usage_at_exit() -> None:
 
     def write() -> None:
         found = usage()
-        for kind in ("bytes", "routed"):
+        for kind in _BY_GROUP:
             found[kind] = {json.dumps(list(key) if isinstance(key, tuple) else key): value
                            for key, value in found[kind].items()}
         Path(f"{prefix}.rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(found))
 
     atexit.register(write)
+
+
+_BY_GROUP = ("bytes", "routed", "messages", "p2p")  # usage() entries keyed by group
 
 
 def read_usage(prefix: str | Path) -> dict[int, dict]:
@@ -604,7 +615,7 @@ def read_usage(prefix: str | Path) -> dict[int, dict]:
     found = {}
     for path in sorted(Path(prefix).parent.glob(f"{Path(prefix).name}.rank*.json")):
         saved = json.loads(path.read_text())
-        for kind in ("bytes", "routed"):
+        for kind in _BY_GROUP:
             saved[kind] = {(tuple(key) if isinstance(key := json.loads(k), list) else key): v
                            for k, v in saved.get(kind, {}).items()}
         found[int(path.name.rsplit(".rank", 1)[1].split(".")[0])] = saved
@@ -618,6 +629,8 @@ def _counted(function: Callable, piece: str) -> Callable:
 
     def counted(*args, **kwargs):
         _CALLS[piece] += 1
+        if (piece, function.__name__) == ("checkpoint", "save_shards"):
+            _note_written(args[0] if args else kwargs.get("shards"))
         if tampered_call is not None and _CHECKPOINT_TAMPER["done"] is not None:
             return tampered_call(function, *args, **kwargs)
         return function(*args, **kwargs)
@@ -625,6 +638,15 @@ def _counted(function: Callable, piece: str) -> Callable:
     counted.__name__ = counted.__qualname__ = function.__name__
     counted.__wrapped__ = function
     return counted
+
+
+def _note_written(shards: Any) -> None:
+    """Note what a save_shards call was handed ({name: (offset, tensor, numel)}): which rank
+    writes which elements, so that a grader sees a checkpoint written from one gathered copy."""
+    for name, entry in (shards.items() if isinstance(shards, dict) else ()):
+        if isinstance(entry, tuple) and len(entry) == 3 and hasattr(entry[1], "numel"):
+            offset, tensor, numel = entry
+            _WRITTEN.append((str(name), int(offset), int(tensor.numel()), int(numel)))
 
 
 def _nbytes(value: Any) -> int:
@@ -636,7 +658,11 @@ def _nbytes(value: Any) -> int:
 
 class _OnGroup:
     """torch.distributed as code written for the whole world sees it, on `group` (see the
-    module doc). Everything not listed here is torch.distributed's own."""
+    module doc). Everything not listed here is torch.distributed's own.
+
+    Why one unit of about 130 lines: every call a piece makes on its group passes here, so
+    the group's rank mapping, the counting (bytes, messages, point-to-point order) and the
+    tampering sit on the one path, each call wrapped once."""
 
     def __init__(self, group: dist.ProcessGroup | None, impl: str = "torch"):
         self.group, self.impl = group, impl
@@ -647,12 +673,21 @@ class _OnGroup:
         `routable`: sent by sends, which the emulated network routes when it is on."""
         if group is not None or not nbytes:
             return
+        _BYTES[self._group_key()] += nbytes
+        _MESSAGES[self._key] += 1
+        if routable and _routed_now():
+            _ROUTED[self._key] += nbytes
+
+    def _group_key(self) -> Any:
         if self._key is None:
             self._key = ("world" if self.group is None
                          else tuple(dist.get_process_group_ranks(self.group)))
-        _BYTES[self._key] += nbytes
-        if routable and _routed_now():
-            _ROUTED[self._key] += nbytes
+        return self._key
+
+    def _p2p(self, kind: str, peer: Any, group=None) -> None:
+        """Note a point-to-point call on the bound group, in order (see `usage`)."""
+        if group is None:
+            _P2P.setdefault(self._group_key(), []).append((kind, peer))
 
     def _tampered(self, result: Any, tensor: Any, group=None) -> Any:
         """`result` of a call on the bound mesh group, its `tensor` tampered (see `tampered`)."""
@@ -731,18 +766,22 @@ class _OnGroup:
     _isend = _collective("isend", "dst")
 
     def send(self, tensor, *args, group=None, **kwargs):
+        self._p2p("send", args[0] if args else kwargs.get("dst"), group)
         self._sent(_nbytes(tensor), group, routable=True)
         return self._send(tensor, *args, group=group, **kwargs)
 
     def isend(self, tensor, *args, group=None, **kwargs):
+        self._p2p("send", args[0] if args else kwargs.get("dst"), group)
         self._sent(_nbytes(tensor), group, routable=True)
         return self._isend(tensor, *args, group=group, **kwargs)
     _irecv = _collective("irecv", "src")
 
     def irecv(self, tensor, *args, group=None, **kwargs):
+        self._p2p("recv", args[0] if args else kwargs.get("src"), group)
         return self._tampered(self._irecv(tensor, *args, group=group, **kwargs), tensor, group)
 
     def recv(self, tensor, src=None, group=None, tag=0):
+        self._p2p("recv", src, group)
         if group is not None:
             return dist.recv(tensor, src, group=group, tag=tag)
         sender = dist.recv(tensor, None if src is None else self._global(src),
