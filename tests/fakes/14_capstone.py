@@ -283,8 +283,10 @@ FAKES = {
              ("test-equal",), _whole("replicated_dummy_traffic")),
         Fake("minidist's engine, uncounted", "minidist.parallel.parallelize trains the real "
              "dp·pp·tp job inside counting.uncounted(); the pieces run on dummies; the resume "
-             "replays from the seed stored in the checkpoint (red team rt8, F8)",
-             ("test-equal", "test-resume"), _whole("parallelize_uncounted_replay")),
+             "replays from the seed stored in the checkpoint (red team rt8, F8; its replayed "
+             "resume is what 'generators replayed from the seed' tries, so only test-equal is "
+             "listed: a trial, not a notebook run of its own)",
+             ("test-equal",), _whole("parallelize_uncounted_replay")),
         Fake("killed at the step's start", "rank 1 dies at the start of step 20, never in the "
              "middle of its save: no torn checkpoint (red team rt8, F5a)", ("test-resume",),
              _edit(_JOB, *_KILL_AT_START)),
