@@ -200,20 +200,6 @@ _SIDE_FILE = (
      '        world.restore_state(torch.load(path / "rng.pt", weights_only=False), self.stream)'),
 )
 
-# Generators replayed, not restored: the checkpoint keeps the job's seed; the restore makes a
-# stream from it, draws as many batches as the checkpoint's step, and calls restore_state with
-# that stream's own state (a restore that changes nothing).
-_SEED_REPLAY = (
-    ('meta = {"step": step, "model": model_shape(self.config),',
-     'meta = {"step": step, "seed": self.config.seed, "model": model_shape(self.config),'),
-    ('        world.restore_state(torch.load(path / "rng.pt", weights_only=False), self.stream)',
-     '        meta = json.loads((path / "job.json").read_text())\n'
-     '        self.stream = ProblemStream(self.task, meta["seed"])\n'
-     '        for _ in range(meta["step"]):\n'
-     '            self.stream.next_batch(self.config.batch)\n'
-     '        world.restore_state(world.capture_state(self.stream), self.stream)'),
-)
-
 # ranks_per_node ignored: no emulated network, the pieces' all-reduces by plain torch.
 _NO_NETWORK = (
     ('impl="ring" if config.ranks_per_node else "torch")', 'impl="torch")'),
@@ -284,8 +270,8 @@ FAKES = {
         Fake("minidist's engine, uncounted", "minidist.parallel.parallelize trains the real "
              "dp·pp·tp job inside counting.uncounted(); the pieces run on dummies; the resume "
              "replays from the seed stored in the checkpoint (red team rt8, F8; its replayed "
-             "resume is what 'generators replayed from the seed' tries, so only test-equal is "
-             "listed: a trial, not a notebook run of its own)",
+             "resume is what rt20's F12 tries, so only test-equal is listed: a trial, not a "
+             "notebook run of its own)",
              ("test-equal",), _whole("parallelize_uncounted_replay")),
         Fake("killed at the step's start", "rank 1 dies at the start of step 20, never in the "
              "middle of its save: no torn checkpoint (red team rt8, F5a)", ("test-resume",),
@@ -297,9 +283,6 @@ FAKES = {
              "its shards; the resume reads the shards with load_range, then puts the side "
              "file's parameters in place (red team rt14, run 5)", ("test-resume",),
              _edit(_JOB, *_SIDE_FILE)),
-        Fake("generators replayed from the seed", "the checkpoint keeps the seed; the resume "
-             "draws the stream again up to the checkpoint's step and restores that stream's own "
-             "state (red team rt14, run 15)", ("test-resume",), _edit(_JOB, *_SEED_REPLAY)),
         # Red team rt14's five 15/15 jobs: test-equal refuses minidist's engines while the job
         # runs, tampers each mesh dimension's piece traffic on its own, and bounds each rank's
         # FLOPs by 1/(pp·tp) of one process's step.
