@@ -17,6 +17,18 @@ _BACKWARD_FROM_STASH = """\
         return inner.grad, None"""
 
 
+
+# The rt15 held_bytes fakes' shared helper: bytes of the distinct storages among `tensors`.
+_STORAGE_BYTES = '''\
+    def _storage_bytes(tensors):
+        seen = {}
+        for t in tensors:
+            s = t.untyped_storage()
+            seen[s.data_ptr()] = s.nbytes()
+        return sum(seen.values())
+
+'''
+
 FAKES = {
     "impl-held-bytes": [
         Fake("the library's footprint, cloned into a pre-started thread", "a code-clone of "
@@ -97,14 +109,8 @@ _fp = _clone_module(_footprint)"""),
         # Red team rt15 (issue 38).
         Fake("optimizer tensors by their own size", "dedupes the parameters' and gradients' "
              "storages but sums the optimizer's tensors by numel x element size: moments laid "
-             "out in one flat buffer with spare room come out short", ("test-held-bytes",), """\
-    def _storage_bytes(tensors):
-        seen = {}
-        for t in tensors:
-            s = t.untyped_storage()
-            seen[s.data_ptr()] = s.nbytes()
-        return sum(seen.values())
-
+             "out in one flat buffer with spare room come out short", ("test-held-bytes",),
+             _STORAGE_BYTES + """\
     params = list(model.parameters())
     mine = {id(p) for p in params}
     state = [v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
@@ -113,14 +119,7 @@ _fp = _clone_module(_footprint)"""),
             sum(t.numel() * t.element_size() for t in state + extra))"""),
         Fake("master copies by dtype", "takes the optimizer's tensors whose dtype differs from "
              "the model's first parameter for its master copies, not those that are not the "
-             "model's", ("test-held-bytes",), """\
-    def _storage_bytes(tensors):
-        seen = {}
-        for t in tensors:
-            s = t.untyped_storage()
-            seen[s.data_ptr()] = s.nbytes()
-        return sum(seen.values())
-
+             "model's", ("test-held-bytes",), _STORAGE_BYTES + """\
     params = list(model.parameters())
     model_dtype = params[0].dtype if params else torch.float32
     state = [v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
@@ -128,14 +127,7 @@ _fp = _clone_module(_footprint)"""),
     return (_storage_bytes(params), _storage_bytes([p.grad for p in params if p.grad is not None]),
             _storage_bytes(state + extra))"""),
         Fake("gradients as the parameters' bytes", "reports the parameters' bytes for the "
-             "gradients, whether or not each has one", ("test-held-bytes",), """\
-    def _storage_bytes(tensors):
-        seen = {}
-        for t in tensors:
-            s = t.untyped_storage()
-            seen[s.data_ptr()] = s.nbytes()
-        return sum(seen.values())
-
+             "gradients, whether or not each has one", ("test-held-bytes",), _STORAGE_BYTES + """\
     params = list(model.parameters())
     mine = {id(p) for p in params}
     state = [v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
