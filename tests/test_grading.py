@@ -348,28 +348,30 @@ def scores(course: Path, lab: str, student: str) -> dict[str, tuple[float, float
 
 TRIAL_MARK = "# grading test, trial:"  # the first line of every cell the harness adds
 TRIAL_SPAN = 10  # an exercise is tried when its answer and checks lie within this many code cells
-TRIAL_CELL = """{mark} {name}
-def _trial(cells):
-    # Each source run as a cell of its own, as autograde would run it; which checks raised.
+# A trial runs as one harness cell per cell it reruns, so that each keeps the per-cell time
+# limit its own cell has (a trial in one cell would have to fit a whole span in one limit).
+TRIAL_STEP = """{mark} {name} ({step} of {steps})
+def _trial_step(name, source, check, last):
+    # The source run as a cell of its own, as autograde would run it; which checks raised.
     import json
     from IPython import get_ipython
     from IPython.utils.capture import capture_output
     shell = get_ipython()
+    raised = shell.user_ns.setdefault("_trials_raised", {{}}).setdefault(name, {{}})
     shown, shell._showtraceback = shell._showtraceback, lambda *args, **kwargs: None
-    raised = {{}}
     try:
-        for source, check in cells:
-            with capture_output():
-                result = shell.run_cell(source, store_history=False)
-            error = result.error_before_exec or result.error_in_exec
-            if check:
-                raised[check] = error and f"{{type(error).__name__}}: {{error}}"[:400]
+        with capture_output():
+            result = shell.run_cell(source, store_history=False)
     finally:
         shell._showtraceback = shown
-    print("TRIAL " + json.dumps({{"name": {name!r}, "raised": raised}}))
+    error = result.error_before_exec or result.error_in_exec
+    if check:
+        raised[check] = error and f"{{type(error).__name__}}: {{error}}"[:400]
+    if last:
+        print("TRIAL " + json.dumps({{"name": name, "raised": raised}}))
 
 
-_trial({cells!r})
+_trial_step({name!r}, {source!r}, {check!r}, {last!r})
 """
 
 
@@ -429,8 +431,10 @@ def with_trials(submission: NotebookNode, solution: NotebookNode,
         for answer, trial in runs:
             source = (without_delimiters(answer_cell.source) if answer is None else
                       replace_solution(answer_cell.source, answer_lines(answer)))
-            cells.append(nbformat.v4.new_code_cell(TRIAL_CELL.format(
-                mark=TRIAL_MARK, name=trial.key, cells=[(source, None), *below])))
+            steps = [(source, None), *below]
+            cells += [nbformat.v4.new_code_cell(TRIAL_STEP.format(
+                mark=TRIAL_MARK, name=trial.key, step=k + 1, steps=len(steps), source=step,
+                check=check, last=k == len(steps) - 1)) for k, (step, check) in enumerate(steps)]
             trials.append(trial)
         added[span[-1]] = added.get(span[-1], []) + cells
     for index in sorted(added, reverse=True):
