@@ -723,12 +723,18 @@ def test_detached_keeps_literal_defaults_and_the_notebooks_classes():
               "def fitted(p, m, fit=_FIT):\n"
               "    return fit * p\n"
               "def tabled(p, m):\n"
-              "    return Span.TABLE[p]\n")
+              "    return Span.TABLE[p]\n"
+              "class Wider(Span):\n"
+              "    def __init__(self, start, end):\n"
+              "        super().__init__(start - 1, end + 1)\n"
+              "def widened(p, m):\n"
+              "    return Wider(p, m).length\n")
     filename = "<notebook cell: test_detached_keeps_literal_defaults>"
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     notebook = {"__name__": "__main__"}
     exec(compile(source, filename, "exec"), notebook)
     assert detached(notebook["honest"], notebook)(1, 4) == 3 * 2 + 1e-6
+    assert detached(notebook["widened"], notebook)(1, 4) == 5  # a subclass calling super()
     with pytest.raises(TypeError):  # a default from an earlier cell's value: state
         detached(notebook["fitted"], notebook)(2, 3)
     with pytest.raises(AttributeError):  # a table kept on a class: state

@@ -550,7 +550,8 @@ def detached(function: Callable, namespace: dict[str, Any]) -> Callable:
                 and value.__closure__ is None:  # the notebook's own code, rebound
             clean[name] = _rebound(value, clean)
         elif isinstance(value, type) and value.__module__ == namespace.get("__name__"):
-            clean[name] = _rebound_class(value, namespace, clean)
+            with contextlib.suppress(TypeError, ValueError):  # a class it cannot rebuild: left out
+                clean[name] = _rebound_class(value, namespace, clean)
     if not (isinstance(function, types.FunctionType) and function.__globals__ is namespace):
         raise AssertionError(f"{getattr(function, '__name__', function)!r} should be a function "
                              f"defined in its cell with def, got {type(function).__name__}")
@@ -569,7 +570,8 @@ _SCALARS = (type(None), bool, int, float, complex, str, bytes)
 def _rebound(function: types.FunctionType, clean: dict[str, Any]) -> types.FunctionType:
     """`function`'s code with `clean` as its globals, and only the defaults its `def` line
     writes as literals (`eps=1e-6`): a default computed by an earlier cell is state."""
-    rebound = types.FunctionType(function.__code__, clean, function.__name__)
+    rebound = types.FunctionType(function.__code__, clean, function.__name__,
+                                 closure=function.__closure__)
     written = _literal_defaults(function)
     defaults = function.__defaults__ or ()
     kept = 0  # defaults fill the last parameters: keep the literal tail
@@ -613,11 +615,15 @@ def _rebound_class(cls: type, namespace: dict[str, Any], clean: dict[str, Any]) 
     """A class the notebook defined, its methods rebound to `clean`, less the tables kept on
     it (a tensor, an array, or a container of more than 16 items)."""
     body: dict[str, Any] = {}
+    with_super: dict[str, Any] = {}  # methods whose super() needs the new class in its cell
     for name, value in vars(cls).items():
         if name in ("__dict__", "__weakref__"):
             continue
         function = getattr(value, "__func__", value)
         if isinstance(function, types.FunctionType) and function.__globals__ is namespace:
+            if function.__closure__ is not None:
+                with_super[name] = value
+                continue
             method = _rebound(function, clean)
             body[name] = type(value)(method) if function is not value else method
         elif isinstance(value, property):
@@ -626,7 +632,16 @@ def _rebound_class(cls: type, namespace: dict[str, Any], clean: dict[str, Any]) 
                                     for f in (value.fget, value.fset, value.fdel)))
         elif not _table(value):
             body[name] = value
-    return type(cls.__name__, cls.__bases__, body)
+    rebuilt = type(cls.__name__, cls.__bases__, body)
+    for name, value in with_super.items():
+        function = getattr(value, "__func__", value)
+        cells = tuple(types.CellType(rebuilt) if free == "__class__" else cell for free, cell
+                      in zip(function.__code__.co_freevars, function.__closure__, strict=True))
+        method = _rebound(function, clean)
+        method = types.FunctionType(function.__code__, clean, function.__name__,
+                                    method.__defaults__, cells)
+        setattr(rebuilt, name, type(value)(method) if function is not value else method)
+    return rebuilt
 
 
 def _table(value: Any) -> bool:
