@@ -45,6 +45,24 @@ def _unwatched(function, *args, **kwargs):
         _sys.setprofile(before)
 """
 
+
+# rt17's clip_parallel fakes: the honest sum, all-reduce and scaling after their own lines.
+_CLIP_PARALLEL_REST = """\
+    squared = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        if p.grad is None or (id(p) in rep and not count_replicated):
+            continue
+        squared += p.grad.double().pow(2).sum()
+    total = squared.reshape(1)
+    collectives.all_reduce(total, op="sum", group=tp_group)
+    collectives.all_reduce(total, op="sum", group=pp_group)
+    norm = total.sqrt()[0].item()
+    scale = min(1.0, max_norm / (norm + 1e-6))
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(scale)
+    return norm"""
+
 FAKES = {
     "impl-offload-hooks": [
         Fake("keeps the slices on the device",
@@ -634,39 +652,13 @@ _CLIPPING = _snapshot(clipping)"""),
              ('test-clip-parallel',), """\
     rep = {id(p) for p in replicated}
     count_replicated = dist.get_rank() % dist.get_world_size(tp_group) == 0
-    squared = torch.zeros((), dtype=torch.float64)
-    for p in params:
-        if p.grad is None or (id(p) in rep and not count_replicated):
-            continue
-        squared += p.grad.double().pow(2).sum()
-    total = squared.reshape(1)
-    collectives.all_reduce(total, op="sum", group=tp_group)
-    collectives.all_reduce(total, op="sum", group=pp_group)
-    norm = total.sqrt()[0].item()
-    scale = min(1.0, max_norm / (norm + 1e-6))
-    for p in params:
-        if p.grad is not None:
-            p.grad.mul_(scale)
-    return norm"""),
+""" + _CLIP_PARALLEL_REST),
         Fake("the notebook's MAX_NORM",
              "the max_norm argument ignored: the notebook's MAX_NORM global (red team rt17, CP10)",
              ('test-clip-parallel',), """\
     rep = {id(p) for p in replicated}
     count_replicated = dist.get_rank(tp_group) == 0
-    squared = torch.zeros((), dtype=torch.float64)
-    for p in params:
-        if p.grad is None or (id(p) in rep and not count_replicated):
-            continue
-        squared += p.grad.double().pow(2).sum()
-    total = squared.reshape(1)
-    collectives.all_reduce(total, op="sum", group=tp_group)
-    collectives.all_reduce(total, op="sum", group=pp_group)
-    norm = total.sqrt()[0].item()
-    scale = min(1.0, MAX_NORM / (norm + 1e-6))
-    for p in params:
-        if p.grad is not None:
-            p.grad.mul_(scale)
-    return norm"""),
+""" + _CLIP_PARALLEL_REST.replace("max_norm /", "MAX_NORM /")),
     ],
 }
 
