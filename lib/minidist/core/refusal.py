@@ -30,6 +30,7 @@ import functools
 import importlib
 import importlib.util
 import inspect
+import linecache
 import os
 import re
 import sys
@@ -168,7 +169,7 @@ def unavailable(*paths: str, reason: str = "", allow: Iterable[str] = (),
     undo: list[Callable[[], None]] = []
     refused_builtins: dict[int, str] = {}
     refused_methods: dict[int, str] = {}  # id of the refusal standing in a class for a C method
-    refused_code: dict[tuple, list[_Original]] = {}  # fingerprint -> the refused code with it
+    refused_code: dict[int, list[_Original]] = {}  # bytecode size -> the refused code that size
     refusals: list[str] = []
 
     def keep(_: Callable[..., None], message: str) -> None:
@@ -351,25 +352,26 @@ class Refusals:
         return call
 
 
-def _expand(path: str) -> list[str]:
+@functools.lru_cache(maxsize=4096)  # a check refuses the same paths block after block
+def _expand(path: str) -> tuple[str, ...]:
     """`path`, or for "module.*" the path of every function the module defines; a Python class
     refuses by every function it defines (its methods, static and class methods, properties),
     then by its name: an alias of the class taken before the block, or an instance made before
     it, meets the refusal in whichever method it calls."""
     if path.endswith(".*"):
         module = importlib.import_module(path[:-2])
-        return [f"{path[:-2]}.{name}" for name, value in vars(module).items()
-                if inspect.isfunction(value) and value.__module__ == module.__name__]
+        return tuple(f"{path[:-2]}.{name}" for name, value in vars(module).items()
+                     if inspect.isfunction(value) and value.__module__ == module.__name__)
     try:
         owner, attribute = _owner(path)
     except (AttributeError, ModuleNotFoundError, RuntimeError):
-        return [path]
+        return (path,)
     value = getattr(owner, attribute)
     if not inspect.isclass(value) or not hasattr(sys.modules.get(value.__module__), "__file__"):
-        return [path]
+        return (path,)
     methods = [f"{path}.{name}" for name, member in vars(value).items()
                if _python_functions(member)]
-    return [*methods, path]
+    return (*methods, path)
 
 
 def _resolvable(path: str) -> bool:
@@ -426,10 +428,10 @@ def _refusal(path: str, reason: str) -> str:
 
 
 def _refuse(path: str, reason: str, refused_builtins: dict[int, str],
-            refused_code: dict[tuple, list[_Original]],
+            refused_code: dict[int, list[_Original]],
             refused_methods: dict[int, str]) -> Callable[[], None]:
-    """Make the function at `path` refuse; returns what undoes it. Its code's fingerprint goes
-    into `refused_code`, so a copy of it (a reloaded module, exec of its source) refuses too."""
+    """Make the function at `path` refuse; returns what undoes it. Its code goes into
+    `refused_code`, so a copy of it (a reloaded module, exec of its source) refuses too."""
     owner, attribute = _owner(path)
     if getattr(getattr(owner, attribute), "_minidist_refusal", False):
         return lambda: None  # refused already, by another path to the same function
@@ -446,9 +448,8 @@ def _refuse(path: str, reason: str, refused_builtins: dict[int, str],
         # (torch.no_grad's, c10d's logger) shares its code with every function it wraps.
         innermost = functions[-1].__code__
         for compiled in _compiled_both_ways(innermost):
-            refused_code.setdefault(_fingerprint(compiled), []).append(
-                _Original(path, *_identity(innermost), len(compiled.co_code),
-                          _columns(innermost)))
+            refused_code.setdefault(len(compiled.co_code), []).append(
+                _Original(path, compiled, innermost))
         for function, code in saved:
             function.__code__ = _refusing_code(code, _refusal(path, reason))
 
@@ -494,6 +495,11 @@ def _python_functions(value: Any) -> list[Any]:
 def _refusing_code(code: types.CodeType, message: str) -> types.CodeType:
     """Code that raises LibraryVersionUsed(message), with as many free variables as `code` has
     (a function's code can only be swapped for code with the same number)."""
+    return _refusing_code_at(code, code.co_filename, message)
+
+
+@functools.lru_cache(maxsize=4096)  # keyed by the file too: equal code compares equal across files
+def _refusing_code_at(code: types.CodeType, filename: str, message: str) -> types.CodeType:
     free = [f"_free{i}" for i in range(len(code.co_freevars))]
     source = ("def outer():\n" + "".join(f"    {name} = None\n" for name in free)
               + "    def refused(*args, **kwargs):\n"
@@ -506,7 +512,7 @@ def _refusing_code(code: types.CodeType, message: str) -> types.CodeType:
     exec(source, namespace)  # noqa: S102 - our own text: a refusal with a fixed message
     refused = namespace["outer"]().__code__
     return refused.replace(co_name=code.co_name, co_qualname=code.co_qualname,
-                           co_filename=code.co_filename, co_firstlineno=code.co_firstlineno)
+                           co_filename=filename, co_firstlineno=code.co_firstlineno)
 
 
 _LOCAL_SLOTS = frozenset(("LOAD_FAST", "STORE_FAST", "DELETE_FAST", "LOAD_FAST_CHECK",
@@ -521,16 +527,40 @@ _FUTURE_ANNOTATIONS = __future__.annotations.compiler_flag
 def _compiled_both_ways(code: types.CodeType) -> tuple[types.CodeType, ...]:
     """`code`, and its source compiled with the other reading of annotations: a copy pasted
     into a notebook (or exec'd) without its module's `from __future__ import annotations`
-    builds its annotations with other instructions, so its fingerprint differs."""
+    builds its annotations with other instructions, so its fingerprint differs. Only what it
+    defines inside itself (a nested function, a class) evaluates annotations in its code: code
+    with nothing nested is the same either way."""
+    if not any(isinstance(constant, types.CodeType) for constant in code.co_consts):
+        return (code,)
+    other = code.co_flags & _FUTURE_ANNOTATIONS ^ _FUTURE_ANNOTATIONS
     try:
-        source = textwrap.dedent(inspect.getsource(code))
-        other = code.co_flags & _FUTURE_ANNOTATIONS ^ _FUTURE_ANNOTATIONS
-        module = compile(source, code.co_filename, "exec", flags=other, dont_inherit=True)
+        try:
+            module = compile(_source(code), code.co_filename, "exec", flags=other,
+                             dont_inherit=True)
+        except SyntaxError:  # a bracket closed on a line with no instruction of its own
+            module = compile(textwrap.dedent(inspect.getsource(code)), code.co_filename, "exec",
+                             flags=other, dont_inherit=True)
     except (OSError, TypeError, SyntaxError):  # no source to read: its own code only
         return (code,)
     again = [c for c in module.co_consts
              if isinstance(c, types.CodeType) and c.co_name == code.co_name]
     return (code, *again[:1])
+
+
+def _source(code: types.CodeType) -> str:
+    """The source of `code`'s function, dedented: its lines from the first (a decorator's) to
+    the last any of its instructions, or those of the code nested in it, ends on. Read from
+    linecache, as inspect.getsource does, without tokenizing the file to find the end (which
+    is most of a refusal's cost in a rank that starts with nothing cached)."""
+    lines = linecache.getlines(code.co_filename)
+    ends, nested = [], [code]
+    while nested:
+        inner = nested.pop()
+        ends += [end for _, end, _, _ in inner.co_positions() if end is not None]
+        nested += [constant for constant in inner.co_consts if isinstance(constant, types.CodeType)]
+    if not lines or not ends:
+        raise OSError(f"no source for {code.co_name} in {code.co_filename}")
+    return textwrap.dedent("".join(lines[code.co_firstlineno - 1:max(ends)]))
 
 
 @functools.lru_cache(maxsize=4096)  # a check refuses the same functions again and again
@@ -552,15 +582,37 @@ def _fingerprint(code: types.CodeType) -> tuple:
 
 
 class _Original(NamedTuple):
-    """A refused function's code, as a copy of it may still show it."""
+    """A refused function's code, as a copy of it may still show it. What a copy is compared on
+    is worked out when a call's code is the same size, not when the block opens: a block refuses
+    hundreds of functions, and a rank process starts with none of it cached."""
 
     path: str
-    name: str
-    docstring: str | None
-    place: tuple[str, int]  # its file and first line
-    layout: tuple[tuple[int | None, ...], ...]
-    size: int  # bytes of its bytecode, the same in every copy: a quick first test
-    columns: tuple[tuple[int, int, int], ...] = ()  # `_columns`: what an edited copy keeps
+    code: types.CodeType  # its code, or its source compiled with the other annotations
+    innermost: types.CodeType  # the function's own code: its name, docstring, place, layout
+
+    @property
+    def fingerprint(self) -> tuple:
+        return _fingerprint(self.code)
+
+    @property
+    def name(self) -> str:
+        return _identity(self.innermost)[0]
+
+    @property
+    def docstring(self) -> str | None:
+        return _identity(self.innermost)[1]
+
+    @property
+    def place(self) -> tuple[str, int]:  # its file and first line
+        return _identity(self.innermost)[2]
+
+    @property
+    def layout(self) -> tuple[tuple[int | None, ...], ...]:
+        return _identity(self.innermost)[3]
+
+    @property
+    def columns(self) -> tuple[tuple[int, int, int], ...]:  # `_columns`: what an edited copy keeps
+        return _columns(self.innermost)
 
 
 def _identity(code: types.CodeType) -> tuple[str, str | None, tuple[str, int],
@@ -568,9 +620,15 @@ def _identity(code: types.CodeType) -> tuple[str, str | None, tuple[str, int],
     """The name, docstring, place and layout of `code`: a copy that kept one of them is the
     library's code; instructions alone are not enough, since short code written independently
     (an honest student's union of intervals) can be instruction for instruction the library's."""
+    return _identity_at(code, code.co_filename)
+
+
+@functools.lru_cache(maxsize=4096)  # keyed by the file too: equal code compares equal across files
+def _identity_at(code: types.CodeType, filename: str) -> tuple[
+        str, str | None, tuple[str, int], tuple[tuple[int | None, ...], ...]]:
     first = code.co_consts[0] if code.co_consts else None
     return (code.co_name, first if isinstance(first, str) and first else None,
-            (code.co_filename, code.co_firstlineno), _layout(code))
+            (filename, code.co_firstlineno), _layout(code))
 
 
 def _layout(code: types.CodeType) -> tuple[tuple[int | None, ...], ...]:
@@ -587,6 +645,7 @@ def _layout(code: types.CodeType) -> tuple[tuple[int | None, ...], ...]:
                  for line, end, column, end_column in body)
 
 
+@functools.lru_cache(maxsize=4096)
 def _columns(code: types.CodeType) -> tuple[tuple[int, int, int], ...]:
     """Where each instruction of the body stands on its line: its first and last column (from
     the body's least indented) and how many lines it spans. A copy whose lines were edited,
@@ -658,7 +717,7 @@ def _copied(called: types.CodeType, originals: list[_Original], length: int) -> 
 
 
 @contextlib.contextmanager
-def _refusing_copies(builtins: dict[int, str], code: dict[tuple, list[_Original]],
+def _refusing_copies(builtins: dict[int, str], code: dict[int, list[_Original]],
                      methods: dict[int, str], reason: str) -> Iterator[None]:
     """While the block runs, a call of a refused C function, or of any Python function whose
     code is a copy of a refused one's (`_fingerprint`: a module reloaded or loaded again from
@@ -668,38 +727,44 @@ def _refusing_copies(builtins: dict[int, str], code: dict[tuple, list[_Original]
         yield
         return
     seen: dict[int, tuple[types.CodeType, str | None]] = {}  # id(code) -> (code, refused path)
-    sizes = {original.size for originals in code.values() for original in originals}
-
     every = [original for originals in code.values() for original in originals]
 
     def refused_copy(called: types.CodeType) -> str | None:
         found = seen.get(id(called))
         if found is None or found[0] is not called:
             path = None
-            if len(called.co_code) in sizes:  # most code: no disassembly needed
+            sized = code.get(len(called.co_code))
+            if sized:  # most code is no refused code's size: no disassembly needed
                 fingerprint = _fingerprint(called)
-                originals = code.get(fingerprint)
+                originals = [original for original in sized if original.fingerprint == fingerprint]
                 path = originals and _copied(called, originals, len(fingerprint))
             if not path and _made_from_text(called.co_filename):
                 path = _resembles(called, every)
             found = seen[id(called)] = (called, path or None)
         return found[1]
 
+    # The hook runs at every call in the block: identity tests and dict lookups only.
+    set_profile, set_trace = _THREAD_SWITCHES
+    switches = {id(switch): f"sys.{switch.__name__}" for switch in _WATCH_SWITCHES}
+    method_names = {path.rpartition(".")[2] for path in methods.values()}
+
     def profile(frame: Any, event: str, arg: Any) -> None:
         if event == "call":
-            refused = refused_copy(frame.f_code)
-            if frame.f_code in _THREAD_SWITCHES and not _ours(frame.f_back):
-                refused = f"threading.{frame.f_code.co_name}"
-            elif frame.f_code is _MUTING and frame.f_locals.get("layer") != "counting":
+            called = frame.f_code
+            refused = refused_copy(called)
+            if (called is set_profile or called is set_trace) and not _ours(frame.f_back):
+                refused = f"threading.{called.co_name}"
+            elif called is _MUTING and frame.f_locals.get("layer") != "counting":
                 refused = "minidist.core.interposer.muted"  # the check's own watching layers
         elif event == "c_call":
             refused = builtins.get(id(arg))
-            if refused is None and methods:
+            if refused is None and getattr(arg, "__name__", None) in method_names:
                 refused = _refused_method(arg, methods)
-            if refused in FILES and frame.f_globals.get("__name__") in _SOURCE_READERS:
+            if (refused is not None and refused in FILES
+                    and frame.f_globals.get("__name__") in _SOURCE_READERS):
                 refused = None
-            if any(arg is switch for switch in _WATCH_SWITCHES) and not _ours(frame):
-                refused = f"sys.{arg.__name__}"
+            if id(arg) in switches and not _ours(frame):
+                refused = switches[id(arg)]
         else:
             return
         if refused is not None:
@@ -753,14 +818,25 @@ def _owner(path: str) -> tuple[Any, str]:
         namespace = getattr(torch.ops, parts[2])
         getattr(namespace, parts[3])  # raises AttributeError for an op this torch lacks
         return namespace, parts[3]
+    split = _module_prefix(path)
+    if split is None:
+        raise ModuleNotFoundError(f"{path}: no module to import in it")
+    owner = importlib.import_module(".".join(parts[:split]))
+    for name in parts[split:-1]:
+        owner = getattr(owner, name)
+    if not hasattr(owner, parts[-1]):
+        raise AttributeError(f"{path}: {owner!r} has no attribute {parts[-1]!r}")
+    return owner, parts[-1]
+
+
+@functools.lru_cache(maxsize=4096)  # each failed import of a longer prefix searches the disk
+def _module_prefix(path: str) -> int | None:
+    """How many of `path`'s dotted names the longest prefix that imports as a module has."""
+    parts = path.split(".")
     for split in range(len(parts) - 1, 0, -1):
         try:
-            owner = importlib.import_module(".".join(parts[:split]))
+            importlib.import_module(".".join(parts[:split]))
         except ModuleNotFoundError:
             continue
-        for name in parts[split:-1]:
-            owner = getattr(owner, name)
-        if not hasattr(owner, parts[-1]):
-            raise AttributeError(f"{path}: {owner!r} has no attribute {parts[-1]!r}")
-        return owner, parts[-1]
-    raise ModuleNotFoundError(f"{path}: no module to import in it")
+        return split
+    return None
