@@ -729,19 +729,17 @@ def _refusing_copies(builtins: dict[int, str], code: dict[int, list[_Original]],
     seen: dict[int, tuple[types.CodeType, str | None]] = {}  # id(code) -> (code, refused path)
     every = [original for originals in code.values() for original in originals]
 
-    def refused_copy(called: types.CodeType) -> str | None:
-        found = seen.get(id(called))
-        if found is None or found[0] is not called:
-            path = None
-            sized = code.get(len(called.co_code))
-            if sized:  # most code is no refused code's size: no disassembly needed
-                fingerprint = _fingerprint(called)
-                originals = [original for original in sized if original.fingerprint == fingerprint]
-                path = originals and _copied(called, originals, len(fingerprint))
-            if not path and _made_from_text(called.co_filename):
-                path = _resembles(called, every)
-            found = seen[id(called)] = (called, path or None)
-        return found[1]
+    def refused_copy(called: types.CodeType) -> str | None:  # once per code object
+        path = None
+        sized = code.get(len(called.co_code))
+        if sized:  # most code is no refused code's size: no disassembly needed
+            fingerprint = _fingerprint(called)
+            originals = [original for original in sized if original.fingerprint == fingerprint]
+            path = originals and _copied(called, originals, len(fingerprint))
+        if not path and _made_from_text(called.co_filename):
+            path = _resembles(called, every)
+        seen[id(called)] = (called, path or None)
+        return path or None
 
     # The hook runs at every call in the block: identity tests and dict lookups only.
     set_profile, set_trace = _THREAD_SWITCHES
@@ -751,20 +749,25 @@ def _refusing_copies(builtins: dict[int, str], code: dict[int, list[_Original]],
     def profile(frame: Any, event: str, arg: Any) -> None:
         if event == "call":
             called = frame.f_code
-            refused = refused_copy(called)
+            found = seen.get(id(called))
+            if found is not None and found[0] is called:
+                refused = found[1]
+            else:
+                refused = refused_copy(called)
             if (called is set_profile or called is set_trace) and not _ours(frame.f_back):
                 refused = f"threading.{called.co_name}"
             elif called is _MUTING and frame.f_locals.get("layer") != "counting":
                 refused = "minidist.core.interposer.muted"  # the check's own watching layers
         elif event == "c_call":
-            refused = builtins.get(id(arg))
-            if refused is None and getattr(arg, "__name__", None) in method_names:
-                refused = _refused_method(arg, methods)
-            if (refused is not None and refused in FILES
-                    and frame.f_globals.get("__name__") in _SOURCE_READERS):
+            key = id(arg)
+            refused = builtins.get(key)
+            if refused is None:
+                if key in switches:
+                    refused = None if _ours(frame) else switches[key]
+                elif method_names and getattr(arg, "__name__", None) in method_names:
+                    refused = _refused_method(arg, methods)
+            elif refused in FILES and frame.f_globals.get("__name__") in _SOURCE_READERS:
                 refused = None
-            if id(arg) in switches and not _ours(frame):
-                refused = switches[id(arg)]
         else:
             return
         if refused is not None:
