@@ -80,6 +80,10 @@ WRONG_ANSWER = "object()  # a value no check accepts"
 # It waits rather than spins: a spinning loop would take a core from the rest of the suite
 # for the whole cell timeout, and nbgrader interrupts both alike.
 INFINITE_LOOP = ["import time", "", "while True:", "    time.sleep(1)"]
+# The looping and the deadlocking cell's own time limit in the mistaken submission: a hang is
+# bounded by whichever limit its cell has (nbclient's timeout_func), and a lab whose slowest cell
+# is slow need not wait three times that, twice.
+HANG_S = 6
 DEADLOCK = [
     "import torch",
     "import torch.distributed as dist",
@@ -607,7 +611,6 @@ def graded(lab: str, course: Course) -> Graded:
 class Mistaken:
     ran: Ran
     executed: Execution  # the mistaken submission's own run, hangs included
-    cell_timeout_s: int
     hang_s: dict[str, float]  # how long the looping and the deadlocking cell ran
     wrong_cells: set[str]  # the test cells that check the wrong answer
     stuck_cells: set[str]  # the test cells that check the answers that hang
@@ -682,10 +685,16 @@ def mistaken(lab: str, course: Course, graded: Graded) -> Mistaken:
         alternatives[f"alternatives-{k}"] = list(correct.values())
     course.run(COLLECT, lab)
     # Three times the slowest cell of the solution's run, which ran under the same load, and
-    # minidist's half of that, still 1.5 times it. Never above the real per-cell limit: one
-    # cell slowed by a busy machine must not turn this run into minutes of waiting on the hangs.
+    # minidist's half of that, still 1.5 times it. Never above the real per-cell limit. The two
+    # hanging cells stop at HANG_S, their own limit.
     cell_timeout = min(BUDGET_S, max(15, math.ceil(3 * graded.executed.slowest_cell_s)))
     minidist_timeout = cell_timeout // 2
+    hangs = {"loop": INFINITE_LOOP[-1], "deadlock": DEADLOCK[-1]}
+    with open(course.root / "nbgrader_config.py", "a") as config:
+        config.write(f"\n# grading test: the hanging cells stop at their own limit\n"
+                     f"c.Execute.timeout_func = lambda cell: {HANG_S} if "
+                     f"{set(hangs.values())!r} & set(cell.source.splitlines()) else "
+                     f"{cell_timeout}\n")
     # Autograde skips the submissions already graded: this grades "mistaken" (and the rounds
     # of fakes) only.
     ran = course.run(
@@ -698,7 +707,6 @@ def mistaken(lab: str, course: Course, graded: Graded) -> Mistaken:
         for quiz in (loop_quiz, deadlock_quiz) for name in course.quizzes[quiz]
     }
     executed = read_notebook(course.root / "autograded" / "mistaken" / lab / f"{lab}.ipynb")
-    hangs = {"loop": INFINITE_LOOP[-1], "deadlock": DEADLOCK[-1]}
     hang_s = {
         hang: (end - start).total_seconds()
         for hang, line in hangs.items()
@@ -709,7 +717,7 @@ def mistaken(lab: str, course: Course, graded: Graded) -> Mistaken:
     rounds_s = sum(execution_times(read_notebook(
         course.root / "autograded" / student / lab / f"{lab}.ipynb")).seconds
         for student in [*faked, *alternatives] if student != "mistaken")
-    return Mistaken(ran, execution_times(executed), cell_timeout, hang_s, wrong, stuck, faked,
+    return Mistaken(ran, execution_times(executed), hang_s, wrong, stuck, faked,
                     faked_cells, rounds_s, alternatives)
 
 
@@ -875,10 +883,10 @@ def test_d_wrong_answer_loses_only_its_points(lab: str, course: Course, mistaken
 def test_e_hangs_are_bounded_and_cleaned_up(lab: str, course: Course, mistaken: Mistaken) -> None:
     submitted = scores(course.root, lab, "mistaken")
     print(f"{lab}: graded the hanging submission in {mistaken.ran.seconds:.0f} s")
-    # Each hang ends by the cell timeout (the deadlock, in most labs, at minidist's half of it),
-    # and autograde soon after the last cell: not a bound on the whole run, whose other cells
-    # may run slower than the solution's did, at another moment of the suite's load.
-    limits = dict.fromkeys(("loop", "deadlock"), mistaken.cell_timeout_s + 5)
+    # Each hang ends by its cell's limit, and autograde soon after the last cell: not a bound
+    # on the whole run, whose other cells may run slower than the solution's did, at another
+    # moment of the suite's load.
+    limits = dict.fromkeys(("loop", "deadlock"), HANG_S + 5)
     assert mistaken.hang_s.keys() == limits.keys(), f"hang cells not found: {mistaken.hang_s}"
     for hang, limit in limits.items():
         assert mistaken.hang_s[hang] <= limit, (
@@ -894,7 +902,7 @@ def test_e_hangs_are_bounded_and_cleaned_up(lab: str, course: Course, mistaken: 
     executed = read_notebook(course.root / "autograded" / "mistaken" / lab / f"{lab}.ipynb")
     looped = next(cell for cell in executed.cells if INFINITE_LOOP[-1] in cell.source.splitlines())
     said = "".join(output.get("text", "") for output in looped.outputs)
-    assert timeout_message(mistaken.cell_timeout_s) in said, (
+    assert timeout_message(HANG_S) in said, (
         f"the looping cell's output should say grading stopped it (tools/grading/timeouts.py); "
         f"it shows {said[:300]!r}")
     assert {cell: submitted[cell][0] for cell in mistaken.stuck_cells} == dict.fromkeys(

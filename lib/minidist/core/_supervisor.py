@@ -17,7 +17,6 @@ import faulthandler
 import multiprocessing
 import multiprocessing.connection
 import os
-import pkgutil
 import re
 import signal
 import sys
@@ -34,7 +33,6 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-import minidist
 from minidist.core import _calls, agreement
 from minidist.core._calls import LatestCall
 from minidist.core._diagnose import conflicts, rank_list
@@ -103,24 +101,19 @@ def quiet_profiler() -> None:
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 
-_EXIT = "minidist.core._fork_server_exit"  # last in the fork server's preload list
-
-
 def _fork_server() -> multiprocessing.context.ForkServerContext:
     """A process that imported torch once and forks ranks on demand; started on first use.
 
     It also imports torch._dynamo, which torch.optim's optimizers import on first use: a few
     seconds of CPU that every rank building an optimizer would otherwise pay again. So does
-    torch.distributed.optim, which compiles TorchScript when imported (a check that refuses
-    torch's ZeroRedundancyOptimizer imports it in every rank), and minidist's modules but the
-    pictures, which the notebook draws: a tenth of a second once, not in every rank.
+    torch.distributed.optim, which compiles TorchScript when imported: a check that refuses
+    torch's ZeroRedundancyOptimizer imports it in every rank.
     It exits once the process that started it and all ranks are gone.
     """
-    library = [module.name for module in pkgutil.walk_packages(minidist.__path__, "minidist.")
-               if not module.name.startswith(("minidist.pictures", _EXIT))]
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed",
-                                    "torch.distributed.optim", "cloudpickle", *library, _EXIT])
+                                    "torch.distributed.optim", "cloudpickle", __name__,
+                                    "minidist.core._fork_server_exit"])
     return context
 
 
