@@ -17,6 +17,7 @@ import faulthandler
 import multiprocessing
 import multiprocessing.connection
 import os
+import pkgutil
 import re
 import signal
 import sys
@@ -33,6 +34,7 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
+import minidist
 from minidist.core import _calls, agreement
 from minidist.core._calls import LatestCall
 from minidist.core._diagnose import conflicts, rank_list
@@ -106,13 +108,20 @@ def _fork_server() -> multiprocessing.context.ForkServerContext:
 
     It also imports torch._dynamo, which torch.optim's optimizers import on first use: a few
     seconds of CPU that every rank building an optimizer would otherwise pay again. So does
-    torch.distributed.optim, which compiles TorchScript when imported: a check that refuses
-    torch's ZeroRedundancyOptimizer imports it in every rank.
+    torch.distributed.optim, which compiles TorchScript when imported (a check that refuses
+    torch's ZeroRedundancyOptimizer imports it in every rank), and minidist's modules, which a
+    rank imports as it unpickles its function (a tenth of a second, in each of Lab 14's many
+    ranks). Not the pictures, which the notebook draws, nor minidist.core.checking: with it
+    preloaded, a later launch in a notebook now and then waited 5 s for its ranks (not
+    understood; checks import it in the rank).
     It exits once the process that started it and all ranks are gone.
     """
+    library = [module.name for module in pkgutil.walk_packages(minidist.__path__, "minidist.")
+               if not module.name.startswith(("minidist.pictures", "minidist.core.checking",
+                                              "minidist.core._fork_server_exit"))]
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed",
-                                    "torch.distributed.optim", "cloudpickle", __name__,
+                                    "torch.distributed.optim", "cloudpickle", __name__, *library,
                                     "minidist.core._fork_server_exit"])
     return context
 
