@@ -112,8 +112,8 @@ def _fork_server() -> multiprocessing.context.ForkServerContext:
     torch's ZeroRedundancyOptimizer imports it in every rank), and minidist's modules, which a
     rank imports as it unpickles its function (a tenth of a second, in each of Lab 14's many
     ranks). Not the pictures, which the notebook draws, nor minidist.core.checking: with it
-    preloaded, a later launch in a notebook now and then waited 5 s for its ranks (not
-    understood; checks import it in the rank).
+    preloaded, a launch in a notebook waited 5 s for its ranks more often (it was seen once
+    without it too; the cause is not known; checks import it in the rank).
     It exits once the process that started it and all ranks are gone.
     """
     library = [module.name for module in pkgutil.walk_packages(minidist.__path__, "minidist.")
