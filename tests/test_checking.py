@@ -725,8 +725,8 @@ def test_detached_keeps_literal_defaults_and_the_notebooks_classes():
               "def tabled(p, m):\n"
               "    return Span.TABLE[p]\n"
               "class Wider(Span):\n"
-              "    def __init__(self, start, end):\n"
-              "        super().__init__(start - 1, end + 1)\n"
+              "    def __init__(self, start, end, *, by=1):\n"
+              "        super().__init__(start - by, end + by)\n"
               "def widened(p, m):\n"
               "    return Wider(p, m).length\n")
     filename = "<notebook cell: test_detached_keeps_literal_defaults>"
@@ -734,7 +734,8 @@ def test_detached_keeps_literal_defaults_and_the_notebooks_classes():
     notebook = {"__name__": "__main__"}
     exec(compile(source, filename, "exec"), notebook)
     assert detached(notebook["honest"], notebook)(1, 4) == 3 * 2 + 1e-6
-    assert detached(notebook["widened"], notebook)(1, 4) == 5  # a subclass calling super()
+    # a subclass calling super(), its literal keyword default kept
+    assert detached(notebook["widened"], notebook)(1, 4) == 5
     with pytest.raises(TypeError):  # a default from an earlier cell's value: state
         detached(notebook["fitted"], notebook)(2, 3)
     with pytest.raises(AttributeError):  # a table kept on a class: state

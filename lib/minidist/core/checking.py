@@ -567,11 +567,13 @@ def detached(function: Callable, namespace: dict[str, Any]) -> Callable:
 _SCALARS = (type(None), bool, int, float, complex, str, bytes)
 
 
-def _rebound(function: types.FunctionType, clean: dict[str, Any]) -> types.FunctionType:
-    """`function`'s code with `clean` as its globals, and only the defaults its `def` line
-    writes as literals (`eps=1e-6`): a default computed by an earlier cell is state."""
+def _rebound(function: types.FunctionType, clean: dict[str, Any],
+             closure: tuple[types.CellType, ...] | None = None) -> types.FunctionType:
+    """`function`'s code with `clean` as its globals (and `closure`, if given, for its own),
+    and only the defaults its `def` line writes as literals (`eps=1e-6`): a default computed
+    by an earlier cell is state."""
     rebound = types.FunctionType(function.__code__, clean, function.__name__,
-                                 closure=function.__closure__)
+                                 closure=function.__closure__ if closure is None else closure)
     written = _literal_defaults(function)
     defaults = function.__defaults__ or ()
     kept = 0  # defaults fill the last parameters: keep the literal tail
@@ -637,9 +639,7 @@ def _rebound_class(cls: type, namespace: dict[str, Any], clean: dict[str, Any]) 
         function = getattr(value, "__func__", value)
         cells = tuple(types.CellType(rebuilt) if free == "__class__" else cell for free, cell
                       in zip(function.__code__.co_freevars, function.__closure__, strict=True))
-        method = _rebound(function, clean)
-        method = types.FunctionType(function.__code__, clean, function.__name__,
-                                    method.__defaults__, cells)
+        method = _rebound(function, clean, cells)
         setattr(rebuilt, name, type(value)(method) if function is not value else method)
     return rebuilt
 
