@@ -14,6 +14,7 @@ import collections
 import contextlib
 import datetime
 import faulthandler
+import functools
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -116,14 +117,18 @@ def _fork_server() -> multiprocessing.context.ForkServerContext:
     without it too; the cause is not known; checks import it in the rank).
     It exits once the process that started it and all ranks are gone.
     """
-    library = [module.name for module in pkgutil.walk_packages(minidist.__path__, "minidist.")
-               if not module.name.startswith(("minidist.pictures", "minidist.core.checking",
-                                              "minidist.core._fork_server_exit"))]
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed",
-                                    "torch.distributed.optim", "cloudpickle", __name__, *library,
-                                    "minidist.core._fork_server_exit"])
+                                    "torch.distributed.optim", "cloudpickle", __name__,
+                                    *_library_modules(), "minidist.core._fork_server_exit"])
     return context
+
+
+@functools.cache  # a walk of the package's folders: once, not for every rank started
+def _library_modules() -> tuple[str, ...]:
+    return tuple(module.name for module in pkgutil.walk_packages(minidist.__path__, "minidist.")
+                 if not module.name.startswith(("minidist.pictures", "minidist.core.checking",
+                                                "minidist.core._fork_server_exit")))
 
 
 @contextlib.contextmanager
