@@ -456,6 +456,35 @@ def test_in_a_notebook_errors_show_cells_and_an_interrupt_says_the_ranks_stopped
     assert interrupt.traceback == ["RunInterrupted: all 2 ranks were stopped"]
 
 
+def test_a_kernel_that_ran_ranks_shuts_down_by_itself(tmp_path):
+    """Shutting down or restarting a kernel that started ranks: the fork server and
+    multiprocessing's resource tracker (which ignores SIGTERM) are stopped with the kernel, so
+    it exits on its own instead of being terminated by the client after its grace period (a
+    wait at every restart, and after every notebook nbgrader runs)."""
+    jupyter_client = pytest.importorskip("jupyter_client")
+    manager = jupyter_client.KernelManager(kernel_name="python3")
+    manager.start_kernel(cwd=str(tmp_path))
+    kernel = manager.provisioner.process
+    client = manager.client()
+    client.start_channels()
+    try:
+        client.wait_for_ready(timeout=60)
+        code = ("from minidist.core.launch import run\n"
+                "def rank_of(rank, world_size):\n    return rank\n"
+                "assert run(rank_of, 2) == [0, 1]")
+        reply = client.execute_interactive(code, timeout=120)
+        assert reply["content"]["status"] == "ok", reply["content"]
+        helpers = psutil.Process(kernel.pid).children()
+        assert len(helpers) == 2, [helper.cmdline() for helper in helpers]  # server, tracker
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel()
+    assert kernel.returncode == 0, (
+        f"the kernel should exit by itself; it ended with {kernel.returncode} (-15: terminated "
+        f"by the client after waiting for its children)")
+    assert not [helper for helper in helpers if helper.is_running()]
+
+
 def test_in_a_notebook_a_crash_and_a_deadlock_name_cells_and_a_live_line_comes_and_goes(
         tmp_path):
     """What a student sees in Jupyter when a rank dies natively (its stderr, its stack as

@@ -117,11 +117,38 @@ def _fork_server() -> multiprocessing.context.ForkServerContext:
     without it too; the cause is not known; checks import it in the rank).
     It exits once the process that started it and all ranks are gone.
     """
+    _stop_servers_with_the_kernel()
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed",
                                     "torch.distributed.optim", "cloudpickle", __name__,
                                     *_library_modules(), "minidist.core._fork_server_exit"])
     return context
+
+
+@functools.cache  # once per kernel
+def _stop_servers_with_the_kernel() -> None:
+    """In a Jupyter kernel, stop the fork server and multiprocessing's resource tracker when
+    the kernel shuts down or restarts, before ipykernel ends its children: the tracker ignores
+    SIGTERM and lives as long as the kernel does, so ipykernel would wait on it until the
+    client gave up and killed the kernel, 2.5 s at every shutdown and restart."""
+    if _in_notebook():
+        from IPython import get_ipython
+
+        get_ipython().observe(_stop_servers, names="exit_now")  # set as shutdown begins
+
+
+def _stop_servers(change: dict) -> None:
+    if not change["new"]:
+        return
+    from multiprocessing import forkserver, resource_tracker
+
+    # Private, but stable since Python 3.8 (CPython's own tests stop both this way). The
+    # server leaves at once; the tracker once every copy of its pipe is closed, the ranks'
+    # too, so it is waited for on a thread of its own.
+    with contextlib.suppress(AttributeError, OSError):
+        forkserver._forkserver._stop()
+    with contextlib.suppress(AttributeError):
+        threading.Thread(target=resource_tracker._resource_tracker._stop, daemon=True).start()
 
 
 @functools.cache  # a walk of the package's folders: once, not for every rank started
