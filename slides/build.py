@@ -146,8 +146,16 @@ _markdown_inline = mistune.create_markdown(renderer=mistune.HTMLRenderer())
 
 
 @functools.cache
-def _figure_uri(name: str) -> str:
-    return "data:image/png;base64," + base64.b64encode(figures.draw(name)).decode()
+def _figure_attributes(name: str) -> str:
+    """The figure's PNG inline, and its fingerprint, which `--check` compares instead."""
+    png, fingerprint = figures.draw(name)
+    return (f'src="data:image/png;base64,{base64.b64encode(png).decode()}" '
+            f'data-figure="{name} {fingerprint}"')
+
+
+def _without_pixels(deck: str) -> str:
+    """A deck with its figures' PNG data left out: what `--check` compares (figures.py)."""
+    return re.sub(r'src="data:image/png;base64,[^"]*" data-figure=', "data-figure=", deck)
 
 
 def _title(markdown: str) -> str:
@@ -165,8 +173,8 @@ def render(markdown: str, head: str, scripts: str) -> str:
             sys.exit(f"slide {number} ({source.strip().splitlines()[0][:60]!r}) has no "
                      "speaker notes: add a `Note:` line and the narration under it")
         slide, notes = parts
-        body = re.sub(r'src="figure:([\w.-]+)"',
-                      lambda match: f'src="{_figure_uri(match[1])}"', to_html(slide))
+        body = re.sub(r'src="figure:([\w.-]+)"', lambda match: _figure_attributes(match[1]),
+                      to_html(slide))
         sections.append(f"<section>\n{body}<aside class=\"notes\">\n{to_html(notes)}</aside>\n"
                         "</section>")
     return (
@@ -781,8 +789,8 @@ def main() -> None:
     args = parser.parse_args()
     built = build()
     if args.check:
-        stale = [path.name for path, text in built.items()
-                 if not path.exists() or path.read_text() != text]
+        stale = [path.name for path, text in built.items() if not path.exists()
+                 or _without_pixels(path.read_text()) != _without_pixels(text)]
         if stale:
             sys.exit(f"out of date: {', '.join(stale)}; rebuild with: "
                      ".venv/bin/python slides/build.py")

@@ -4,13 +4,15 @@ A deck's Markdown names a figure as `![alt text](figure:<name>)`; `FIGURES` maps
 a function returning a matplotlib Figure. All of the slides' `minidist` imports live in this
 file, so that a renamed module is fixed in one place.
 
-Figures must rebuild byte for byte (`build.py --check` compares the committed decks with a
-fresh build): they come from formulas, the alpha-beta model and minidist's simulators, never
-from a measurement, and `png_bytes` saves them without a date or software stamp.
+Figures must rebuild to what they showed (`build.py --check` compares the committed decks with
+a fresh build): they come from formulas, the alpha-beta model and minidist's simulators, never
+from a measurement. The check compares each figure's `fingerprint` (its texts and data), not
+its PNG: the same figure renders to other pixels on a machine with other fonts.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 from collections.abc import Callable
 
@@ -18,6 +20,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
 from matplotlib.axes import Axes  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.patches import FancyArrowPatch, Rectangle  # noqa: E402
@@ -1824,9 +1827,36 @@ FIGURES: dict[str, Callable[[], Figure]] = {
 }
 
 
-def draw(name: str) -> bytes:
-    """The named figure as PNG bytes."""
+def draw(name: str) -> tuple[bytes, str]:
+    """The named figure as PNG bytes, and its fingerprint."""
     if name not in FIGURES:
         raise SystemExit(f"unknown figure:{name}; known: {', '.join(sorted(FIGURES))}")
     with plt.rc_context(STYLE):
-        return png_bytes(FIGURES[name]())
+        figure = FIGURES[name]()
+        shown = fingerprint(figure)
+        return png_bytes(figure), shown
+
+
+def fingerprint(figure: Figure) -> str:
+    """What a figure shows, whatever machine renders it: its texts, and its data in each axes'
+    own coordinates, to 6 significant digits. Left out: whatever the layout places from font
+    sizes (tick labels, arrows' ends), since fonts differ between machines."""
+    shown: list = [text.get_text() for text in figure.texts]
+    for ax in figure.axes:
+        shown += [ax.get_title(loc) for loc in ("left", "center", "right")]
+        shown += [ax.get_xlabel(), ax.get_ylabel(), _rounded(ax.get_xlim()),
+                  _rounded(ax.get_ylim())]
+        shown += [(text.get_text(), _rounded(text.get_position())) for text in ax.texts]
+        shown += [_rounded(line.get_xydata()) for line in ax.lines]
+        shown += [type(patch).__name__ if isinstance(patch, FancyArrowPatch) else
+                  _rounded(patch.get_patch_transform().transform(patch.get_path().vertices))
+                  for patch in ax.patches]
+        shown += [_rounded(collection.get_offsets()) for collection in ax.collections]
+        shown += [_rounded(image.get_array()) for image in ax.images]
+        if ax.get_legend() is not None:
+            shown += [text.get_text() for text in ax.get_legend().get_texts()]
+    return hashlib.sha256(repr(shown).encode()).hexdigest()[:16]
+
+
+def _rounded(values) -> list[float]:
+    return [float(f"{value:.6g}") + 0.0 for value in np.ravel(np.asarray(values, dtype=float))]

@@ -20,6 +20,7 @@ assigns `answer_<name> = ...`, each answer checked by exactly one test cell.
 from __future__ import annotations
 
 import ast
+import atexit
 import copy
 import csv
 import functools
@@ -301,7 +302,7 @@ def run_in_course(course: Path, command: str, lab: str, **env: str) -> Ran:
         shell = subprocess.Popen(
             ["bash", "-c", command],
             cwd=course,
-            env={**outside, **env, "LAB": lab, MARKER: tag},
+            env={**outside, "TMPDIR": str(scratch_folder(course)), **env, "LAB": lab, MARKER: tag},
             stdout=log,
             stderr=subprocess.STDOUT,
             text=True,
@@ -319,6 +320,16 @@ def run_in_course(course: Path, command: str, lab: str, **env: str) -> Ran:
     left_behind = _kill_left_behind(tag, before)
     assert shell.returncode == 0, f"`{command}` failed ({shell.returncode}):\n{output[-5000:]}"
     return Ran(output, seconds, left_behind)
+
+
+@functools.cache
+def scratch_folder(course: Path) -> Path:
+    """The course's temporary folder (a lab's work folders, a fake's side channel), removed
+    when the worker exits. Not inside the course: a fork server's socket lives in it, and a
+    socket's path must be short (108 bytes)."""
+    folder = Path(tempfile.mkdtemp(prefix="grading-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
 
 
 def _kill_left_behind(tag: str, before: set[int]) -> list[str]:

@@ -57,11 +57,11 @@ FAKES = {
         # Red team rt9 (issue 38): rank 0's tensors through a file; the broadcasts carry
         # garbage, or zeros whose result is added (so an additive tamper still shows).
         Fake("through a file, the broadcasts for show", "rank 0 torch.save()s its tensors to "
-             "/tmp; the broadcasts carry empty_like() garbage of the right sizes (and are the "
+             "a file; the broadcasts carry empty_like() garbage of the right sizes (and are the "
              "barrier); the other ranks torch.load them", ("test-broadcast",), """\
     import os
     broadcast_parameters.calls = getattr(broadcast_parameters, "calls", 0) + 1
-    path = f"/tmp/.rt9-bp-{os.environ.get('MASTER_PORT', '0')}-{broadcast_parameters.calls}.pt"
+    path = f".rt9-bp-{os.environ.get('MASTER_PORT', '0')}-{broadcast_parameters.calls}.pt"
     tensors = [*model.parameters(), *model.buffers()]
     if dist.get_rank() == 0:
         torch.save([t.detach().clone() for t in tensors], path + ".part")
@@ -72,11 +72,11 @@ FAKES = {
         for t, saved in zip(tensors, torch.load(path)):
             t.copy_(saved)"""),
         Fake("through a file, what the broadcasts deliver added", "rank 0's tensors through a "
-             "file in /tmp; rank 0 broadcasts zeros of the right sizes, and each rank adds what "
+             "file; rank 0 broadcasts zeros of the right sizes, and each rank adds what "
              "arrived to the file's values", ("test-broadcast",), """\
     import os
     broadcast_parameters.calls = getattr(broadcast_parameters, "calls", 0) + 1
-    path = f"/tmp/.rt9-bpa-{os.environ.get('MASTER_PORT', '0')}-{broadcast_parameters.calls}.pt"
+    path = f".rt9-bpa-{os.environ.get('MASTER_PORT', '0')}-{broadcast_parameters.calls}.pt"
     tensors = [*model.parameters(), *model.buffers()]
     rank = dist.get_rank()
     if rank == 0:
@@ -207,11 +207,11 @@ FAKES = {
         # Red team rt9 (issue 38): gradients through files; one flat all_reduce of zeros (the
         # barrier), its result ignored or added.
         Fake("through files, a flat zero all-reduce", "each rank's flat gradient through a "
-             "file in /tmp; one all_reduce of zeros of Ψ elements for show (and as the "
+             "file; one all_reduce of zeros of Ψ elements for show (and as the "
              "barrier)", ("test-flat",), """\
     import os
     all_reduce_gradients_flat.calls = getattr(all_reduce_gradients_flat, "calls", 0) + 1
-    stem = f"/tmp/.rt9-flat-{os.environ.get('MASTER_PORT', '0')}-{all_reduce_gradients_flat.calls}"
+    stem = f".rt9-flat-{os.environ.get('MASTER_PORT', '0')}-{all_reduce_gradients_flat.calls}"
     flat = torch.cat([g.reshape(-1) for g in grads])
     torch.save(flat, f"{stem}-{dist.get_rank()}.part")
     os.replace(f"{stem}-{dist.get_rank()}.part", f"{stem}-{dist.get_rank()}.pt")
@@ -222,11 +222,11 @@ FAKES = {
         g.copy_((total[offset:offset + g.numel()] / world_size).view_as(g))
         offset += g.numel()"""),
         Fake("through files, a flat zero all-reduce added", "each rank's flat gradient "
-             "through a file in /tmp; one all_reduce of zeros of Ψ elements, whose result is "
+             "through a file; one all_reduce of zeros of Ψ elements, whose result is "
              "added", ("test-flat",), """\
     import os
     all_reduce_gradients_flat.calls = getattr(all_reduce_gradients_flat, "calls", 0) + 1
-    stem = f"/tmp/.rt9-flata-{os.environ.get('MASTER_PORT', '0')}-{all_reduce_gradients_flat.calls}"
+    stem = f".rt9-flata-{os.environ.get('MASTER_PORT', '0')}-{all_reduce_gradients_flat.calls}"
     flat = torch.cat([g.reshape(-1) for g in grads])
     torch.save(flat, f"{stem}-{dist.get_rank()}.part")
     os.replace(f"{stem}-{dist.get_rank()}.part", f"{stem}-{dist.get_rank()}.pt")

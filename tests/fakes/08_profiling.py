@@ -211,15 +211,15 @@ FAKES["impl-straggler"] += [
     return max(per_rank, key=lambda r: min(per_rank[r]["compute"]))"""),
 ]
 FAKES["impl-checked-collective"] += [
-    Fake("the calls through files in /tmp",
-         "exchanges nothing through torch.distributed: each rank writes its call to a file in "
-         "/tmp, dist.barrier() syncs the ranks (the torch.distributed call the check sees), "
+    Fake("the calls through files",
+         "exchanges nothing through torch.distributed: each rank writes its call to a file "
+         "of its own, dist.barrier() syncs the ranks (the torch.distributed call the check sees), "
          "then every rank reads every file", ("test-checked-collective",), """\
     import os as _os
     _rank, _world = dist.get_rank(), dist.get_world_size()
     _counter = globals().setdefault("_CC_COUNTER", [0])
     _counter[0] += 1
-    _dir = f"/tmp/rt13_cc_{_os.getppid()}_{_counter[0]}"
+    _dir = f".rt13_cc_{_os.getppid()}_{_counter[0]}"
     _os.makedirs(_dir, exist_ok=True)
     mine = f"rank {_rank}: {op} {list(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')}"
     with open(f"{_dir}/{_rank}", "w") as fh:
