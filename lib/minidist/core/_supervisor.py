@@ -5,7 +5,7 @@ Nothing here is course material: `minidist.core.launch` is what a rank is and wh
 This module only reports what happened (`RanksFailed`, `RanksStuck`, or the results);
 `minidist.core.launch` turns that into the errors a student reads.
 
-Why one module of about 630 lines: starting, watching and reaping the ranks share one process table,
+Why one module of about 750 lines: starting, watching and reaping the ranks share one process table,
 its pipes and its clock; split, each part would need the others' state."""
 
 from __future__ import annotations

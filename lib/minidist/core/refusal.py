@@ -15,7 +15,7 @@ catches is raised again when the block ends. What would work out of the block's 
 refused with it: switching its watch off, a thread or a process the notebook left running
 beside it, and (when asked) files, pipes and sockets.
 
-Why one module of about 760 lines: the refusal of each kind of callable (Python function, class
+Why one module of about 890 lines: the refusal of each kind of callable (Python function, class
 method, C function, dispatcher op, a copy's code) is one mechanism, swapped in and out together,
 and what it watches (this thread, and what runs beside it) is what makes it hold.
 """
