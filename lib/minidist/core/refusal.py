@@ -15,7 +15,7 @@ catches is raised again when the block ends. What would work out of the block's 
 refused with it: switching its watch off, a thread or a process the notebook left running
 beside it, and (when asked) files, pipes and sockets.
 
-Why one module of about 890 lines: the refusal of each kind of callable (Python function, class
+Why one module of about 850 lines: the refusal of each kind of callable (Python function, class
 method, C function, dispatcher op, a copy's code) is one mechanism, swapped in and out together,
 and what it watches (this thread, and what runs beside it) is what makes it hold.
 """
@@ -201,8 +201,6 @@ def unavailable(*paths: str, reason: str = "", allow: Iterable[str] = (),
     try:
         refuse()
         with interposer.subscribed("recording", {"minidist.refusal": keep}), \
-                _loads_unwatched(targets, watched=bool(refused_builtins or refused_code
-                                                      or refused_methods)), \
                 _refusing_copies(refused_builtins, refused_code, refused_methods, reason):
             yield Refusals(refuse, lift)
     finally:
@@ -787,53 +785,6 @@ def _refusing_copies(builtins: dict[int, str], code: dict[int, list[_Original]],
     finally:
         sys.setprofile(previous)
         threading.setprofile(previous_threads)
-
-
-_LOAD = torch.load
-
-
-@contextlib.contextmanager
-def _loads_unwatched(targets: list[str], *, watched: bool) -> Iterator[None]:
-    """While a watched block runs, `torch.load` of a file of weights runs without the profile
-    hook: its unpickler is Python, and ran 2.5 times slower under the hook (a capstone resume
-    loads hundreds of files). Such a load runs no code of the caller's that could copy a
-    refused function (`_unwatched_load` says when), and a refused function's own code refuses
-    without the hook. Not when torch's loading is what the block refuses."""
-    if not watched or torch.load is not _LOAD or any(
-            target.startswith(("torch.load", "torch.serialization")) for target in targets):
-        yield  # a block inside another leaves the outer one's in place
-        return
-    torch.load = _unwatched_load
-    try:
-        yield
-    finally:
-        torch.load = _LOAD
-
-
-@functools.wraps(_LOAD)
-def _unwatched_load(f: Any, map_location: Any = None, pickle_module: Any = None, *,
-                    weights_only: bool | None = None, **kwargs: Any) -> Any:
-    hook = sys.getprofile()
-    # Weights only, from a path, with no pickle module, map_location function, allowed global
-    # or storage deserializer of the caller's: the unpickler calls torch's functions alone.
-    plain = (hook is not None and isinstance(f, (str, os.PathLike)) and pickle_module is None
-             and weights_only is not False and set(kwargs) <= {"mmap"}
-             and (map_location is None or isinstance(map_location, (str, torch.device)))
-             and all(_torchs(allowed) for allowed in torch.serialization.get_safe_globals())
-             and all(_torchs(tag) and _torchs(restore)
-                     for _, tag, restore in torch.serialization._package_registry)
-             and not os.environ.get("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"))
-    if not plain:
-        return _LOAD(f, map_location, pickle_module, weights_only=weights_only, **kwargs)
-    sys.setprofile(None)
-    try:
-        return _LOAD(f, map_location, weights_only=weights_only, **kwargs)
-    finally:
-        sys.setprofile(hook)
-
-
-def _torchs(value: Any) -> bool:
-    return getattr(value, "__module__", "").split(".")[0] == "torch"
 
 
 _THREAD_SWITCHES = (threading.setprofile.__code__, threading.settrace.__code__)
