@@ -112,9 +112,10 @@ def _fork_server() -> multiprocessing.context.ForkServerContext:
     torch.distributed.optim, which compiles TorchScript when imported (a check that refuses
     torch's ZeroRedundancyOptimizer imports it in every rank), and minidist's modules, which a
     rank imports as it unpickles its function (a tenth of a second, in each of Lab 14's many
-    ranks). Not the pictures, which the notebook draws, nor minidist.core.checking: with it
-    preloaded, a launch in a notebook waited 5 s for its ranks more often (it was seen once
-    without it too; the cause is not known; checks import it in the rank).
+    ranks). Not the pictures, which the notebook draws, nor minidist.core.checking (checks
+    import it in the rank): with it preloaded, launches waited 5 s for their ranks more often.
+    Such a wait happens without it too: a rank's `TCPStore` client, connected, gets the reply
+    to its ping 5 s late (seen with torch alone, in about one 4-rank launch in ten).
     It exits once the process that started it and all ranks are gone.
     """
     _stop_servers_with_the_kernel()
