@@ -59,6 +59,10 @@ if VENV_BIN not in PATH.split(os.pathsep):
 CELL_TIMEOUT_S = 60
 c.Execute.timeout = CELL_TIMEOUT_S
 c.Execute.interrupt_on_timeout = True
+# After a cell's reply, nbclient waits for the rest of its output; nbgrader makes a wait past
+# `iopub_timeout` (4 s by default) fail the whole notebook's grading. A busy grading machine
+# can take that long to deliver a figure or a widget, so the wait is bounded higher.
+c.Execute.iopub_timeout = 30
 os.environ.setdefault("MINIDIST_TIMEOUT", str(CELL_TIMEOUT_S // 2))
 # A cell stopped at the limit says so in its output, which the student's feedback shows.
 announce_timeouts(Execute)

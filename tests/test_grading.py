@@ -285,6 +285,17 @@ class Ran:
     left_behind: list[str]  # processes still running after the command ended (now killed)
 
 
+def failure_part(output: str, limit: int = 8000) -> str:
+    """What of a failed command's `output` a failure message shows: from its first traceback or
+    logged error (nbgrader logs a notebook's traceback long before its closing summary), and its
+    end."""
+    first = min((at for at in (output.find("Traceback"), output.find("| ERROR]")) if at >= 0),
+                default=len(output))
+    if len(output) - first <= limit:
+        return output[max(0, min(first, len(output) - limit)):]
+    return f"{output[first:first + limit // 2]}\n[...]\n{output[-limit // 2:]}"
+
+
 def run_in_course(course: Path, command: str, lab: str, **env: str) -> Ran:
     """Run a shell command in the course root, with $LAB set, and check what it left running.
 
@@ -318,7 +329,8 @@ def run_in_course(course: Path, command: str, lab: str, **env: str) -> Ran:
         output = log.read()
     seconds = time.monotonic() - start
     left_behind = _kill_left_behind(tag, before)
-    assert shell.returncode == 0, f"`{command}` failed ({shell.returncode}):\n{output[-5000:]}"
+    assert shell.returncode == 0, (
+        f"`{command}` failed ({shell.returncode}):\n{failure_part(output)}")
     return Ran(output, seconds, left_behind)
 
 
