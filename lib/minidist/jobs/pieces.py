@@ -623,14 +623,16 @@ def read_usage(prefix: str | Path) -> dict[int, dict]:
 
 
 def _counted(function: Callable, piece: str) -> Callable:
-    """`function`, its calls counted as calls of `piece` (and, for load_range and
-    restore_state, what they load tampered inside `tampered_checkpoint`)."""
+    """`function`, its calls counted as calls of `piece` (and, for save_shards, what it is
+    handed noted; for load_range and restore_state, what they load tampered inside
+    `tampered_checkpoint`)."""
+    observe = _OBSERVED_CALLS.get((piece, function.__name__))
     tampered_call = _TAMPERED_CALLS.get((piece, function.__name__))
 
     def counted(*args, **kwargs):
         _CALLS[piece] += 1
-        if (piece, function.__name__) == ("checkpoint", "save_shards"):
-            _note_written(args[0] if args else kwargs.get("shards"))
+        if observe is not None:
+            observe(*args, **kwargs)
         if tampered_call is not None and _CHECKPOINT_TAMPER["done"] is not None:
             return tampered_call(function, *args, **kwargs)
         return function(*args, **kwargs)
@@ -640,13 +642,17 @@ def _counted(function: Callable, piece: str) -> Callable:
     return counted
 
 
-def _note_written(shards: Any) -> None:
+def _note_written(*args: Any, **kwargs: Any) -> None:
     """Note what a save_shards call was handed ({name: (offset, tensor, numel)}): which rank
     writes which elements, so that a grader sees a checkpoint written from one gathered copy."""
+    shards = args[0] if args else kwargs.get("shards")
     for name, entry in (shards.items() if isinstance(shards, dict) else ()):
         if isinstance(entry, tuple) and len(entry) == 3 and hasattr(entry[1], "numel"):
             offset, tensor, numel = entry
             _WRITTEN.append((str(name), int(offset), int(tensor.numel()), int(numel)))
+
+
+_OBSERVED_CALLS = {("checkpoint", "save_shards"): _note_written}
 
 
 def _nbytes(value: Any) -> int:
