@@ -1,6 +1,9 @@
 import json
 import os
+import shutil
+import tempfile
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -58,3 +61,23 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
             timeline.write(json.dumps({
                 "test": item.nodeid, "group": group_of(item), "start": start, "end": time.time(),
                 "worker": os.environ.get("PYTEST_XDIST_WORKER", "main")}) + "\n")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def temporary_files_in_one_folder() -> Iterator[None]:
+    """Whatever the tests and the processes they start write to the temporary folder
+    (torchrun's logs, ranks' scratch folders) goes into one folder of this worker's, removed
+    when its session ends (after the local cluster's teardown), so the suite leaves /tmp as
+    it found it. Writable by all, as /tmp is: jobs run as the course's test users write there
+    too."""
+    folder = tempfile.mkdtemp(prefix="scaling-lab-tests-")
+    os.chmod(folder, 0o1777)
+    before = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"] = tempfile.tempdir = folder
+    yield
+    if before[0] is None:
+        del os.environ["TMPDIR"]
+    else:
+        os.environ["TMPDIR"] = before[0]
+    tempfile.tempdir = before[1]
+    shutil.rmtree(folder, ignore_errors=True)

@@ -7,7 +7,6 @@ only: no timing is asserted."""
 from __future__ import annotations
 
 import dataclasses
-import tempfile
 
 import pytest
 import torch
@@ -62,13 +61,14 @@ def train_zero(rank, world_size, stage, target, budget=None):
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_offloaded_zero_trains_like_on_the_device_and_moves_the_formula(world_size):
+def test_offloaded_zero_trains_like_on_the_device_and_moves_the_formula(world_size, tmp_path):
     def check(rank, world_size):
         results = {}
         for stage in (1, 2):
             reference = train_zero(rank, world_size, stage, None)[0]
             for tier in ("host", "nvme"):
-                target = Offload(tier, tempfile.mkdtemp()) if tier == "nvme" else "host"
+                target = (Offload(tier, str(tmp_path / f"stage{stage}")) if tier == "nvme"
+                          else "host")
                 params, moved, optimizer = train_zero(rank, world_size, stage, target)
                 error = max((a - b).abs().max().item()
                             for a, b in zip(params, reference, strict=True))
@@ -182,7 +182,7 @@ def test_a_budget_below_the_parameters_raises_before_anything_runs():
      r"offload to the host tier: .* needs 0.01 MiB per rank but the tier holds 0.00 MiB "
      r"\(capacity=1000\); use more ranks"),
     (lambda: ZeroOffloadOptimizer(mlp().parameters(), torch.optim.SGD, stage=2,
-                                  offload=Offload("nvme", tempfile.mkdtemp()), lr=0.1),
+                                  offload=Offload("nvme", "never-written"), lr=0.1),
      "got optimizer_cls=SGD: use torch.optim.AdamW"),
     (lambda: ZeroOffloadOptimizer(mlp().parameters(), torch.optim.AdamW, offload="gpu"),
      "offload='gpu': choose None"),
