@@ -1,4 +1,5 @@
 import json
+import multiprocessing.util
 import os
 import shutil
 import tempfile
@@ -67,7 +68,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
 def temporary_files_in_one_folder() -> Iterator[None]:
     """Whatever the tests and the processes they start write to the temporary folder
     (torchrun's logs, ranks' scratch folders) goes into one folder of this worker's, removed
-    when its session ends (after the local cluster's teardown), so the suite leaves /tmp as
+    when the worker exits (after the local cluster's teardown), so the suite leaves /tmp as
     it found it. Writable by all, as /tmp is: jobs run as the course's test users write there
     too."""
     folder = tempfile.mkdtemp(prefix="scaling-lab-tests-")
@@ -80,4 +81,7 @@ def temporary_files_in_one_folder() -> Iterator[None]:
     else:
         os.environ["TMPDIR"] = before[0]
     tempfile.tempdir = before[1]
-    shutil.rmtree(folder, ignore_errors=True)
+    # Removed at exit, after multiprocessing has removed its own folder in it (exit priority
+    # -100), which this worker's fork servers keep till then.
+    multiprocessing.util.Finalize(None, shutil.rmtree, args=(folder,),
+                                  kwargs={"ignore_errors": True}, exitpriority=-101)

@@ -453,6 +453,37 @@ def _outside_the_watch(how):
     return process, lambda: (process.kill(), process.wait())
 
 
+def _send_beside_the_process_group(rank, world_size, path):
+    """What refusing FILES leaves: dist.send and dist.recv work; gloo's own send and receive
+    below the process group (unseen by every count and tamper) and torch.from_file refuse."""
+    from minidist.core.refusal import FILES
+
+    refused = []
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    message = torch.full((3,), float(rank))
+    with unavailable(*FILES):
+        if rank == 0:
+            dist.send(message, 1)
+        else:
+            dist.recv(message, 0)
+    for attempt in (lambda: backend.send([message], 1 - rank, 7),
+                    lambda: backend.recv([message], 1 - rank, 7),
+                    lambda: torch.from_file(path, shared=True, size=3)):
+        try:
+            with unavailable(*FILES):
+                attempt()
+        except LibraryVersionUsed as error:
+            refused.append("shares nothing through files" in str(error))
+    return message.tolist(), refused
+
+
+def test_files_refuse_the_backends_own_sends_and_shared_files(tmp_path):
+    for message, refused in run(_send_beside_the_process_group, 2, str(tmp_path / "shared")):
+        assert message == [0.0, 0.0, 0.0]  # the process group's send still travels
+        assert refused == [True, True, True]
+    assert not (tmp_path / "shared").exists()
+
+
 def test_the_watch_cannot_be_switched_off_and_nothing_runs_beside_a_check():
     """A check's watch holds: switching its profile hook off is refused (and noticed if done
     unseen), a thread or a pool the notebook left running, or (processes=True) a child process,

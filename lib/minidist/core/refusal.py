@@ -386,11 +386,16 @@ FILES = tuple(path for path in (
     "io.open", "os.open", "os.pipe", "os.mkfifo", "os.memfd_create", "socket.socket",
     "socket.socketpair", "mmap.mmap", "_posixshmem.shm_open")
     if importlib.util.find_spec(path.partition(".")[0])
-    and hasattr(importlib.import_module(path.partition(".")[0]), path.partition(".")[2]))
-"""What opens a file, a pipe, a socket or shared memory: the side channels beside the
-collectives, to pass to `unavailable` where an exercise has no business with files (a verdict,
-a norm or a state shared through /tmp would pass every count of its collectives). Reading a
-source file to show a traceback or a warning stays allowed."""
+    and hasattr(importlib.import_module(path.partition(".")[0]), path.partition(".")[2])) + (
+    "torch.from_file", "torch.UntypedStorage.from_file",
+    *(f"torch._C._distributed_c10d.Backend.{method}"
+      for method in ("send", "recv", "recv_anysource")))
+"""What opens a file, a pipe, a socket or shared memory, and the backend's own send and receive
+below the process group (`group._get_backend(device).send(...)`, which torch never calls from
+Python): the side channels beside the collectives, which no count, tamper or emulation sees, to
+pass to `unavailable` where an exercise has no business with files (a verdict, a norm or a
+state shared through /tmp, /dev/shm or gloo's backend would pass every count of its
+collectives). Reading a source file to show a traceback or a warning stays allowed."""
 
 PROCESS_STARTERS = (
     "os.fork", "os.forkpty", "os.posix_spawn", "os.posix_spawnp", "os.system",
@@ -417,7 +422,8 @@ def _refusal(path: str, reason: str) -> str:
                 f"check's thread{': ' + reason if reason else ''}")
     if path in FILES:
         return (f"your function called {path}: this exercise shares nothing through files, "
-                f"pipes or sockets; what the ranks need travels by the collectives it names"
+                f"pipes, sockets or the backend's own sends; what the ranks need travels by the "
+                f"collectives it names"
                 f"{': ' + reason if reason else ''}")
     if path in PROCESS_STARTERS:
         return (f"your function started a process ({path}): a check runs your function in this "
