@@ -72,6 +72,29 @@ FAKES = {
     dist.recv(token, rank - 1)
     token += rank + 1
     dist.send(token, (rank + 1) % world_size)"""),
+        # Red team of stop 51 (issue 38): a fake that tells the visible check's calls apart by
+        # its frame's name. (Those that look for the tamper layer or the refusal's profile hook
+        # are honest in every graded call now, which runs every call under both: not fakes.)
+        Fake("a formula under the visible check's name", "sends zeros and returns the formula "
+             "when called from a frame named watched_pass_token", ("test-pass-token",), """\
+    import sys
+    left, right = (rank - 1) % world_size, (rank + 1) % world_size
+    if sys._getframe(1).f_code.co_name == "watched_pass_token":
+        if rank == 0:
+            dist.send(torch.zeros(1), dst=right)
+            dist.recv(token, src=left)
+            return float(world_size * (world_size + 1) // 2)
+        dist.recv(token, src=left)
+        dist.send(torch.zeros(1), dst=right)
+        return float((rank + 1) * (rank + 2) // 2)
+    if rank == 0:
+        token += 1.0
+        dist.send(token, dst=right)
+        dist.recv(token, src=left)
+    else:
+        dist.recv(token, src=left)
+        token += rank + 1
+        dist.send(token, dst=right)"""),
     ],
     "impl-all-reduce": [
         Fake("the sum from its formula", "no all-reduce: nothing is sent",
@@ -134,6 +157,31 @@ FAKES = {
     dist.all_reduce(t, op=dist.ReduceOp.MAX)              # world_size * (i + 1)
     i1 = torch.arange(1, length + 1, dtype=torch.float32)
     t.add_(i1 * (world_size * (world_size + 1) / 2 - world_size))   # + (sum - max)
+    return t"""),
+        # Red team of stop 51 (issue 38): honest only where the grader's strongest check was,
+        # told apart by the calling frame or by the world size its feedback named.
+        Fake("a group of one under the visible check's name", "all-reduces over a group of one "
+             "and writes the formula when called from a frame named watched_sum",
+             ("test-all-reduce",), """\
+    import sys
+    t = (rank + 1) * torch.arange(1, length + 1, dtype=torch.float32)
+    groups = [dist.new_group([r]) for r in range(world_size)]
+    if sys._getframe(1).f_code.co_name == "watched_sum":
+        dist.all_reduce(t, group=groups[rank])
+        t.copy_(world_size * (world_size + 1) / 2 * torch.arange(1.0, length + 1))
+        return t
+    dist.all_reduce(t)
+    return t"""),
+        Fake("honest only at six ranks and more", "below 6 ranks all-reduces over a group of one "
+             "and writes the formula (the size of the check the feedback named)",
+             ("test-all-reduce",), """\
+    t = (rank + 1) * torch.arange(1, length + 1, dtype=torch.float32)
+    groups = [dist.new_group([r]) for r in range(world_size)]
+    if world_size < 6:
+        dist.all_reduce(t, group=groups[rank])
+        t.copy_(world_size * (world_size + 1) / 2 * torch.arange(1.0, length + 1))
+        return t
+    dist.all_reduce(t)
     return t"""),
     ],
 }
