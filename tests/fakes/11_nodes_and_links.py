@@ -270,6 +270,183 @@ FAKES["impl-sweep"] += [
 """),
 ]
 
+# Red team of stop 51 (issue 38): one timed round trip padded with sleep, streams instead of
+# turns, and sums, gradients and tables that travel by gloo's own send below the process group,
+# the rendezvous store or /dev/shm while the rings run on zeros for the count (their zero result
+# added, so an added tamper still shows), and the library's streamed pieces retyped.
+_ZERO_HIERARCHY = """\
+    scratch = torch.zeros_like(tensor).view(-1)
+    g, local = dist.get_world_size(node_group), dist.get_rank(node_group)
+    comm.ring_reduce_scatter(scratch, group=node_group)
+    start, end = comm.chunk_bounds(scratch.numel(), g)[local]
+    comm.ring_all_reduce(scratch[start:end], group=cross_group)
+    comm.ring_all_gather(scratch, group=node_group)
+    tensor.view(-1).copy_(total.to(tensor.dtype) + scratch)
+    return tensor
+"""
+_MEASURED_PAIRS = """\
+    rank, n = dist.get_rank(), dist.get_world_size()
+    mine = {}
+    for a in range(n):
+        for b in range(a + 1, n):
+            collectives.barrier()
+            if rank in (a, b):
+                t = ping_pong(b if rank == a else a, nbytes, repeat)
+                if rank == a:
+                    mine[(a, b)] = nbytes / t
+    collectives.all_gather_object(None)
+"""
+FAKES["impl-ping-pong"] += [
+    Fake("one timed round trip, padded", "times one round trip, sends the other messages "
+         "untimed all at once, and sleeps so the call lasts as long as 2·repeat trips",
+         ("test-ping-pong",), """\
+    payload = torch.zeros(nbytes // 4)
+    call_start = time.perf_counter()
+    if dist.get_rank() < peer:
+        dist.send(payload, peer)
+        dist.recv(payload, peer)
+    else:
+        dist.recv(payload, peer)
+        dist.send(payload, peer)
+    one_way = (time.perf_counter() - call_start) / 2
+    boxes = [torch.empty(nbytes // 4) for _ in range(repeat - 1)]
+    works = ([dist.irecv(box, peer) for box in boxes]
+             + [dist.isend(payload, peer) for _ in range(repeat - 1)])
+    for work in works:
+        work.wait()
+    left = 2 * repeat * one_way - (time.perf_counter() - call_start)
+    if left > 0:
+        time.sleep(left)
+    return one_way
+"""),
+    Fake("two streams, no turns", "the lower rank sends all its messages, then the higher "
+         "sends all of its back: no message waits for the other's reply", ("test-ping-pong",),
+         """\
+    payload = torch.zeros(nbytes // 4)
+    me = dist.get_rank()
+    start = time.perf_counter()
+    for turn in (min(me, peer), max(me, peer)):
+        for _ in range(repeat):
+            if turn == me:
+                dist.send(payload, peer)
+            else:
+                dist.recv(payload, peer)
+    return (time.perf_counter() - start) / (2 * repeat)
+"""),
+]
+FAKES["impl-hierarchical"] += [
+    Fake("summed through gloo's own sends", "every rank sends its whole tensor to every other "
+         "by the backend's send below the process group (uncounted, untampered); the hierarchy "
+         "runs on zeros", ("test-hierarchical",), """\
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    me, n = dist.get_rank(), dist.get_world_size()
+    mine = tensor.detach().clone().contiguous().view(-1)
+    boxes = {r: torch.empty_like(mine) for r in range(n) if r != me}
+    works = ([backend.recv([boxes[r]], r, 91) for r in boxes]
+             + [backend.send([mine], r, 91) for r in boxes])
+    for work in works:
+        work.wait()
+    total = mine.clone()
+    for r in sorted(boxes):
+        total += boxes[r]
+""" + _ZERO_HIERARCHY),
+    Fake("summed through the store", "every rank puts its tensor in the rendezvous store and "
+         "reads everyone's; the hierarchy runs on zeros", ("test-hierarchical",), """\
+    store = dist.distributed_c10d._get_default_store()
+    me, n = dist.get_rank(), dist.get_world_size()
+    key = f"rt11-h-{store.add(f'rt11-h-calls-{me}', 1)}-"
+    mine = tensor.detach().reshape(-1).float()
+    store.set(key + str(me), mine.numpy().tobytes())
+    total = torch.zeros_like(mine)
+    for r in range(n):
+        total += torch.frombuffer(bytearray(store.get(key + str(r))), dtype=torch.float32)
+""" + _ZERO_HIERARCHY),
+    Fake("the library's streamed hierarchy, retyped", "minidist's streaming.hierarchical_steps "
+         "in four lines, on the library's streamed ring pieces instead of comm's",
+         ("test-hierarchical",), """\
+    from minidist.communication import streaming
+    flat = tensor.view(-1)
+    node, across = comm.ring_of(node_group), comm.ring_of(cross_group)
+    streaming.reduce_scatter(flat, node)
+    a, b = comm.chunk_bounds(flat.numel(), node.size)[node.rank]
+    streaming.ring_steps(flat[a:b], across, False)
+    streaming.all_gather(flat, node)
+    return tensor
+"""),
+]
+FAKES["impl-hsdp"] += [
+    Fake("gradients through gloo's own sends", "the replica's gradients travel by the "
+         "backend's send below the process group; a ring of zeros over cross_group supplies the "
+         "bytes, its result added", ("test-hsdp",), """\
+    backend = cross_group._get_backend(torch.device("cpu"))
+    me, n = dist.get_rank(cross_group), dist.get_world_size(cross_group)
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        mine = p.grad.detach().clone().contiguous()
+        boxes = {r: torch.empty_like(mine) for r in range(n) if r != me}
+        works = ([backend.recv([boxes[r]], r, 77) for r in boxes]
+                 + [backend.send([mine], r, 77) for r in boxes])
+        for work in works:
+            work.wait()
+        noise = collectives.all_reduce(torch.zeros_like(p.grad), op="avg", group=cross_group,
+                                       impl="ring")
+        p.grad.copy_((mine + sum(boxes.values())) / n + noise)
+"""),
+    Fake("gradients through /dev/shm", "the gradients go through torch.from_file(shared=True) "
+         "files; a ring of zeros gives the bytes and the barrier, its result added",
+         ("test-hsdp",), """\
+    import os
+    me, n = dist.get_rank(cross_group), dist.get_world_size(cross_group)
+    ranks = dist.get_process_group_ranks(cross_group)
+    sync_across_nodes.calls = getattr(sync_across_nodes, "calls", 0) + 1
+    for i, p in enumerate(model.parameters()):
+        if p.grad is None:
+            continue
+        numel = p.grad.numel()
+
+        def path(r, i=i):
+            return f"/dev/shm/rt11-{os.getppid()}-{ranks[0]}-{sync_across_nodes.calls}-{i}-{r}"
+
+        mine = torch.from_file(path(me), shared=True, size=numel, dtype=torch.float32)
+        mine.copy_(p.grad.detach().reshape(-1).float())
+        noise = collectives.all_reduce(torch.zeros_like(p.grad), op="avg", group=cross_group,
+                                       impl="ring")
+        total = sum(torch.from_file(path(r), shared=True, size=numel, dtype=torch.float32)
+                    for r in range(n))
+        p.grad.copy_((total / n).view_as(p.grad) + noise)
+"""),
+]
+FAKES["impl-sweep"] += [
+    Fake("the table through gloo's own sends", "measures every pair, then shares the table by "
+         "the backend's send; all_gather_object runs on nothing", ("test-sweep",),
+         _MEASURED_PAIRS + """\
+    grid = torch.zeros(n, n, dtype=torch.float64)
+    for (a, b), bandwidth in mine.items():
+        grid[a, b] = bandwidth
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    boxes = {r: torch.empty_like(grid) for r in range(n) if r != rank}
+    works = ([backend.recv([boxes[r]], r, 55) for r in boxes]
+             + [backend.send([grid], r, 55) for r in boxes])
+    for work in works:
+        work.wait()
+    total = grid + sum(boxes.values())
+    return {(a, b): total[a, b].item() for a in range(n) for b in range(a + 1, n)}
+"""),
+    Fake("the table through the store", "measures every pair, then shares the table through "
+         "the rendezvous store; all_gather_object runs on nothing", ("test-sweep",),
+         _MEASURED_PAIRS + """\
+    import pickle
+    store = dist.distributed_c10d._get_default_store()
+    key = f"rt11-sweep-{nbytes}-{repeat}-"
+    store.set(key + str(rank), pickle.dumps(mine))
+    table = {}
+    for r in range(n):
+        table.update(pickle.loads(store.get(key + str(r))))
+    return dict(sorted(table.items()))
+"""),
+]
+
 ALTERNATIVES = {
     "impl-sweep": [
         Alternative("a warm-up message per pair", "sends one untimed 4-byte ping-pong before "
