@@ -446,3 +446,178 @@ FAKES["impl-vocab-ce"].append(Fake(
     dist.all_reduce(row_max, op=dist.ReduceOp.MAX)
     dist.all_reduce(torch.zeros(2 * n), op=dist.ReduceOp.SUM)
     return F.cross_entropy(logits, targets, reduction="none")"""))
+
+
+# Red team of stop 51 (issue 38), from the student notebook and deck alone: sums carried by the
+# rendezvous store or by files while the right collectives run for show, a closed form fitted to
+# the check's inputs, a grader detected by its tamper layer, the FLOPs counted again by running
+# a block, and sequence-parallel backwards through the store.
+def _store_sum(name: str, tag: str, indent: str = "        ") -> str:
+    """Lines that return the sum over ranks of `name` through the store (a collective runs on a
+    copy for show)."""
+    return "\n".join(indent + line for line in (
+        "store = dist.distributed_c10d._get_default_store()",
+        "me, world = dist.get_rank(), dist.get_world_size()",
+        f"n = store.add(f'rt05/{tag}/count/{{me}}', 1)",
+        f"data = {name}.detach().double().contiguous().numpy().tobytes()",
+        f"store.set(f'rt05/{tag}/{{n}}/{{me}}', data)",
+        f"dist.all_reduce({name}.clone())",
+        f"total = sum(torch.frombuffer(bytearray(store.get(f'rt05/{tag}/{{n}}/{{r}}')),",
+        "                              dtype=torch.float64) for r in range(world))",
+        f"return total.reshape({name}.shape).to({name}.dtype)")) + "\n"
+
+
+FAKES["impl-f-g"] += [
+    Fake("sums through the store", "f's backward and g's forward all-reduce a copy for the "
+         "record and return a sum carried by the rendezvous store", ("test-f-g",),
+         ("        return x.view_as(x)\n", _store_sum("grad", "f"), _store_sum("x", "g"),
+          "        return grad\n")),
+    Fake("the closed form of the check's inputs", "all-reduces a copy and returns t(t + 1)/2, "
+         "what ranks holding rank + 1 sum to", ("test-f-g",),
+         ("        return x.view_as(x)\n", """\
+        dist.all_reduce(grad.clone())
+        t = dist.get_world_size()
+        return torch.full_like(grad, t * (t + 1) / 2)
+""", """\
+        dist.all_reduce(x.clone())
+        t = dist.get_world_size()
+        return torch.full_like(x, t * (t + 1) / 2)
+""", "        return grad\n")),
+    Fake("sums through files", "all-reduces a copy for the record; the sum travels through "
+         "files in the temporary folder", ("test-f-g",),
+         ("        return x.view_as(x)\n", """\
+        import os
+        import tempfile
+        folder = os.path.join(tempfile.gettempdir(), f"rt05-{os.environ.get('MASTER_PORT')}")
+        os.makedirs(folder, exist_ok=True)
+        me, world = dist.get_rank(), dist.get_world_size()
+        torch.save(grad.detach().clone(), os.path.join(folder, f"f-{me}.pt"))
+        dist.all_reduce(grad.clone())  # for the record; also every rank's file is written by now
+        return sum(torch.load(os.path.join(folder, f"f-{r}.pt")) for r in range(world))
+""", """\
+        import os
+        import tempfile
+        folder = os.path.join(tempfile.gettempdir(), f"rt05-{os.environ.get('MASTER_PORT')}")
+        os.makedirs(folder, exist_ok=True)
+        me, world = dist.get_rank(), dist.get_world_size()
+        torch.save(x.detach().clone(), os.path.join(folder, f"g-{me}.pt"))
+        dist.all_reduce(x.clone())  # for the record; also every rank's file is written by now
+        return sum(torch.load(os.path.join(folder, f"g-{r}.pt")) for r in range(world))
+""", "        return grad\n")),
+]
+FAKES["impl-mlp"].append(Fake(
+    "honest only under the tamper layer, else the store", "its f and g sum through the store "
+    "unless the check's tamper layer is on dist.all_reduce", ("test-mlp",), """\
+    from minidist.core import interposer
+
+    def summed(tensor):
+        if "tampering" in interposer.subscribers("dist.all_reduce"):
+            out = tensor.clone()
+            dist.all_reduce(out)
+            return out
+""" + _store_sum("tensor", "mlp", indent="        ") + """
+    class ToParallel(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return summed(grad)
+
+    class FromParallel(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return summed(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    x = ToParallel.apply(x)
+    hidden = F.gelu(F.linear(x, shard_weight(fc1.weight, rank, t, "column"),
+                             fc1.bias.chunk(t)[rank]))
+    partial = F.linear(hidden, shard_weight(fc2.weight, rank, t, "row"))
+    return FromParallel.apply(partial) + fc2.bias
+"""))
+FAKES["impl-vocab-ce"].append(Fake(
+    "the logits through the store", "gathers the whole [n, V] logits through the rendezvous "
+    "store and calls F.cross_entropy; all-reduces of zeros for the record", ("test-vocab-ce",),
+    """\
+    n = local_logits.shape[0]
+    dist.all_reduce(torch.zeros(n), op=dist.ReduceOp.MAX)
+    dist.all_reduce(torch.zeros(2 * n), op=dist.ReduceOp.SUM)
+    store = dist.distributed_c10d._get_default_store()
+    call = store.add(f"rt05/ce/count/{rank}", 1)
+    data = local_logits.detach().double().contiguous().numpy().tobytes()
+    store.set(f"rt05/ce/{call}/{rank}", data)
+    pieces = [torch.frombuffer(bytearray(store.get(f"rt05/ce/{call}/{r}")), dtype=torch.float64)
+              .reshape(n, vocab_local) for r in range(t)]
+    loss = F.cross_entropy(torch.cat(pieces, dim=-1), targets, reduction="none")
+    return loss.to(local_logits.dtype)
+"""))
+FAKES["impl-tp-seconds"].append(Fake(
+    "the FLOPs counted again", "runs an unsharded TransformerBlock with hooks on its linears "
+    "and divides by t, instead of deriving the FLOPs from the shapes", ("test-tp-seconds",), """\
+    from minidist.parallel.models import TransformerBlock
+    block = TransformerBlock(h, 4, 4 * h)
+    flops = []
+    for layer in block.modules():
+        if isinstance(layer, nn.Linear):
+            layer.register_forward_hook(lambda layer, args, out: flops.append(
+                2 * out.numel() // out.shape[-1] * layer.weight.numel()))
+    with torch.no_grad():
+        block(torch.zeros(b, s, h))
+    sent = 2 * 2 * (t - 1) / t * b * s * h * bytes_per_element
+    return {"compute": sum(flops) / t / peak_flops, "communication": sent / bandwidth}
+"""))
+FAKES["impl-sp-operators"].append(Fake(
+    "backwards through the store", "the forwards gather and reduce-scatter; both backwards run "
+    "their collective for show and take every rank's gradient from the store",
+    ("test-sp-operators",), ("""\
+    pieces = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(pieces, x.contiguous())
+    return torch.cat(pieces, dim=1)
+""", """\
+    pieces = [piece.contiguous() for piece in x.chunk(dist.get_world_size(), dim=1)]
+    mine = torch.empty_like(pieces[0])
+    dist.reduce_scatter(mine, pieces)
+    return mine
+""", "        return all_gather_sequence(x)\n", """\
+        reduce_scatter_sequence(grad)  # for the record
+        t, me = dist.get_world_size(), dist.get_rank()
+        store = dist.distributed_c10d._get_default_store()
+        n = store.add(f"rt05/sp-g/count/{me}", 1)
+        store.set(f"rt05/sp-g/{n}/{me}", grad.detach().double().contiguous().numpy().tobytes())
+        total = sum(torch.frombuffer(bytearray(store.get(f"rt05/sp-g/{n}/{r}")),
+                                     dtype=torch.float64) for r in range(t))
+        total = total.reshape(grad.shape).to(grad.dtype)
+        return total.chunk(t, dim=1)[me].contiguous()
+""", "        return reduce_scatter_sequence(x)\n", """\
+        all_gather_sequence(grad)  # for the record
+        t, me = dist.get_world_size(), dist.get_rank()
+        store = dist.distributed_c10d._get_default_store()
+        n = store.add(f"rt05/sp-gbar/count/{me}", 1)
+        store.set(f"rt05/sp-gbar/{n}/{me}", grad.detach().double().contiguous().numpy().tobytes())
+        parts = [torch.frombuffer(bytearray(store.get(f"rt05/sp-gbar/{n}/{r}")),
+                                  dtype=torch.float64) for r in range(t)]
+        return torch.cat([part.reshape(grad.shape).to(grad.dtype) for part in parts], dim=1)
+""")))
+ALTERNATIVES["impl-sp-operators"] = [
+    Alternative("the single-tensor collectives", "gathers into and reduce-scatters from one "
+                "tensor stacked along dim 0 (all_gather_into_tensor, reduce_scatter_tensor, which "
+                "the notebook suggests), moving the sequence to dim 0 and back; torch runs them "
+                "through all_gather_single and reduce_scatter_single, which the check must weight "
+                "once", ("test-sp-operators",), ("""\
+    t = dist.get_world_size()
+    out = torch.empty((t * x.shape[0], *x.shape[1:]), dtype=x.dtype)
+    dist.all_gather_into_tensor(out, x.contiguous())
+    return torch.cat(out.chunk(t, dim=0), dim=1)
+""", """\
+    t = dist.get_world_size()
+    stacked = torch.cat(x.chunk(t, dim=1), dim=0).contiguous()
+    out = torch.empty((x.shape[0], x.shape[1] // t, *x.shape[2:]), dtype=x.dtype)
+    dist.reduce_scatter_tensor(out, stacked)
+    return out
+""", *SP_METHODS)),
+]
