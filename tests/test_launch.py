@@ -687,3 +687,28 @@ def test_bad_arguments_are_explained_before_any_rank_starts():
         run(square_after_all_reduce, 64, 1, backend="nccl")
     with pytest.raises(ValueError, match="cannot send"):
         run(square_after_all_reduce, 2, (x for x in range(3)))
+
+
+def _rank_of(rank: int, world_size: int) -> int:
+    return rank
+
+
+def test_a_refused_launch_leaves_no_calls_file_and_no_rank():
+    """A launch refused inside a check (starting processes refused) frees what it had made:
+    the calls file in /dev/shm, and no rank outlives it."""
+    from minidist.core.refusal import LibraryVersionUsed, unavailable
+
+    shm = Path("/dev/shm")
+    before = set(shm.iterdir()) if shm.is_dir() else set()
+    children = {child.pid for child in psutil.Process().children(recursive=True)}
+    with pytest.raises(LibraryVersionUsed, match="started a process"):
+        with unavailable(processes=True):
+            run(_rank_of, 2)
+    left = set(shm.iterdir()) - before if shm.is_dir() else set()
+    assert not [path for path in left if path.name.startswith("minidist-calls-")]
+    started = {child.pid for child in psutil.Process().children(recursive=True)} - children
+    alive = [pid for pid in started if psutil.pid_exists(pid)
+             and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+             and "forkserver" not in " ".join(psutil.Process(pid).cmdline())]
+    assert not alive, f"ranks left running: {alive}"
+    assert run(_rank_of, 2) == [0, 1]  # and the next launch works

@@ -393,10 +393,11 @@ FAKES["impl-hsdp"] += [
                                        impl="ring")
         p.grad.copy_((mine + sum(boxes.values())) / n + noise)
 """),
-    Fake("gradients through /dev/shm", "the gradients go through torch.from_file(shared=True) "
+    Fake("gradients through shared files", "the gradients go through torch.from_file(shared=True) "
          "files; a ring of zeros gives the bytes and the barrier, its result added",
          ("test-hsdp",), """\
     import os
+    import tempfile
     me, n = dist.get_rank(cross_group), dist.get_world_size(cross_group)
     ranks = dist.get_process_group_ranks(cross_group)
     sync_across_nodes.calls = getattr(sync_across_nodes, "calls", 0) + 1
@@ -406,7 +407,8 @@ FAKES["impl-hsdp"] += [
         numel = p.grad.numel()
 
         def path(r, i=i):
-            return f"/dev/shm/rt11-{os.getppid()}-{ranks[0]}-{sync_across_nodes.calls}-{i}-{r}"
+            return os.path.join(tempfile.gettempdir(),  # /dev/shm's files would outlive it
+                                f"rt11-{os.getppid()}-{ranks[0]}-{sync_across_nodes.calls}-{i}-{r}")
 
         mine = torch.from_file(path(me), shared=True, size=numel, dtype=torch.float32)
         mine.copy_(p.grad.detach().reshape(-1).float())

@@ -358,11 +358,16 @@ class Supervisor:
         shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
         handle, self.calls_path = tempfile.mkstemp(prefix="minidist-calls-", dir=shm)
         os.close(handle)
-        self.slots = _calls.create(self.calls_path, world_size)
-        self.ranks = [_start(_RankSpec(rank, world_size, backend, self.store.port, timeout,
-                                       payload, list(sys.path), os.getcwd(), self.calls_path,
-                                       check_calls, dict(os.environ)))
-                      for rank in range(world_size)]
+        self.slots, self.ranks = None, []
+        try:  # a start refused (inside a check) or interrupted leaves no file and no rank behind
+            self.slots = _calls.create(self.calls_path, world_size)
+            for rank in range(world_size):
+                self.ranks.append(_start(_RankSpec(
+                    rank, world_size, backend, self.store.port, timeout, payload, list(sys.path),
+                    os.getcwd(), self.calls_path, check_calls, dict(os.environ))))
+        except BaseException:
+            self._release()
+            raise
 
     def run(self) -> list[Any]:
         try:
@@ -372,12 +377,17 @@ class Supervisor:
             self._wait_for_exit()
             return [cloudpickle.loads(rank.result) for rank in self.ranks]
         finally:
-            self.live.clear()
-            self._kill_all()
+            self._release()
+
+    def _release(self) -> None:
+        """Stop the ranks and free what the launch holds: its calls file, its store."""
+        self.live.clear()
+        self._kill_all()
+        if self.slots is not None:
             self.slots.close()
-            with contextlib.suppress(OSError):
-                os.unlink(self.calls_path)
-            del self.store
+        with contextlib.suppress(OSError):
+            os.unlink(self.calls_path)
+        del self.store
 
     def calls(self) -> dict[int, LatestCall | None]:
         """Each rank's latest recorded call."""
