@@ -23,7 +23,14 @@ import pytest
 import requests
 from nbclient import NotebookClient
 from nbgrader.api import Gradebook
-from test_grading import HIDDEN_TESTS, answered, read_notebook, secret_lines, split_region
+from test_grading import (
+    HIDDEN_TESTS,
+    answered,
+    failure_part,
+    read_notebook,
+    secret_lines,
+    split_region,
+)
 
 # One worker runs them all, so the fresh clone that the guide's commands grade is made once.
 pytestmark = pytest.mark.xdist_group("classroom")
@@ -40,7 +47,7 @@ def sh(command: str, cwd: Path, timeout: float = BLOCK_LIMIT_S, **env: str) -> s
         timeout=timeout, env={**os.environ, **env},
     )
     output = done.stdout + done.stderr
-    assert done.returncode == 0, f"`{command}` failed ({done.returncode}):\n{output[-5000:]}"
+    assert done.returncode == 0, f"`{command}` failed ({done.returncode}):\n{failure_part(output)}"
     return output
 
 

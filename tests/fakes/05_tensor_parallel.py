@@ -467,6 +467,22 @@ def _store_sum(name: str, tag: str, indent: str = "        ") -> str:
         f"return total.reshape({name}.shape).to({name}.dtype)")) + "\n"
 
 
+
+def _file_sum(name: str, tag: str) -> str:
+    """Lines that return the sum over ranks of `name` through files in the temporary folder (a
+    collective runs on a copy for show, after which every rank's file is written)."""
+    return "\n".join("        " + line for line in (
+        "import os",
+        "import tempfile",
+        "folder = os.path.join(tempfile.gettempdir(), f\"rt05-{os.environ.get('MASTER_PORT')}\")",
+        "os.makedirs(folder, exist_ok=True)",
+        "me, world = dist.get_rank(), dist.get_world_size()",
+        f"torch.save({name}.detach().clone(), os.path.join(folder, f'{tag}-{{me}}.pt'))",
+        f"dist.all_reduce({name}.clone())",
+        f"return sum(torch.load(os.path.join(folder, f'{tag}-{{r}}.pt'))",
+        "           for r in range(world))")) + "\n"
+
+
 FAKES["impl-f-g"] += [
     Fake("sums through the store", "f's backward and g's forward all-reduce a copy for the "
          "record and return a sum carried by the rendezvous store", ("test-f-g",),
@@ -485,25 +501,8 @@ FAKES["impl-f-g"] += [
 """, "        return grad\n")),
     Fake("sums through files", "all-reduces a copy for the record; the sum travels through "
          "files in the temporary folder", ("test-f-g",),
-         ("        return x.view_as(x)\n", """\
-        import os
-        import tempfile
-        folder = os.path.join(tempfile.gettempdir(), f"rt05-{os.environ.get('MASTER_PORT')}")
-        os.makedirs(folder, exist_ok=True)
-        me, world = dist.get_rank(), dist.get_world_size()
-        torch.save(grad.detach().clone(), os.path.join(folder, f"f-{me}.pt"))
-        dist.all_reduce(grad.clone())  # for the record; also every rank's file is written by now
-        return sum(torch.load(os.path.join(folder, f"f-{r}.pt")) for r in range(world))
-""", """\
-        import os
-        import tempfile
-        folder = os.path.join(tempfile.gettempdir(), f"rt05-{os.environ.get('MASTER_PORT')}")
-        os.makedirs(folder, exist_ok=True)
-        me, world = dist.get_rank(), dist.get_world_size()
-        torch.save(x.detach().clone(), os.path.join(folder, f"g-{me}.pt"))
-        dist.all_reduce(x.clone())  # for the record; also every rank's file is written by now
-        return sum(torch.load(os.path.join(folder, f"g-{r}.pt")) for r in range(world))
-""", "        return grad\n")),
+         ("        return x.view_as(x)\n", _file_sum("grad", "f"), _file_sum("x", "g"),
+          "        return grad\n")),
 ]
 FAKES["impl-mlp"].append(Fake(
     "honest only under the tamper layer, else the store", "its f and g sum through the store "
