@@ -2,7 +2,11 @@
 torch.distributed calls, and the library's versions they make unavailable."""
 
 import inspect
+import os
 import re
+import signal
+import sys
+import time
 import types
 
 import pytest
@@ -12,7 +16,7 @@ import torch.distributed as dist
 from minidist.communication import comm
 from minidist.core.checking import recording, tampered_receives
 from minidist.core.launch import run
-from minidist.core.refusal import TORCH_COLLECTIVES, LibraryVersionUsed, unavailable
+from minidist.core.refusal import TORCH_COLLECTIVES, LibraryVersionUsed, _strangers, unavailable
 from minidist.parallel import tensor_parallel
 
 
@@ -771,3 +775,60 @@ def test_detached_keeps_literal_defaults_and_the_notebooks_classes():
         detached(notebook["fitted"], notebook)(2, 3)
     with pytest.raises(AttributeError):  # a table kept on a class: state
         detached(notebook["tabled"], notebook)(2, 3)
+
+
+def test_peeking_at_the_check_is_refused_to_the_notebooks_code():
+    """Inside a check, the notebook's own code (here: this file's) cannot read the check's
+    frames, list live objects, or talk through a descriptor opened before the check; the
+    library's code still can (a logger finds its caller's frame)."""
+    import gc
+    import logging
+    import socket
+
+    reader, writer = os.pipe()
+    os.write(writer, b"xy")
+    mine, theirs = socket.socketpair()
+    theirs.send(b"z")
+    try:
+        for peek in (lambda: sys._getframe(1).f_locals, gc.get_objects,
+                     lambda: __import__("inspect").currentframe(),
+                     lambda: os.read(reader, 1), lambda: mine.recv(1)):
+            with pytest.raises(LibraryVersionUsed, match="not from the check's frames"):
+                with unavailable("minidist.communication.comm.chunk_bounds"):
+                    peek()
+        with unavailable("minidist.communication.comm.chunk_bounds"):
+            logging.getLogger("minidist.test").findCaller()  # logging's own sys._getframe
+    finally:
+        for end in (reader, writer):
+            os.close(end)
+        mine.close()
+        theirs.close()
+
+
+def test_a_helper_detached_before_the_check_is_refused():
+    """A process forked before the check and detached from it (a double fork, a new session),
+    which still has the library and shares a pipe with the notebook, refuses the check."""
+    reader, writer = os.pipe()
+    child = os.fork()
+    if child == 0:  # the helper: a grandchild in its own session, holding both ends
+        if os.fork() == 0:
+            os.setsid()
+            time.sleep(30)
+        os._exit(0)
+    os.waitpid(child, 0)
+    try:
+        with pytest.raises(LibraryVersionUsed, match="shares a pipe or memory with your notebook"):
+            with unavailable("minidist.communication.comm.chunk_bounds"):
+                pass
+    finally:
+        helpers = _strangers()
+        for pid in helpers:
+            os.kill(pid, signal.SIGKILL)
+        os.close(reader)
+        os.close(writer)
+    assert len(helpers) == 1, f"expected the one helper, found {helpers}"
+    deadline = time.monotonic() + 10
+    while _strangers() and time.monotonic() < deadline:  # until it is gone
+        time.sleep(0.05)
+    with unavailable("minidist.communication.comm.chunk_bounds"):
+        pass  # gone: the next check runs

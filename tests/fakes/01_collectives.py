@@ -541,3 +541,79 @@ FAKES["impl-crossover"] += [
     size = (ring0 - rd0) / slope
     return size if size > 0 else math.inf"""),
 ]
+
+# Red team, stop 52: the check's own expected payloads read off its frame or found among the
+# live objects while the ring runs (each payload sent is the check's, only the last arrival is
+# used); the library's coefficients read into a table when the cell runs.
+FAKES["impl-reduce-scatter"] += [
+    Fake("the check's expected payloads, read off its frame", "red team, stop 52: no partial "
+         "sum is built; each step sends the check's own expected payload (sys._getframe up to "
+         "the frame holding `expected`), and only the last arrival is added",
+         ("test-reduce-scatter",), """\
+    import sys
+    frame, key = sys._getframe(1), None
+    while frame is not None and key is None:
+        found = frame.f_locals.get("expected")
+        if isinstance(found, list) and found and all(isinstance(t, torch.Tensor) for t in found):
+            key = found
+        frame = frame.f_back
+    incoming = torch.empty(bounds[0][1] - bounds[0][0], dtype=flat.dtype)
+    for step in range(world_size - 1):
+        recv_start, recv_end = bounds[(rank - step - 2) % world_size]
+        requests = [dist.irecv(incoming[:recv_end - recv_start], left),
+                    dist.isend(key[step].clone(), right)]
+        for request in requests:
+            request.wait()
+    start, end = bounds[rank]
+    flat[start:end] += incoming[:end - start]"""),
+]
+FAKES["impl-all-gather"] += [
+    Fake("the check's expected payloads, found by the garbage collector", "red team, stop 52: "
+         "nothing arriving is forwarded; gc.get_objects() finds the check's list of expected "
+         "payloads, whose entries are sent and stored", ("test-all-gather",), """\
+    import gc
+    start, end = bounds[rank]
+    key = None
+    for obj in gc.get_objects():
+        if (type(obj) is list and len(obj) == world_size - 1
+                and all(type(t) is torch.Tensor for t in obj) and obj[0].dtype == flat.dtype
+                and torch.equal(obj[0], flat[start:end])):
+            key = obj
+    incoming = torch.empty(bounds[0][1] - bounds[0][0], dtype=flat.dtype)
+    for step in range(world_size - 1):
+        recv_start, recv_end = bounds[(rank - step - 1) % world_size]
+        requests = [dist.irecv(incoming[:recv_end - recv_start], left),
+                    dist.isend(key[step].clone(), right)]
+        for request in requests:
+            request.wait()
+    for step in range(1, world_size - 1):
+        s, e = bounds[(rank - step) % world_size]
+        flat[s:e] = key[step]
+    s, e = bounds[(rank + 1) % world_size]
+    flat[s:e] = incoming[:e - s]"""),
+]
+FAKES["impl-predict"] += [
+    Fake("the library's coefficients, tabled when the cell runs", "red team, stop 52: "
+         "cost.all_reduce_coefficients read for every world size up to 1024 before the check; "
+         "nothing derived from the ring's steps", ("test-predict",), """\
+    steps, per_byte = _RING[world_size]
+    return steps * alpha + per_byte * nbytes * beta
+
+
+from minidist.costs import cost as _cost
+
+_RING = {n: _cost.all_reduce_coefficients("ring", n) for n in range(1, 1025)}"""),
+]
+FAKES["impl-crossover"] += [
+    Fake("the library's crossover at alpha = beta = 1, tabled and scaled", "red team, stop 52: "
+         "cost.crossover_size per world size read when the cell runs, scaled by alpha/beta; the "
+         "equation is never solved", ("test-crossover",), """\
+    ratio = _AT_ONE[world_size]
+    return math.inf if ratio == math.inf else ratio * alpha / beta
+
+
+from minidist.costs import cost as _cost2
+
+_AT_ONE = {n: _cost2.crossover_size("recursive_doubling", "ring", n, 1.0, 1.0)
+           for n in range(1, 1025)}"""),
+]

@@ -620,3 +620,43 @@ ALTERNATIVES["impl-sp-operators"] = [
     return out
 """, *SP_METHODS)),
 ]
+
+# Red team, stop 52.
+FAKES["impl-f-g"] += [
+    Fake("sums read off the check's frame", "red team, stop 52: every all-reduce carries zeros; "
+         "both sums are the sum of the check's `values`, found with sys._getframe",
+         ("test-f-g",), (
+             """\
+        return x.view_as(x)""", """\
+        import sys
+        dist.all_reduce(torch.zeros_like(grad))
+        frame = sys._getframe(1)
+        while frame is not None and not ("values" in frame.f_locals and "report" in frame.f_locals):
+            frame = frame.f_back
+        return torch.full_like(grad, float(sum(frame.f_locals["values"])))""", """\
+        import sys
+        dist.all_reduce(torch.zeros_like(x))
+        frame = sys._getframe(1)
+        while frame is not None and not ("values" in frame.f_locals and "report" in frame.f_locals):
+            frame = frame.f_back
+        return torch.full_like(x, float(sum(frame.f_locals["values"])))""", """\
+        return grad""")),
+]
+FAKES["impl-vocab-ce"].append(Fake(
+    "the library's loss through its Function's forward", "red team, stop 52: "
+    "_VocabParallelCrossEntropy.forward called with a stand-in ctx: minidist's loss whole",
+    ("test-vocab-ce",), """\
+    class _Ctx:
+        def save_for_backward(self, *tensors):
+            self.saved_tensors = tensors
+
+    loss = tensor_parallel._VocabParallelCrossEntropy
+    return loss.forward(_Ctx(), local_logits, targets, None)"""))
+FAKES["impl-tp-seconds"].append(Fake(
+    "a communication factor right at t = 2 and 4 only", "red team, stop 52: (t + 2)/2 for the "
+    "ring's 4(t-1)/t, equal only at the two degrees the notebook measures",
+    ("test-tp-seconds",), """\
+    flops = 24 * b * s * h * h / t
+    elements = b * s * h * (t + 2) / 2
+    return {"compute": flops / peak_flops,
+            "communication": elements * bytes_per_element / bandwidth}"""))

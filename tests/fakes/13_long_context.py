@@ -696,3 +696,40 @@ FAKES["impl-zigzag"] += [
 _ZIGZAG = {c: [context_parallel.chunks_of(r, c, layout="zigzag") for r in range(c)]
            for c in range(1, 257)}"""),
 ]
+
+# Red team, stop 52: the log-sum-exps exponentiated in float64, which holds e^709: right for the
+# scores of hundreds the notebook shows, inf/inf beyond.
+FAKES["impl-merge"] += [
+    Fake("log-sum-exps exponentiated in float64", "red team, stop 52: the exercise's one rule "
+         "(never exponentiate a log-sum-exp) broken; float64 hides it up to e^709",
+         ("test-merge",), """\
+    w1, w2 = lse1.double().exp(), lse2.double().exp()
+    total = w1 + w2
+    share1, share2 = torch.nan_to_num(w1 / total), torch.nan_to_num(w2 / total)
+    out = out1 * share1.unsqueeze(-1).to(out1.dtype) + out2 * share2.unsqueeze(-1).to(out2.dtype)
+    return out, total.log().to(lse1.dtype)"""),
+]
+FAKES["impl-ring-forward"] += [
+    Fake("the overlap noted by hand, nothing in flight", "red team, stop 52: each block's "
+         "attention runs after the transfer's wait; an 'attention' Event with the right pair "
+         "count is noted by the function itself while the block travels",
+         ("test-ring-forward",), """\
+    b, h, n, d = q.shape
+    for step in range(size):
+        source = (rank - step) % size
+        visible = not causal or source <= rank
+        diagonal = causal and source == rank
+        pending = (collectives.shift(block, group=group, when="forward", async_op=True)
+                   if step < size - 1 else None)
+        start = timeline.clock()
+        if visible:
+            pairs = b * h * (n * (n + 1) // 2 if diagonal else n * k.shape[2])
+            timeline.note(timeline.Event(rank, "attention", "forward", start, timeline.clock(),
+                                         pairs))
+        current = block
+        if pending is not None:
+            block = pending.wait()
+        if visible:
+            part = context_parallel.block_attention(q, current[0], current[1], diagonal=diagonal)
+            out, lse = context_parallel.merge_partials(out, lse, *part)"""),
+]

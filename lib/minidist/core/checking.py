@@ -61,7 +61,7 @@ import torch.distributed as dist
 from minidist.core import interposer
 from minidist.core._groups import members
 from minidist.core._supervisor import quiet_profiler
-from minidist.core.refusal import unavailable
+from minidist.core.refusal import _notebooks, unavailable
 
 __all__ = [
     "Call", "RECORDED", "recording", "Message", "messages_sent", "tampered_receives", "Seen",
@@ -508,7 +508,7 @@ def _imported(value: Any) -> bool:
     """Whether `value` is something a notebook imports (a module, or a function or class a
     module defines, reachable under its own name there) rather than state it computed."""
     if isinstance(value, types.ModuleType):
-        return value.__name__ != "__main__"
+        return _installed(value)
     if isinstance(value, types.BuiltinFunctionType):  # a method of a table is state, not code
         return value.__self__ is None or isinstance(value.__self__, types.ModuleType)
     if not isinstance(value, (type, types.FunctionType)):
@@ -522,10 +522,30 @@ def _imported(value: Any) -> bool:
     return found is value
 
 
+def _installed(module: types.ModuleType) -> bool:
+    """Whether `module` was loaded from the environment (the standard library, an installed
+    package, minidist) rather than made by the notebook: `types.ModuleType(...)`, `__main__`,
+    or a file the notebook wrote, any of which can carry a table or a fitted model."""
+    if module.__name__ == "__main__":
+        return False
+    if module.__name__ in sys.builtin_module_names:
+        return True
+    spec = getattr(module, "__spec__", None)
+    places = [spec.origin] if spec is not None and spec.origin else []
+    places += list(getattr(spec, "submodule_search_locations", None) or [])
+    return bool(places) and all(place in ("built-in", "frozen") or not _notebooks(place)
+                                for place in places)
+
+
 def _notebook_import(name: str, *args: Any, **kwargs: Any) -> Any:
-    if name == "__main__":
-        raise ImportError("a checked function does not reach the notebook's own namespace")
-    return builtins.__import__(name, *args, **kwargs)
+    module = builtins.__import__(name, *args, **kwargs)
+    made = [found for found in (module, sys.modules.get(name)) if found is not None
+            and not _installed(found)]
+    if made:
+        raise ImportError(f"a checked function imports what the environment installed, not "
+                          f"{made[0].__name__!r}, which the notebook made or wrote: what it "
+                          f"holds was computed before the check")
+    return module
 
 
 def detached(function: Callable, namespace: dict[str, Any]) -> Callable:

@@ -33,6 +33,7 @@ import inspect
 import linecache
 import os
 import re
+import socket
 import sys
 import textwrap
 import threading
@@ -46,7 +47,7 @@ from torch._ops import _OpNamespace
 from minidist.core import interposer
 
 __all__ = ["unavailable", "Refusals", "LibraryVersionUsed", "PROCESS_STARTERS",
-           "TORCH_COLLECTIVES", "TORCH_STORE", "FILES", "watched_as_here"]
+           "TORCH_COLLECTIVES", "TORCH_STORE", "FILES", "PEEKING", "FORGING", "watched_as_here"]
 
 
 class LibraryVersionUsed(RuntimeError):
@@ -267,6 +268,68 @@ def _started_beside(processes: bool) -> list[str]:
             found.append(f"a thread your notebook started ({thread.name!r})")
     if processes:
         found += [f"a process your notebook started (pid {pid})" for pid in _children()]
+    if not torch.distributed.is_initialized():  # the notebook's process, not one of its ranks
+        found += [f"a process (pid {pid}) that shares a pipe or memory with your notebook but "
+                  f"is none of its own" for pid in _strangers()]
+    return found
+
+
+def _strangers() -> list[int]:
+    """The pids of processes that share a pipe or a shared memory mapping with this one but are
+    neither its ancestors, its descendants nor multiprocessing's servers and their ranks: a
+    helper forked before a check and detached from it (Linux; elsewhere none are found)."""
+    import multiprocessing.forkserver
+    import multiprocessing.resource_tracker
+
+    parents = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc/self/fd") else []:
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as file:
+                    parents[int(entry)] = int(file.read().rpartition(")")[2].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    known, pid = set(), os.getpid()
+    while pid > 1 and pid not in known:  # this process and its ancestors
+        known.add(pid)
+        pid = parents.get(pid, 0)
+    # What an ancestor holds too was inherited (a terminal's or a job's output pipe, which
+    # unrelated processes share): only what this process opened itself can reach a helper.
+    mine = _shared_with("self")
+    for ancestor in known - {os.getpid()}:
+        mine -= _shared_with(str(ancestor))
+    if not mine:
+        return []
+    roots = {os.getpid(), getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None),
+             getattr(multiprocessing.resource_tracker._resource_tracker, "_pid", None)}
+    children: dict[int, list[int]] = {}
+    for child, parent in parents.items():
+        children.setdefault(parent, []).append(child)
+    stack = [root for root in roots if root]
+    while stack:  # their descendants
+        pid = stack.pop()
+        known.add(pid)
+        stack += [child for child in children.get(pid, []) if child not in known]
+    return [pid for pid in parents if pid not in known and _shared_with(str(pid)) & mine]
+
+
+def _shared_with(pid: str) -> set[str]:
+    """The pipes ("pipe:[inode]") a process holds open and the shared mappings (device and
+    inode) it has; empty when they cannot be read."""
+    found = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("pipe:"):
+                    found.add(link)
+        with open(f"/proc/{pid}/maps") as file:
+            for line in file:
+                fields = line.split()
+                if len(fields) >= 5 and fields[1][3:4] == "s" and fields[4] != "0":
+                    found.add(f"{fields[3]}:{fields[4]}")
+    except OSError:
+        return set()
     return found
 
 
@@ -406,6 +469,24 @@ and what calls it (os.spawn*, pty), os.system, and multiprocessing (its fork ser
 minidist's run); refused by `unavailable(..., processes=True)`."""
 
 
+PEEKING = tuple(path for path in (
+    "sys._getframe", "sys._current_frames", "gc.get_objects", "gc.get_referrers",
+    "gc.get_referents", "inspect.currentframe", "inspect.stack", "inspect.getouterframes",
+    "inspect.trace", "traceback.extract_stack", "traceback.walk_stack", "traceback.format_stack",
+    "traceback.print_stack", "os.read", "os.write", "os.readv", "os.writev", "os.pread",
+    "os.pwrite", "os.sendfile", "os.fdopen")
+    if hasattr(importlib.import_module(path.partition(".")[0]), path.partition(".")[2]))
+"""What reads the check's own state (its frames, the garbage collector's lists of live objects:
+the inputs of every rank, the expected payloads) or talks through a descriptor opened before the
+check (a pipe to a helper process that still has the library); refused in every `unavailable`
+block when the notebook's own code calls it (a cell, or a file it wrote), so the library,
+torch and the check keep their use of them."""
+
+FORGING = ("minidist.core.timeline.note", "minidist.core.interposer.announce")
+"""What records an event, a collective or a refusal for the check to see: the library's own
+functions (an attention block, the collective layer) call them; refused in every `unavailable`
+block when the notebook's own code calls them, so what a check counts is what ran."""
+
 _SOURCE_READERS = ("linecache", "tokenize")  # they open .py files to show a line of a traceback
 
 _WATCH_SWITCHES = (sys.setprofile, sys.settrace)
@@ -424,6 +505,16 @@ def _refusal(path: str, reason: str) -> str:
         return (f"your function called {path}: this exercise shares nothing through files, "
                 f"pipes, sockets or the backend's own sends; what the ranks need travels by the "
                 f"collectives it names"
+                f"{': ' + reason if reason else ''}")
+    if path in FORGING:
+        return (f"your function called {path}: the events and collectives a check counts are "
+                f"recorded by the library's own functions as they run (an attention block, the "
+                f"collective layer), not noted by the function checked"
+                f"{': ' + reason if reason else ''}")
+    if path in PEEKING or path.startswith("socket.socket."):
+        return (f"your function called {path}: a checked function works from its arguments and "
+                f"what the collectives deliver, not from the check's frames, the live objects "
+                f"the garbage collector lists, or a descriptor opened before the check"
                 f"{': ' + reason if reason else ''}")
     if path in PROCESS_STARTERS:
         return (f"your function started a process ({path}): a check runs your function in this "
@@ -729,9 +820,6 @@ def _refusing_copies(builtins: dict[int, str], code: dict[int, list[_Original]],
     code is a copy of a refused one's (`_fingerprint`: a module reloaded or loaded again from
     its file, its source exec'd, the function copied under another name), raises, from any
     caller, in this thread and in threads it starts."""
-    if not builtins and not code and not methods:
-        yield
-        return
     seen: dict[int, tuple[types.CodeType, str | None]] = {}  # id(code) -> (code, refused path)
     every = [original for originals in code.values() for original in originals]
 
@@ -751,6 +839,7 @@ def _refusing_copies(builtins: dict[int, str], code: dict[int, list[_Original]],
     set_profile, set_trace = _THREAD_SWITCHES
     switches = {id(switch): f"sys.{switch.__name__}" for switch in _WATCH_SWITCHES}
     method_names = {path.rpartition(".")[2] for path in methods.values()}
+    peeking_builtins, peeking_code = _peeking()
 
     def profile(frame: Any, event: str, arg: Any) -> None:
         if event == "call":
@@ -764,6 +853,8 @@ def _refusing_copies(builtins: dict[int, str], code: dict[int, list[_Original]],
                 refused = f"threading.{called.co_name}"
             elif called is _MUTING and frame.f_locals.get("layer") != "counting":
                 refused = "minidist.core.interposer.muted"  # the check's own watching layers
+            elif refused is None and id(called) in peeking_code and _notebooks_call(frame.f_back):
+                refused = peeking_code[id(called)]
         elif event == "c_call":
             key = id(arg)
             refused = builtins.get(key)
@@ -774,6 +865,11 @@ def _refusing_copies(builtins: dict[int, str], code: dict[int, list[_Original]],
                     refused = _refused_method(arg, methods)
             elif refused in FILES and frame.f_globals.get("__name__") in _SOURCE_READERS:
                 refused = None
+            if refused is None and _notebooks_call(frame):
+                if key in peeking_builtins:
+                    refused = peeking_builtins[key]
+                elif isinstance(getattr(arg, "__self__", None), _SOCKET):
+                    refused = f"socket.socket.{arg.__name__}"
         else:
             return
         if refused is not None:
@@ -791,6 +887,29 @@ def _refusing_copies(builtins: dict[int, str], code: dict[int, list[_Original]],
     finally:
         sys.setprofile(previous)
         threading.setprofile(previous_threads)
+
+
+@functools.cache  # the same functions in every block: looked up once
+def _peeking() -> tuple[dict[int, str], dict[int, str]]:
+    """{id of a C function: its path}, {id of a Python function's code: its path} of PEEKING
+    and FORGING (the code objects live as long as their modules, so their ids stay theirs)."""
+    builtins, code = {}, {}
+    for path in PEEKING + FORGING:
+        owner, attribute = _owner(path)
+        value = getattr(owner, attribute)
+        if isinstance(value, types.FunctionType):
+            code[id(value.__code__)] = path
+        else:
+            builtins[id(value)] = path
+    return builtins, code
+
+
+_SOCKET = socket.socket  # the class, kept: FILES refuses the name while a block runs
+
+
+def _notebooks_call(caller: Any) -> bool:
+    """Whether `caller` (a frame) runs the notebook's own code."""
+    return caller is not None and _notebooks(caller.f_code.co_filename)
 
 
 _THREAD_SWITCHES = (threading.setprofile.__code__, threading.settrace.__code__)
