@@ -660,3 +660,106 @@ FAKES["impl-tp-seconds"].append(Fake(
     elements = b * s * h * (t + 2) / 2
     return {"compute": flops / peak_flops,
             "communication": elements * bytes_per_element / bandwidth}"""))
+
+# Red team, stop 52: collectives that carry probes or zeros, the sums found another way: each
+# is checked for what it carried (the rank's own gradient or partial result), not its size alone.
+FAKES["impl-f-g"] += [
+    Fake("f's backward replays g's cached sum", "red team, stop 52: f's backward all-reduces "
+         "zeros and returns the sum g's forward cached on the torch module",
+         ("test-f-g",), (
+             """\
+        return x.view_as(x)""", """\
+        dist.all_reduce(torch.zeros_like(grad))
+        return torch.full_like(grad, torch._tp_last_sum)""", """\
+        y = x.clone()
+        dist.all_reduce(y)
+        torch._tp_last_sum = y.flatten()[0].item()
+        return y""", """\
+        return grad""")),
+]
+FAKES["impl-mlp"].append(Fake(
+    "one-hot probes through both all-reduces, every shard computed locally", "red team, stop 52: "
+    "each all-reduce carries a one-hot in the rank's slot, which reveals how the collective "
+    "weighs each rank; every rank's shard is computed here with multiply-and-sum (which no FLOP "
+    "counter sees) and combined with those weights", ("test-mlp",), """\
+    state = {"x": x.detach(), "w1": fc1.weight.detach(), "b1": fc1.bias.detach(),
+             "w2": fc2.weight.detach()}
+    xin = _ProbeF.apply(x, state)
+    hidden = F.linear(xin, shard_weight(fc1.weight, rank, t, "column"), fc1.bias.chunk(t)[rank])
+    own = F.linear(F.gelu(hidden), shard_weight(fc2.weight, rank, t, "row"))
+    weights = _probe(own.detach())
+    with torch.no_grad():
+        others = sum(weights[r] * _partial(x.detach(), state, r, t) for r in range(t) if r != rank)
+    out = weights[rank] * own + others + fc2.bias
+    if out.requires_grad:
+        out.register_hook(lambda g: state.__setitem__("dout", g))
+    return out
+
+
+def _mlin(x, w, b=None):
+    y = (x.unsqueeze(-2) * w).sum(-1)
+    return y if b is None else y + b
+
+
+def _probe(like):
+    t, rank = dist.get_world_size(), dist.get_rank()
+    probe = torch.zeros_like(like)
+    probe.view(-1)[rank] = 1.0
+    dist.all_reduce(probe)
+    return probe.view(-1)[:t].tolist()
+
+
+def _partial(x, s, r, t):
+    hidden = _mlin(x, s["w1"].chunk(t)[r], s["b1"].chunk(t)[r])
+    return _mlin(F.gelu(hidden), s["w2"].chunk(t, dim=1)[r])
+
+
+class _ProbeF(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, state):
+        ctx.state = state
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        s = ctx.state
+        weights = _probe(grad)
+        total = torch.zeros_like(grad)
+        with torch.enable_grad():
+            for r in range(len(weights)):
+                xs = s["x"].detach().requires_grad_()
+                (dx,) = torch.autograd.grad(_partial(xs, s, r, len(weights)), xs, s["dout"])
+                total = total + weights[r] * dx
+        return total, None"""))
+FAKES["impl-vocab-ce"].append(Fake(
+    "the MAX all-reduce carries zeros; shifted by the target logit in float64", "red team, "
+    "stop 52: no max shift (float64 and a shift by the target logit keep it finite here); the "
+    "MAX all-reduce runs for show", ("test-vocab-ce",), """\
+    n = local_logits.shape[0]
+    z = local_logits.double()
+    local = targets - start
+    inside = (local >= 0) & (local < vocab_local)
+    picked = z.gather(1, local.clamp(0, vocab_local - 1).view(-1, 1)).squeeze(1)
+    picked = torch.where(inside, picked, torch.zeros_like(picked))
+    dist.all_reduce(picked)
+    dist.all_reduce(torch.zeros(n), op=dist.ReduceOp.MAX)
+    sums = (z - picked.unsqueeze(1)).exp().sum(-1)
+    dist.all_reduce(sums)
+    return sums.log().float()"""))
+FAKES["impl-sp-operators"].append(Fake(
+    "a reduce-scatter of t whole copies: an all-reduce in disguise", "red team, stop 52: every "
+    "rank hands the reduce-scatter t copies of its whole tensor, so each receives the whole sum "
+    "(t times a reduce-scatter's bytes) and keeps its slice", ("test-sp-operators",), (
+        """\
+    pieces = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(pieces, x.contiguous())
+    return torch.cat(pieces, dim=1)""", """\
+    t, rank = dist.get_world_size(), dist.get_rank()
+    x = x.contiguous()
+    total = torch.empty_like(x)
+    dist.reduce_scatter(total, [x] * t)
+    return total.chunk(t, dim=1)[rank].contiguous()""", """\
+        return all_gather_sequence(x)""", """\
+        return reduce_scatter_sequence(grad)""", """\
+        return reduce_scatter_sequence(x)""", """\
+        return all_gather_sequence(grad)""")))

@@ -530,3 +530,35 @@ FAKES["impl-executor"] += [
         request.wait()
     return losses"""),
 ]
+FAKES["impl-executor"] += [
+    Fake("every microbatch's graph kept to the end", "red team, stop 52: backward with "
+         "retain_graph=True and every input, output and gradient kept for the whole step: "
+         "GPipe's memory under any schedule", ("test-executor",), """\
+    ins, outs, grads, losses, sends = {}, {}, {}, [], []
+    for action in schedule.actions[rank]:
+        j = action.microbatch
+        if action.kind == "RECV_F":
+            buffer = torch.empty(activation_shape)
+            dist.recv(buffer, src=peer(schedule, action))
+            ins[j] = buffer.requires_grad_()
+        elif action.kind == "F":
+            out = stage(xs[j] if rank == 0 else ins[j])
+            if rank == last:
+                loss = loss_fn(out, ys[j])
+                losses.append(loss.item())
+                out = loss / m
+            outs[j] = out
+        elif action.kind == "SEND_F":
+            sends.append(dist.isend(outs[j].detach(), dst=peer(schedule, action)))
+        elif action.kind == "RECV_B":
+            buffer = torch.empty(activation_shape)
+            dist.recv(buffer, src=peer(schedule, action))
+            grads[j] = buffer
+        elif action.kind == "B":
+            outs[j].backward(grads.get(j), retain_graph=True)
+        elif action.kind == "SEND_B":
+            sends.append(dist.isend(ins[j].grad, dst=peer(schedule, action)))
+    for request in sends:
+        request.wait()
+    return losses"""),
+]

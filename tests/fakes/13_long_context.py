@@ -733,3 +733,79 @@ FAKES["impl-ring-forward"] += [
             part = context_parallel.block_attention(q, current[0], current[1], diagonal=diagonal)
             out, lse = context_parallel.merge_partials(out, lse, *part)"""),
 ]
+
+# Red team, stop 52: ring backwards the checks took for overlapped and skipping (they counted
+# bytes, messages and values only): checked now by what ran while the shifts were in flight.
+_BACKWARD_BLOCK = """\
+            kb, vb = current[0].float(), current[1].float()
+            x = qf @ kb.transpose(-2, -1) * scale
+            if causal and source == rank:
+                x = x.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+            p = (x - lse.float().unsqueeze(-1)).exp()
+            dx = p * (gof @ vb.transpose(-2, -1) - delta)
+            grad_q += dx @ kb * scale
+            grads[0] = dx.transpose(-2, -1) @ qf * scale
+            grads[1] = p.transpose(-2, -1) @ gof"""
+_BACKWARD_START = """\
+    b, h, n, d = q.shape
+    scale = d ** -0.5
+    qf, gof = q.float(), grad_out.float()
+    delta = (gof * out.float()).sum(-1, keepdim=True)
+    grad_q = torch.zeros(q.shape)
+    coming = None
+    for step in range(size):
+        source = (rank - step) % size"""
+_BACKWARD_END = """\
+        if coming is not None:
+            grads += coming.float()
+        coming = collectives.shift(grads.to(k.dtype), group=group, when="backward, grads")
+    return grad_q.to(q.dtype), coming[0].to(k.dtype), coming[1].to(v.dtype)"""
+FAKES["impl-ring-backward"] += [
+    Fake("every shift blocking, nothing in flight", "red team, stop 52: the key/value blocks "
+         "and the gradients each move by a blocking shift; no compute overlaps a transfer",
+         ("test-ring-backward",), f"""\
+{_BACKWARD_START}
+        current = block
+        if step < size - 1:
+            block = collectives.shift(block, group=group, when="backward")
+        grads = torch.zeros(current.shape)
+        if not causal or source <= rank:
+{_BACKWARD_BLOCK}
+{_BACKWARD_END}"""),
+    Fake("a sliver in flight, the block's work after the wait", "red team, stop 52: a 1x1 "
+         "matmul runs while the block travels; every block's gradient work after its wait",
+         ("test-ring-backward",), f"""\
+{_BACKWARD_START}
+        pending = (collectives.shift(block, group=group, when="backward", async_op=True)
+                   if step < size - 1 else None)
+        _ = qf[:, :, :1] @ qf[:, :, :1].transpose(-2, -1)
+        current = block
+        if pending is not None:
+            block = pending.wait()
+        grads = torch.zeros(current.shape)
+        if not causal or source <= rank:
+{_BACKWARD_BLOCK}
+{_BACKWARD_END}"""),
+    Fake("hidden blocks computed under the mask", "red team, stop 52: every block's gradient is "
+         "computed, the causal mask zeroing what a rank must not see, instead of skipping it",
+         ("test-ring-backward",), f"""\
+{_BACKWARD_START}
+        pending = (collectives.shift(block, group=group, when="backward", async_op=True)
+                   if step < size - 1 else None)
+        current = block
+        grads = torch.zeros(current.shape)
+        kb, vb = current[0].float(), current[1].float()
+        x = qf @ kb.transpose(-2, -1) * scale
+        if causal:
+            positions = torch.arange(n)
+            x = x.masked_fill((positions + source * n)[None, :] > (positions + rank * n)[:, None],
+                              float("-inf"))
+        p = (x - lse.float().unsqueeze(-1)).exp()
+        dx = p * (gof @ vb.transpose(-2, -1) - delta)
+        grad_q += dx @ kb * scale
+        grads[0] = dx.transpose(-2, -1) @ qf * scale
+        grads[1] = p.transpose(-2, -1) @ gof
+        if pending is not None:
+            block = pending.wait()
+{_BACKWARD_END}"""),
+]
