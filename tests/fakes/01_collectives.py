@@ -617,3 +617,39 @@ from minidist.costs import cost as _cost2
 _AT_ONE = {n: _cost2.crossover_size("recursive_doubling", "ring", n, 1.0, 1.0)
            for n in range(1, 1025)}"""),
 ]
+FAKES["impl-reduce-scatter"] += [
+    Fake("blocking sends and receives ordered by parity", "red team, stop 52: the right chunks "
+         "and sums, but each step is a blocking send and a blocking receive one after the other "
+         "(ordered by the rank's parity so that it cannot deadlock): nothing posted together",
+         ("test-reduce-scatter",), """\
+    for step in range(world_size - 1):
+        send_start, send_end = bounds[(rank - step - 1) % world_size]
+        recv_start, recv_end = bounds[(rank - step - 2) % world_size]
+        got = torch.empty(recv_end - recv_start, dtype=flat.dtype)
+        if rank % 2 == 0:
+            dist.send(flat[send_start:send_end].clone(), right)
+            dist.recv(got, left)
+        else:
+            dist.recv(got, left)
+            dist.send(flat[send_start:send_end].clone(), right)
+        flat[recv_start:recv_end] += got"""),
+]
+FAKES["impl-recursive-doubling"] += [
+    Fake("blocking, one direction at a time", "red team, stop 52: the lower rank of each pair "
+         "sends then receives, the higher receives then sends: the exchange serialized",
+         ("test-recursive-doubling",), """\
+    flat = tensor.view(-1)
+    k = 0
+    while (1 << k) < world_size:
+        partner = rank ^ (1 << k)
+        incoming = torch.empty_like(flat)
+        if rank < partner:
+            dist.send(flat.clone(), partner)
+            dist.recv(incoming, partner)
+        else:
+            dist.recv(incoming, partner)
+            dist.send(flat.clone(), partner)
+        flat.add_(incoming)
+        k += 1
+    return tensor"""),
+]

@@ -65,7 +65,8 @@ from minidist.core.refusal import _notebooks, unavailable
 
 __all__ = [
     "Call", "RECORDED", "recording", "Message", "messages_sent", "tampered_receives", "Seen",
-    "watching", "MATMULS", "FlightRecord", "in_flight", "ran_while_in_flight", "Held", "holding",
+    "watching", "MATMULS", "FlightRecord", "in_flight", "ran_while_in_flight",
+    "exchanges_posted_together", "Held", "holding",
     "plain", "detached",
 ]
 
@@ -427,6 +428,21 @@ def ran_while_in_flight(records: list[FlightRecord]) -> dict[int, int]:
             for number in open_requests:
                 counts[number] += 1
     return counts
+
+
+def exchanges_posted_together(records: list[FlightRecord]) -> int:
+    """How many requests `in_flight` saw posted while one of the other direction (an isend's,
+    an irecv's) was in flight: a step that posts its send and its receive before waiting on
+    either counts; a blocking send and receive, one after the other, never do."""
+    open_requests: dict[int, str] = {}
+    together = 0
+    for record in records:
+        if record.kind == "post":
+            together += any(name != record.name for name in open_requests.values())
+            open_requests[record.request] = record.name
+        elif record.kind == "wait":
+            open_requests.pop(record.request, None)
+    return together
 
 
 class Held:
