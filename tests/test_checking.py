@@ -832,3 +832,13 @@ def test_a_helper_detached_before_the_check_is_refused():
         time.sleep(0.05)
     with unavailable("minidist.communication.comm.chunk_bounds"):
         pass  # gone: the next check runs
+
+
+def test_a_block_inside_a_block_that_refuses_files_still_starts():
+    """A check nested in one that refuses files looks for helpers in /proc as it starts: its
+    own reading is not the checked function's."""
+    from minidist.core.refusal import FILES
+
+    with unavailable("minidist.communication.comm.chunk_bounds", *FILES):
+        with unavailable("minidist.communication.comm.ring_all_reduce", processes=True):
+            pass

@@ -863,7 +863,8 @@ def _refusing_copies(builtins: dict[int, str], code: dict[int, list[_Original]],
                     refused = None if _ours(frame) else switches[key]
                 elif method_names and getattr(arg, "__name__", None) in method_names:
                     refused = _refused_method(arg, methods)
-            elif refused in FILES and frame.f_globals.get("__name__") in _SOURCE_READERS:
+            elif refused in FILES and (frame.f_globals.get("__name__") in _SOURCE_READERS
+                                       or _ours(frame)):  # a nested block reading /proc
                 refused = None
             if refused is None and _notebooks_call(frame):
                 if key in peeking_builtins:
