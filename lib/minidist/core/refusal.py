@@ -278,9 +278,6 @@ def _strangers() -> list[int]:
     """The pids of processes that share a pipe or a shared memory mapping with this one but are
     neither its ancestors, its descendants nor multiprocessing's servers and their ranks: a
     helper forked before a check and detached from it (Linux; elsewhere none are found)."""
-    import multiprocessing.forkserver
-    import multiprocessing.resource_tracker
-
     parents = {}
     for entry in os.listdir("/proc") if os.path.isdir("/proc/self/fd") else []:
         if entry.isdigit():
@@ -300,8 +297,7 @@ def _strangers() -> list[int]:
         mine -= _shared_with(str(ancestor))
     if not mine:
         return []
-    roots = {os.getpid(), getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None),
-             getattr(multiprocessing.resource_tracker._resource_tracker, "_pid", None)}
+    roots = {os.getpid(), *_servers()}
     children: dict[int, list[int]] = {}
     for child, parent in parents.items():
         children.setdefault(parent, []).append(child)
@@ -369,14 +365,19 @@ def _notebooks(filename: str) -> bool:
 _MINIDIST = __file__.rsplit("/core/", 1)[0]
 
 
-def _children() -> list[int]:
-    """The pids of this process's live children, less multiprocessing's fork server and
-    resource tracker (Linux; elsewhere none are found)."""
+def _servers() -> set[int | None]:
+    """The pids of multiprocessing's fork server and resource tracker (None: not started)."""
     import multiprocessing.forkserver
     import multiprocessing.resource_tracker
 
-    servers = {getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None),
-               getattr(multiprocessing.resource_tracker._resource_tracker, "_pid", None)}
+    return {getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None),
+            getattr(multiprocessing.resource_tracker._resource_tracker, "_pid", None)}
+
+
+def _children() -> list[int]:
+    """The pids of this process's live children, less multiprocessing's fork server and
+    resource tracker (Linux; elsewhere none are found)."""
+    servers = _servers()
     pids = []
     for listing in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else []:
         try:
@@ -866,11 +867,12 @@ def _refusing_copies(builtins: dict[int, str], code: dict[int, list[_Original]],
             elif refused in FILES and (frame.f_globals.get("__name__") in _SOURCE_READERS
                                        or _ours(frame)):  # a nested block reading /proc
                 refused = None
-            if refused is None and _notebooks_call(frame):
-                if key in peeking_builtins:
-                    refused = peeking_builtins[key]
-                elif isinstance(getattr(arg, "__self__", None), _SOCKET):
-                    refused = f"socket.socket.{arg.__name__}"
+            if refused is None:  # lookups first: the caller's file only for what peeks
+                peeked = peeking_builtins.get(key)
+                if peeked is None and isinstance(getattr(arg, "__self__", None), _SOCKET):
+                    peeked = f"socket.socket.{arg.__name__}"
+                if peeked is not None and _notebooks_call(frame):
+                    refused = peeked
         else:
             return
         if refused is not None:
