@@ -21,6 +21,7 @@ import os
 import pkgutil
 import re
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -172,6 +173,22 @@ def _main_module_hidden():
         yield
     finally:
         sys.modules["__main__"] = main
+
+
+def _rendezvous_store() -> dist.TCPStore:
+    """The launch's rendezvous point, on a port the OS picks (runs in a row or at the same time
+    never collide), listening on IPv4 only.
+
+    Why not torch's own listener: it is dual-stack IPv6, so each rank it accepts has the address
+    ::ffff:127.0.0.1, which no hosts file names. torch asks DNS for that name as it accepts (for
+    its logs), and about one query in a hundred waits 5 s for an answer that never comes: a
+    launch stalled 5 s in about one in ten. An IPv4 peer, 127.0.0.1, is named by /etc/hosts."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(socket.SOMAXCONN)
+    port = listener.getsockname()[1]
+    return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                         master_listen_fd=listener.detach())  # the store closes it
 
 
 @dataclass
@@ -352,9 +369,7 @@ class Supervisor:
         # an error of its own: wait for that rather than stop the ranks first.
         self.stop_mismatches = os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() != "DETAIL"
         self.live = _LiveLine()
-        # The store is the rendezvous point: binding port 0 lets the OS pick a free port, so
-        # runs in a row or at the same time never collide.
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.store = _rendezvous_store()
         shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
         handle, self.calls_path = tempfile.mkstemp(prefix="minidist-calls-", dir=shm)
         os.close(handle)
@@ -548,6 +563,11 @@ def _forward_output(rank: _RankProcess, pipe, live: _LiveLine) -> None:
     _emit(rank, pipe, lines, live)
 
 
+# What torch's store client prints when that lookup fails (both tries lost): harmless, and in a
+# notebook cell any stderr line would fail the cell for nbgrader.
+_LOOKUP_WARNING = "[c10d] The hostname of the client socket cannot be retrieved"
+
+
 def _emit(rank: _RankProcess, pipe, lines: list[bytes], live: _LiveLine) -> None:
     text = [line.decode(errors="replace") for line in lines]
     if pipe is rank.stderr:
@@ -562,6 +582,7 @@ def _emit(rank: _RankProcess, pipe, lines: list[bytes], live: _LiveLine) -> None
                 text = text[:number]
                 break
         rank.stderr_tail.extend(text)
+        text = [line for line in text if _LOOKUP_WARNING not in line]
     if not text:
         return
     live.clear()
@@ -702,6 +723,10 @@ def _rank_main(spec: _RankSpec, stdout_w, stderr_w, control, lifeline) -> None:
         OMP_NUM_THREADS="1",
     )
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo" if sys.platform.startswith("linux") else "lo0")
+    # A store client asks DNS for the name of the address it connects to (torch formats it for
+    # its logs; ::ffff:127.0.0.1 is in no hosts file). glibc waits 5 s for an answer lost on
+    # the way; one second, asked twice, is plenty on loopback. Read at the rank's first lookup.
+    os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:2")
     quiet_profiler()
     # glibc reports heap corruption on the terminal unless told to use stderr, where the
     # caller reads it.
