@@ -93,6 +93,32 @@ def test_results_come_back_in_rank_order_and_output_is_prefixed(capfd):
         assert f"[rank{rank}] sum of ranks is 6" in out
 
 
+def listening_ports(table: str) -> set[int]:
+    """The ports listening (TCP state 0A) in /proc/net/tcp or tcp6."""
+    rows = Path(f"/proc/net/{table}").read_text().splitlines()[1:]
+    return {int(row.split()[1].rsplit(":", 1)[1], 16) for row in rows if row.split()[3] == "0A"}
+
+
+def rendezvous_seen(rank, world_size):
+    """What a rank sees of its rendezvous: the store's port, where it listens, the resolver's
+    options; and a line torch prints when a name lookup fails, which the caller drops."""
+    port = int(os.environ["MASTER_PORT"])
+    print("[W socket.cpp:207] [c10d] The hostname of the client socket cannot be retrieved. "
+          "err=-3", file=sys.stderr)
+    print("a line of its own", file=sys.stderr)
+    options = os.environ["RES_OPTIONS"]
+    return port in listening_ports("tcp"), port in listening_ports("tcp6"), options
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads Linux's /proc/net/tcp")
+def test_the_rendezvous_store_listens_on_ipv4_and_lookups_wait_one_second(capfd):
+    """torch's store names each socket it connects or accepts by asking DNS (for its logs); an
+    IPv4 peer is named by /etc/hosts, and a lost answer costs a second, not glibc's five."""
+    assert run(rendezvous_seen, 2) == [(True, False, "timeout:1 attempts:2")] * 2
+    err = capfd.readouterr().err
+    assert "a line of its own" in err and "cannot be retrieved" not in err, err
+
+
 def test_one_rank_and_keyword_arguments():
     def scaled(rank, world_size, *, scale):
         return scale * (rank + 1)
