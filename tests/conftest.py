@@ -3,6 +3,7 @@ import multiprocessing.util
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 
@@ -62,6 +63,22 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
             timeline.write(json.dumps({
                 "test": item.nodeid, "group": group_of(item), "start": start, "end": time.time(),
                 "worker": os.environ.get("PYTEST_XDIST_WORKER", "main")}) + "\n")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_event_loop_pool_left_behind() -> Iterator[None]:
+    """A module that drives a browser with Playwright in this process leaves asyncio's default
+    executor behind, its thread ('asyncio_0') idle. minidist's checks refuse to run beside a
+    pool's thread (it runs whatever it is handed, out of the check's sight), so a later test of
+    a check on the same worker would fail for it: shut such pools down after each module (its
+    own tests may still use the pool)."""
+    yield
+    for thread in threading.enumerate():
+        owner = getattr(thread, "_args", None)
+        if thread.name.startswith("asyncio_") and owner and callable(owner[0]):
+            executor = owner[0]()  # ThreadPoolExecutor hands its workers a weak reference
+            if executor is not None:
+                executor.shutdown(wait=True)
 
 
 @pytest.fixture(scope="session", autouse=True)
