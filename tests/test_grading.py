@@ -49,7 +49,7 @@ from nbgrader.api import Gradebook
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))  # tools/grading/, the instructors' tooling
 sys.path.insert(0, str(REPO / "bench"))  # lab_run_times: each lab's budget
-from fakes import Alternative, Fake, alternatives_of, fakes_of, rounds  # noqa: E402
+from fakes import Alternative, Fake, alternatives_of, fakes_of, rounds, tried_by_section  # noqa: E402
 from grading.feedback import HideHiddenTests, markdown_with_mathml  # noqa: E402
 from grading.timeouts import timeout_message  # noqa: E402
 from lab_run_times import BUDGET_S, BUDGETS_S, cell_spans, seconds_and_slowest  # noqa: E402
@@ -432,19 +432,54 @@ def tried_here(solution: NotebookNode, exercise: str, checks: Iterable[str]) -> 
     return sum(solution.cells[i].cell_type == "code" for i in span) <= TRIAL_SPAN
 
 
+def section_steps(solution: NotebookNode, exercise: str,
+                  checks: Iterable[str]) -> list[tuple[str, str | None]]:
+    """What a trial of an exercise in its fakes module's TRIED_BY_SECTION reruns below the
+    answer (as (source, check or None)): the cells that follow the answer up to the first test
+    cell or heading (its set-up: an import of the file it wrote), then each of `checks`' own
+    section, from the heading above it down to it, less the other test cells. What the sections
+    in between compute (a race, say) stays the solution's; their cells start afresh when run
+    again (the lab's `fresh`)."""
+    ids = [nbgrader_meta(cell).get("grade_id") for cell in solution.cells]
+
+    def graded(index: int) -> bool:
+        return bool(nbgrader_meta(solution.cells[index]).get("grade"))
+
+    def heading(index: int) -> bool:
+        cell = solution.cells[index]
+        return cell.cell_type == "markdown" and cell.source.lstrip().startswith("#")
+
+    answer = ids.index(exercise)
+    chosen, index = set(), answer + 1
+    while index < len(solution.cells) and not graded(index) and not heading(index):
+        chosen.add(index)
+        index += 1
+    for check in checks:
+        end = ids.index(check)
+        start = max(k for k in range(answer, end) if k == answer or heading(k))
+        chosen |= {k for k in range(start + 1, end + 1) if k == end or not graded(k)}
+    return [(without_delimiters(solution.cells[k].source), ids[k] if graded(k) else None)
+            for k in sorted(chosen) if solution.cells[k].cell_type == "code"]
+
+
 def with_trials(submission: NotebookNode, solution: NotebookNode,
-                tried: dict[str, list[Fake] | list[Alternative]]) -> list[Trial]:
+                tried: dict[str, list[Fake] | list[Alternative]], *,
+                by_section: Iterable[str] = ()) -> list[Trial]:
     """Add to `submission` (the solution, answered) a trial of each of `tried`'s answers after
     the last check of its exercise, then one of the solution's answer, which puts the notebook
-    back as it was; returns the trials, in order."""
+    back as it was; returns the trials, in order. The exercises `by_section` rerun only their
+    checks' sections (`section_steps`)."""
     assert [nbgrader_meta(c).get("grade_id") for c in submission.cells] == [
         nbgrader_meta(c).get("grade_id") for c in solution.cells], "cells out of step"
     trials, added = [], {}
     for exercise, answers in tried.items():
-        span = check_span(solution, exercise, {c for answer in answers for c in answer.checked_by})
+        checked = {check for answer in answers for check in answer.checked_by}
+        span = check_span(solution, exercise, checked)
         answer_cell = solution.cells[span[0]]
-        checks = tuple(nbgrader_meta(solution.cells[i]).get("grade_id") for i in span
-                       if nbgrader_meta(solution.cells[i]).get("grade"))
+        # The solution's trial reruns every check in the span (by section: the answers' own).
+        graded = [nbgrader_meta(solution.cells[i]).get("grade_id") for i in span
+                  if nbgrader_meta(solution.cells[i]).get("grade")]
+        checks = tuple(check for check in graded if check in checked or exercise not in by_section)
         below = [(without_delimiters(solution.cells[i].source),
                   nbgrader_meta(solution.cells[i]).get("grade_id")
                   if nbgrader_meta(solution.cells[i]).get("grade") else None)
@@ -463,8 +498,10 @@ def with_trials(submission: NotebookNode, solution: NotebookNode,
             # cells are locked), and the solution's trial at the end runs them all.
             last = max((k for k, (_, check) in enumerate(below) if check in trial.checked_by),
                        default=-1)
-            steps = [(source, None), *((step, check) for step, check in below[:last + 1]
-                                       if check is None or check in trial.checked_by)]
+            steps = [(source, None), *(
+                section_steps(solution, exercise, trial.checked_by) if exercise in by_section
+                else ((step, check) for step, check in below[:last + 1]
+                      if check is None or check in trial.checked_by))]
             cells += [nbformat.v4.new_code_cell(TRIAL_STEP.format(
                 mark=TRIAL_MARK, name=trial.key, step=k + 1, steps=len(steps), source=step,
                 check=check, last=k == len(steps) - 1)) for k, (step, check) in enumerate(steps)]
@@ -510,10 +547,11 @@ def split_fakes(lab: str, solution: NotebookNode) -> tuple[dict[str, Fake], list
     """A lab's fakes: the first of each exercise (in the mistaken submission), the rounds of
     submissions of their own, and those tried in the solution's notebook."""
     first, far, tried = {}, {}, {}
+    by_section = tried_by_section(lab)
     for exercise, fakes in fakes_of(lab).items():
         first[exercise] = fakes[0]
         for fake in fakes[1:]:
-            near = tried_here(solution, exercise, fake.checked_by)
+            near = exercise in by_section or tried_here(solution, exercise, fake.checked_by)
             (tried if near else far).setdefault(exercise, []).append(fake)
     return first, rounds(far), tried
 
@@ -626,7 +664,7 @@ def graded(lab: str, course: Course) -> Graded:
     _, alternatives = split_alternatives(lab, course.solution)
     tried = {exercise: [*fakes.get(exercise, []), *alternatives.get(exercise, [])]
              for exercise in {**fakes, **alternatives}}
-    trials = with_trials(solution, course.solution, tried)
+    trials = with_trials(solution, course.solution, tried, by_section=tried_by_section(lab))
     course.submit(lab, "solution", solution)
     course.submit(lab, "untouched", course.released)
     course.run(COLLECT, lab)

@@ -3,7 +3,9 @@ without the work might hand in. Each lab's module, `NN_topic.py`, maps the grade
 exercise's solution cell to its fakes (`FAKES`); tests/test_grading.py (test i) grades them with
 nbgrader and requires each to score 0 on the test cells that check that exercise: an
 exercise's first fake in a submission of its own, the others tried in the solution's notebook
-(or, for an exercise whose checks lie far below it, in rounds of submissions). A fake that
+(or, for an exercise whose checks lie far below it, in rounds of submissions, unless the
+module's `TRIED_BY_SECTION` names it: its trials then rerun only the sections of their checks,
+see tests/test_grading.py's `section_steps`). A fake that
 leaves a thread or a process running is its exercise's first: tried in the solution's notebook,
 it would refuse every check below it.
 
@@ -69,6 +71,13 @@ def alternatives_of(lab: str) -> dict[str, list[Alternative]]:
     solution cell: its alternatives}."""
     module = _module(lab)
     return getattr(module, "ALTERNATIVES", {}) if module else {}
+
+
+def tried_by_section(lab: str) -> set[str]:
+    """The exercises of `lab` whose fakes far from their checks are tried in the solution's
+    notebook, section by section, rather than in rounds of submissions of their own."""
+    module = _module(lab)
+    return set(getattr(module, "TRIED_BY_SECTION", ())) if module else set()
 
 
 def rounds(fakes: dict[str, list[Fake]] | dict[str, list[Alternative]]) -> list[dict]:
