@@ -595,3 +595,55 @@ FAKES["impl-layout-cost"] += [
     _planner.estimate_memory = lambda *args, **kwargs: zero
     return {term: 0.0 for term in ("memory", "compute", "bubble", "tp", "pp", "dp")}"""),
 ]
+
+# Red team rt53 (stop 53): the planner's answer read while yours runs, from the check's frame
+# (reached through a traceback: sys._getframe and inspect are refused) or from a spy on the
+# planner installed when the answer cell runs. The check now asks the planner after yours ran,
+# from its own functions.
+_SPY = Fake("a spy on the planner, installed before the check", "red team rt53: the answer "
+            "cell wraps planner.estimate_time and estimate_memory; the check's own call of them, "
+            "before layout_cost runs, fills the spy's table, which layout_cost hands back",
+            ("test-layout-cost",), """\
+    seen = _SEEN.get((repr(layout), repr(model)), {})
+    return {k: float(seen.get(k, 0.0)) for k in ("memory", "compute", "bubble", "tp", "pp", "dp")}
+
+
+_SEEN = {}
+_real_time, _real_memory = planner.estimate_time, planner.estimate_memory
+
+
+def _spy_time(layout, model, cluster, global_batch, *args, **kwargs):
+    result = _real_time(layout, model, cluster, global_batch, *args, **kwargs)
+    _SEEN.setdefault((repr(layout), repr(model)), {}).update(
+        {"compute": result.compute, "bubble": result.bubble, "tp": result.tp_comm,
+         "pp": result.pp_comm, "dp": result.dp_comm})
+    return result
+
+
+def _spy_memory(layout, model, *args, **kwargs):
+    result = _real_memory(layout, model, *args, **kwargs)
+    _SEEN.setdefault((repr(layout), repr(model)), {})["memory"] = result.total
+    return result
+
+
+planner.estimate_time, planner.estimate_memory = _spy_time, _spy_memory""")
+
+# The spy is the exercise's first fake, graded in a submission of its own: tried in the
+# solution's notebook, the planner it leaves wrapped would refuse the solution's trial after it.
+FAKES["impl-layout-cost"][:0] = [_SPY]
+FAKES["impl-layout-cost"] += [
+    Fake("the check's expected, read off its frame", "red team rt53: raises and catches an "
+         "exception to reach the calling frames (e.__traceback__.tb_frame.f_back) and returns "
+         "the dict of the planner's terms it finds there", ("test-layout-cost",), """\
+    terms = ("memory", "compute", "bubble", "tp", "pp", "dp")
+    try:
+        raise RuntimeError
+    except RuntimeError as error:
+        frame = error.__traceback__.tb_frame.f_back
+    while frame is not None:
+        for value in frame.f_locals.values():
+            if isinstance(value, dict) and sorted(value) == sorted(terms):
+                return {k: float(value[k]) for k in terms}
+        frame = frame.f_back
+    return {k: 0.0 for k in terms}"""),
+]
