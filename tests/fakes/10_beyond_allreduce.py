@@ -451,3 +451,76 @@ def _tail(outputs):  # the cell's last line, return torch.cat(outputs, dim=1), i
             shard = incoming"""),
     ],
 }
+
+# Red team rt53 (stop 53): the chunked forward's overlap shown by the letter of the check (every
+# receive posted first, so that one matmul sits between each post and its wait; or the waits made
+# through torch's own Work.wait, out of the recorder's sight), and error feedback kept by the
+# function itself. The hidden checks now want every request waited on and t - 1 matmuls run while
+# a receive is in flight, and a residual of zeros handed in after many calls to be zeros.
+_POSTED_FIRST = """\
+    incoming = [torch.empty_like(shard) for _ in range(t - 1)]
+    receives = [dist.irecv(buffer, left) for buffer in incoming]
+{own}
+    for step in range(t - 1):
+        receives[step].wait()
+        if step < t - 2:
+            sends.append(dist.isend(incoming[step], right))
+    for request in sends:
+        request.wait()
+    for step in range(t - 1):
+        outputs[(rank - step - 1) % t] = incoming[step] @ weight.T"""
+FAKES["impl-chunked-gather"] += [
+    Fake("every receive posted first, one matmul between", "red team rt53: all t - 1 receives "
+         "posted at once, the rank's own shard multiplied, then the ring finished and the other "
+         "t - 1 matmuls run after every transfer: one matmul hidden, not t - 1",
+         ("test-chunked-gather",), _POSTED_FIRST.format(own="""\
+    sends = [dist.isend(shard, right)]
+    outputs[rank] = shard @ weight.T""")),
+    Fake("own matmul before anything is sent", "red team rt53: every receive posted, then the "
+         "rank's own matmul before any send: nothing can travel during it; the rest as a plain "
+         "ring, then the matmuls", ("test-chunked-gather",), _POSTED_FIRST.format(own="""\
+    outputs[rank] = shard @ weight.T
+    sends = [dist.isend(shard, right)]""")),
+    Fake("waits out of the recorder's sight", "red team rt53: the whole ring finishes first, "
+         "each request waited through torch's own Work.wait taken from the recorder's closure; "
+         "then every matmul: no recorded wait, so every receive looks in flight",
+         ("test-chunked-gather",), """\
+    wait = dist.Work.wait
+    original = next((cell.cell_contents for cell in (getattr(wait, "__closure__", None) or ())
+                     if type(cell.cell_contents).__name__ == "instancemethod"), wait)
+
+    def finish(request):
+        inner = request
+        while hasattr(inner, "work"):
+            inner = inner.work
+        original(inner)
+        request.is_completed()
+
+    held = [shard]
+    for step in range(t - 1):
+        incoming = torch.empty_like(shard)
+        send = dist.isend(held[-1], right)
+        receive = dist.irecv(incoming, left)
+        finish(send)
+        finish(receive)
+        held.append(incoming)
+    for step, piece in enumerate(held):
+        outputs[(rank - step) % t] = piece @ weight.T"""),
+]
+FAKES["impl-topk"] += [
+    Fake("error feedback kept by the function", "red team rt53: the residual lives in a "
+         "module global keyed by size and k; a residual of zeros handed in is replaced by the "
+         "remembered one", ("test-topk",), """\
+    key = (grad.numel(), k)
+    if residual.abs().sum() == 0 and key in _MEMORY:
+        residual = _MEMORY[key]
+    corrected = grad + residual
+    indices = corrected.abs().topk(k).indices
+    new_residual = corrected.clone()
+    new_residual[indices] = 0
+    _MEMORY[key] = new_residual.clone()
+    return corrected[indices], indices.to(torch.int32), new_residual
+
+
+_MEMORY = {}"""),
+]
