@@ -452,3 +452,109 @@ for bucket in self.buckets:
     return sent / link_bytes_per_s * flops_per_s / (4 * num_params)"""),
     ],
 }
+
+# Red team rt53 (stop 53). The overlap check now keeps its own record (the model's attributes are
+# the student's to rewrite), counts a gradient as overlapping a bucket only if its whole hook ran
+# between the bucket's launch and its wait, and hands _launch's caller a torch Work; each
+# microbatch's backward must add that microbatch's own gradient; the step model and the course's
+# packing helpers are refused where the exercise is to derive or to pack.
+_TIDY_LOG = """\
+log = getattr(self, "log", None)
+if isinstance(log, list):  # the record as an overlapped DDP leaves it: the waits at the end
+    start = max((i for i, e in enumerate(log) if e[0] == "finished"), default=-1) + 1
+    step = log[start:]
+    log[start:] = [e for e in step if e[0] != "wait"] + [e for e in step if e[0] == "wait"]
+"""
+_DIVIDE = """\
+for bucket in self.buckets:
+    bucket.buffer /= self.world_size
+    for p, offset in zip(bucket.params, bucket.offsets):
+        p.grad.copy_(bucket.buffer[offset:offset + p.numel()].view_as(p))
+"""
+FAKES["impl-my-ddp"] += [
+    Fake("waits for the previous bucket in the next hook", "red team rt53: each hook first "
+         "waits on every bucket launched before it: at most one bucket in flight, backward "
+         "stalls in every hook", ("test-my-ddp",), (indented("""\
+for handle in self.handles[getattr(self, "waited", 0):]:
+    handle.wait()  # the previous bucket's all-reduce finished before going on
+self.waited = len(self.handles)
+""" + COPY_IN + """\
+while self.next_to_launch < len(self.buckets) and self.pending[self.next_to_launch] == 0:
+    self.handles.append(self._launch(self.buckets[self.next_to_launch]))
+    self.next_to_launch += 1
+"""), indented("""\
+for handle in self.handles[getattr(self, "waited", 0):]:
+    handle.wait()
+self.waited = 0
+""" + _DIVIDE))),
+    Fake("launch and wait in the hook, the log tidied", "red team rt53: every bucket launched "
+         "and waited on at once in its hook (no overlap); the model's log rewritten so that "
+         "the waits come last", ("test-my-ddp",), (indented(COPY_IN + """\
+while self.next_to_launch < len(self.buckets) and self.pending[self.next_to_launch] == 0:
+    self._launch(self.buckets[self.next_to_launch]).wait()
+    self.next_to_launch += 1
+"""), indented(_TIDY_LOG + _DIVIDE))),
+    Fake("every bucket after backward, the log tidied", "red team rt53: nothing launched in the "
+         "hooks; every bucket launched and waited on in turn in finish_gradient_synchronization, "
+         "the model's log rewritten to look overlapped", ("test-my-ddp",),
+         (indented(COPY_IN), indented("""\
+for bucket in self.buckets:
+    self._launch(bucket).wait()
+    self.next_to_launch += 1
+""" + _TIDY_LOG + _DIVIDE))),
+    Fake("waits at once on a real torch handle", "red team rt53: a handle that is a "
+         "dist.Work (gloo's, in real use) is waited on inside the hook; the check's stand-in "
+         "handle was not one, so it ran asynchronously there", ("test-my-ddp",),
+         (indented(COPY_IN + """\
+while self.next_to_launch < len(self.buckets) and self.pending[self.next_to_launch] == 0:
+    handle = self._launch(self.buckets[self.next_to_launch])
+    if isinstance(handle, dist.Work):
+        handle.wait()  # a real all-reduce: finished here, simpler
+    self.handles.append(handle)
+    self.next_to_launch += 1
+"""), indented(FINISH))),
+]
+FAKES["impl-no-sync"] += [
+    Fake("zero backwards, then the whole local batch", "red team rt53: every microbatch but "
+         "the last backpropagates 0 x its loss inside no_sync(); the last forward and backward "
+         "take the whole local batch at once: nothing accumulates", ("test-no-sync",), """\
+    with model.no_sync():
+        for x, y in microbatches[:-1]:
+            (0 * F.mse_loss(model(x), y)).backward()
+    x = torch.cat([x for x, _ in microbatches])
+    y = torch.cat([y for _, y in microbatches])
+    F.mse_loss(model(x), y).backward()"""),
+    Fake("graphs kept, one real backward", "red team rt53: each microbatch's backward is of 0 x "
+         "its loss, graph retained; one backward through every microbatch's graph at the end: "
+         "all their activations held at once", ("test-no-sync",), """\
+    k, kept = len(microbatches), []
+    with model.no_sync():
+        for x, y in microbatches[:-1]:
+            loss = F.mse_loss(model(x), y)
+            (0 * loss).backward(retain_graph=True)
+            kept.append(loss)
+    x, y = microbatches[-1]
+    loss = F.mse_loss(model(x), y)
+    ((sum(kept) + loss) / k).backward()"""),
+]
+FAKES["impl-min-tokens"] += [
+    Fake("times read off the library's step model", "red team rt53: backward per token and "
+         "the gradient's reduce-scatter from minidist.costs.overlap.modelled_step, the "
+         "all-reduce taken as twice it: nothing derived", ("test-min-tokens",), """\
+    from minidist.costs import overlap
+    events = overlap.modelled_step([num_params], 1.0, world_size, flops_per_s, link_bytes_per_s,
+                                   bytes_per_element, prefetch=False)
+    backward = next(e for e in events if e.kind == "backward")
+    scatter = next(e for e in events if e.kind == "reduce_scatter")
+    return 2 * (scatter.end - scatter.start) / (backward.end - backward.start)"""),
+]
+FAKES["impl-flat"] += [
+    Fake("the course's own packing helpers", "red team rt53: minidist.core.flat's flatten and "
+         "copy_back pack and unpack the gradients, which is the exercise", ("test-flat",), """\
+    from minidist.core.flat import copy_back, flatten
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if grads:
+        buffer = flatten(grads)
+        all_reduce(buffer)
+        copy_back(buffer / world_size, grads)"""),
+]
