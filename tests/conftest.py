@@ -65,14 +65,16 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
                 "worker": os.environ.get("PYTEST_XDIST_WORKER", "main")}) + "\n")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def no_event_loop_pool_left_behind() -> Iterator[None]:
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
     """A module that drives a browser with Playwright in this process leaves asyncio's default
     executor behind, its thread ('asyncio_0') idle. minidist's checks refuse to run beside a
     pool's thread (it runs whatever it is handed, out of the check's sight), so a later test of
-    a check on the same worker would fail for it: shut such pools down after each module (its
-    own tests may still use the pool)."""
-    yield
+    a check on the same worker would fail for it: shut such pools down as a module's last test
+    is torn down (its own tests may still use the pool). A hook, not an autouse fixture: a
+    module-scoped fixture would keep every module's tests on one worker (see above)."""
+    if nextitem is not None and nextitem.module is item.module:
+        return
     for thread in threading.enumerate():
         owner = getattr(thread, "_args", None)
         if thread.name.startswith("asyncio_") and owner and callable(owner[0]):
