@@ -496,12 +496,14 @@ def with_trials(submission: NotebookNode, solution: NotebookNode,
             # An answer's trial runs the cells below it down to the last check of its own, less
             # the other checks: what they define the solution's run has defined already (test
             # cells are locked), and the solution's trial at the end runs them all.
-            last = max((k for k, (_, check) in enumerate(below) if check in trial.checked_by),
-                       default=-1)
-            steps = [(source, None), *(
-                section_steps(solution, exercise, trial.checked_by) if exercise in by_section
-                else ((step, check) for step, check in below[:last + 1]
-                      if check is None or check in trial.checked_by))]
+            if exercise in by_section:
+                rerun = section_steps(solution, exercise, trial.checked_by)
+            else:
+                last = max((k for k, (_, check) in enumerate(below)
+                            if check in trial.checked_by), default=-1)
+                rerun = [(step, check) for step, check in below[:last + 1]
+                         if check is None or check in trial.checked_by]
+            steps = [(source, None), *rerun]
             cells += [nbformat.v4.new_code_cell(TRIAL_STEP.format(
                 mark=TRIAL_MARK, name=trial.key, step=k + 1, steps=len(steps), source=step,
                 check=check, last=k == len(steps) - 1)) for k, (step, check) in enumerate(steps)]

@@ -571,6 +571,7 @@ _LOOKUP_WARNING = "[c10d] The hostname of the client socket cannot be retrieved"
 def _emit(rank: _RankProcess, pipe, lines: list[bytes], live: _LiveLine) -> None:
     text = [line.decode(errors="replace") for line in lines]
     if pipe is rank.stderr:
+        text = [line for line in text if _LOOKUP_WARNING not in line]
         if rank.captured_stderr is not None:
             rank.captured_stderr += text
             return
@@ -582,7 +583,6 @@ def _emit(rank: _RankProcess, pipe, lines: list[bytes], live: _LiveLine) -> None
                 text = text[:number]
                 break
         rank.stderr_tail.extend(text)
-        text = [line for line in text if _LOOKUP_WARNING not in line]
     if not text:
         return
     live.clear()
