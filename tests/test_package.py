@@ -18,7 +18,7 @@ PACKAGE = REPO / "lib" / "minidist"
 # modules before it in its folder's list (lib/minidist/README.md draws this; each folder's
 # README lists its modules in this order).
 FOLDERS = {
-    "core": ["_checks", "_groups", "_fork_server_exit", "interposer", "agreement", "_calls",
+    "core": ["_checks", "_groups", "_fork_server_ready", "interposer", "agreement", "_calls",
              "_diagnose", "_supervisor", "launch", "flat", "timeline", "refusal", "checking",
              "predictions"],
     "costs": ["algorithms", "cost", "memory", "footprint", "flops", "overlap", "tiers", "bubbles",

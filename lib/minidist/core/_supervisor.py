@@ -123,7 +123,7 @@ def _fork_server() -> multiprocessing.context.ForkServerContext:
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed",
                                     "torch.distributed.optim", "cloudpickle", __name__,
-                                    *_library_modules(), "minidist.core._fork_server_exit"])
+                                    *_library_modules(), "minidist.core._fork_server_ready"])
     return context
 
 
@@ -157,7 +157,7 @@ def _stop_servers(change: dict) -> None:
 def _library_modules() -> tuple[str, ...]:
     return tuple(module.name for module in pkgutil.walk_packages(minidist.__path__, "minidist.")
                  if not module.name.startswith(("minidist.pictures", "minidist.core.checking",
-                                                "minidist.core._fork_server_exit")))
+                                                "minidist.core._fork_server_ready")))
 
 
 @contextlib.contextmanager
