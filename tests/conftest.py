@@ -1,6 +1,7 @@
 import json
 import multiprocessing.util
 import os
+import resource
 import shutil
 import tempfile
 import threading
@@ -54,15 +55,24 @@ def group_of(item: pytest.Item) -> str | None:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     """With SCALING_LAB_TIMELINE=path, each test's worker, group, start and end (epoch seconds)
-    are appended to that file, one JSON line per test: what ran beside what, and which group
-    kept one worker busy at the end (LONGEST_FIRST's order comes from it)."""
-    start = time.time()
+    and CPU seconds are appended to that file, one JSON line per test: what ran beside what,
+    which group kept one worker busy at the end (LONGEST_FIRST's order comes from it), and what
+    the suite's CPU goes to (on 2 cores its time is its CPU over 2). The CPU counts this worker
+    and the processes it waited for, theirs included (a notebook's kernel, its fork server and
+    ranks), in the test whose set-up or body ran them."""
+    start, cpu = time.time(), cpu_seconds()
     yield
     if path := os.environ.get("SCALING_LAB_TIMELINE"):
         with open(path, "a") as timeline:
             timeline.write(json.dumps({
                 "test": item.nodeid, "group": group_of(item), "start": start, "end": time.time(),
+                "cpu": cpu_seconds() - cpu,
                 "worker": os.environ.get("PYTEST_XDIST_WORKER", "main")}) + "\n")
+
+
+def cpu_seconds() -> float:
+    return sum(sum(resource.getrusage(who)[:2])
+               for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
 
 
 @pytest.hookimpl(trylast=True)
