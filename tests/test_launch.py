@@ -3,8 +3,10 @@ behind."""
 
 import contextlib
 import os
+import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -636,6 +638,22 @@ def test_an_in_place_job_frees_its_groups_before_python_shuts_down(tmp_path):
     assert done.stdout.count("threads at shutdown: ['python']") == 2, done.stdout
 
 
+def unused_port_below_the_ephemeral_range() -> int:
+    """A port no one listens on now, below the range the kernel hands out to outgoing
+    connections: srun's tasks are told one by MASTER_PORT, and a port in that range (one a pid
+    gave, say) can be taken by any connection on the machine before the store listens on it."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
+        ephemeral = int(ports.read().split()[0])
+    for port in random.Random().sample(range(20000, ephemeral), 200):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise AssertionError(f"no free port between 20000 and {ephemeral}")
+
+
 def test_slurm_srun_environment_runs_in_place(tmp_path):
     """What `srun -n 2 python lab.py` gives each task (without a Slurm cluster here)."""
     script = tmp_path / "lab.py"
@@ -648,7 +666,7 @@ def test_slurm_srun_environment_runs_in_place(tmp_path):
             return t.item()
         print(f"results {run(total, 2)}", flush=True)
     """))
-    port = str(20000 + os.getpid() % 20000)
+    port = str(unused_port_below_the_ephemeral_range())
     tasks = []
     for rank in range(2):
         env = {
