@@ -2,6 +2,7 @@
 torch.distributed calls, and the library's versions they make unavailable."""
 
 import inspect
+import io
 import os
 import re
 import signal
@@ -842,3 +843,60 @@ def test_a_block_inside_a_block_that_refuses_files_still_starts():
     with unavailable("minidist.communication.comm.chunk_bounds", *FILES):
         with unavailable("minidist.communication.comm.ring_all_reduce", processes=True):
             pass
+
+
+def test_torch_load_runs_unwatched_only_where_it_can_run_nothing_but_torchs_code(tmp_path):
+    """Inside a block torch.load of tensors from a path runs with the copy-detecting hook off
+    (its Python unpickler made a restore four times slower); a file-like object of the
+    caller's, a class of the caller's allowed in the load, or a callable map_location keeps the
+    hook on (their code runs inside the load), and so does a block that refuses files."""
+    from minidist.communication import comm
+    from minidist.core.refusal import FILES
+
+    source = {}
+    exec(compile(inspect.getsource(comm.chunk_bounds), "<copy>", "exec"), source)
+    path = tmp_path / "tensors.pt"
+    torch.save({"weight": torch.ones(3)}, path)
+
+    class Reading(io.BytesIO):
+        def read(self, *args):
+            source["chunk_bounds"](8, 2)  # a copy of the refused function, inside the load
+            return super().read(*args)
+
+    def allowing_kept():
+        with torch.serialization.safe_globals([Kept]):
+            return torch.load(tmp_path / "kept.pt")
+
+    def placing(storage, location):
+        source["chunk_bounds"](8, 2)
+        return storage
+
+    torch.save({"weight": torch.ones(3), "kept": Kept()}, tmp_path / "kept.pt")
+    Kept.copied = source["chunk_bounds"]
+    original = torch.load
+    with unavailable("minidist.communication.comm.chunk_bounds"):
+        assert torch.load is not original and torch.load.__wrapped__ is original
+        assert torch.load(path)["weight"].tolist() == [1.0, 1.0, 1.0]
+    assert torch.load is original and torch.serialization.load is original
+    for watched in (lambda: torch.load(Reading(path.read_bytes())),
+                    lambda: torch.load(path, map_location=placing), allowing_kept):
+        with pytest.raises(LibraryVersionUsed, match="chunk_bounds"):
+            with unavailable("minidist.communication.comm.chunk_bounds"):
+                watched()
+    with unavailable("minidist.communication.comm.chunk_bounds", *FILES, allow=("io.open",)):
+        assert torch.load is original  # files refused: the loader keeps its watch
+
+
+class Kept:
+    """A class of the caller's that a weights-only load may build once allowed in: its
+    __setstate__ runs `copied`, a copy of a refused function (test above)."""
+
+    copied = None
+
+    def __init__(self):
+        self.size = 3  # some state, or pickle never calls __setstate__
+
+    def __setstate__(self, state):
+        if Kept.copied is not None:
+            Kept.copied(8, 2)
+        self.__dict__.update(state)

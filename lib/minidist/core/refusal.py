@@ -672,6 +672,7 @@ def _source(code: types.CodeType) -> str:
 
 
 @functools.lru_cache(maxsize=4096)  # a check refuses the same functions again and again
+@functools.lru_cache(maxsize=4096)  # code is immutable: a rank's blocks see the same code again
 def _fingerprint(code: types.CodeType) -> tuple:
     """What every copy of `code` keeps, however it and its locals are renamed and whatever its
     line numbers: its instructions, each with the constant, global or attribute name it uses
@@ -785,7 +786,8 @@ def _made_from_text(filename: str) -> bool:
 _CELL = re.compile(r"/ipykernel_\d+/\d+\.py$|^<ipython-input-")
 
 
-def _resembles(called: types.CodeType, originals: list[_Original]) -> str | None:
+@functools.lru_cache(maxsize=4096)  # difflib on columns: met again in block after block
+def _resembles(called: types.CodeType, originals: tuple[_Original, ...]) -> str | None:
     """The path of the refused function `called` is an edited copy of (a line added, removed
     or changed, then compiled from the library's source): most of its columns, in order."""
     columns = _columns(called)
@@ -832,7 +834,7 @@ def _refusing_copies(builtins: dict[int, str], code: dict[int, list[_Original]],
     its file, its source exec'd, the function copied under another name), raises, from any
     caller, in this thread and in threads it starts."""
     seen: dict[int, tuple[types.CodeType, str | None]] = {}  # id(code) -> (code, refused path)
-    every = [original for originals in code.values() for original in originals]
+    every = tuple(original for originals in code.values() for original in originals)
 
     def refused_copy(called: types.CodeType) -> str | None:  # once per code object
         path = None
@@ -891,15 +893,73 @@ def _refusing_copies(builtins: dict[int, str], code: dict[int, list[_Original]],
 
     raised: list[str] = []
     previous, previous_threads = sys.getprofile(), threading.getprofile()
+    loader = None if any(path in FILES for path in builtins.values()) else _unwatched_loader()
     sys.setprofile(profile)
     threading.setprofile(profile)
     try:
-        yield
+        with loader or contextlib.nullcontext():
+            yield
         if sys.getprofile() is not profile and not raised:  # switched off, unseen by the hook
             raise LibraryVersionUsed(_refusal("sys.setprofile", reason))
     finally:
         sys.setprofile(previous)
         threading.setprofile(previous_threads)
+
+
+_TORCH_LOAD = torch.serialization.load
+_LOAD_PARAMETERS = inspect.signature(_TORCH_LOAD)
+_TORCH_PACKAGES = len(torch.serialization._package_registry)  # where storages go: cpu, cuda, ...
+
+
+@contextlib.contextmanager
+def _unwatched_loader() -> Iterator[None]:
+    """While the block runs, torch.load runs with the hook off when it can run only torch's code:
+    from a path, tensors only (weights_only, and no class of the caller's allowed in), no
+    callable map_location, no storage location of the caller's registered. Its unpickler is
+    Python, every opcode a call the hook would see: a rank's restore from a checkpoint of 200
+    tensors took four times as long watched. Not where the block refuses files (the loader
+    opens one), and not when torch.load is already someone else's."""
+    if torch.load is not _TORCH_LOAD or torch.serialization.load is not _TORCH_LOAD:
+        yield
+        return
+
+    @functools.wraps(_TORCH_LOAD)
+    def load(*args: Any, **kwargs: Any) -> Any:
+        try:
+            given = _LOAD_PARAMETERS.bind(*args, **kwargs).arguments
+        except TypeError:  # torch says what is wrong
+            return _TORCH_LOAD(*args, **kwargs)
+        only_torch = (isinstance(given.get("f"), (str, os.PathLike))
+                      and given.get("pickle_module") is None
+                      and not callable(given.get("map_location"))
+                      and (given.get("weights_only") is True
+                           or given.get("weights_only") is None
+                           and "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD" not in os.environ)
+                      and all(map(_torchs_own, torch.serialization.get_safe_globals()))
+                      and len(torch.serialization._package_registry) == _TORCH_PACKAGES)
+        if not only_torch:
+            return _TORCH_LOAD(*args, **kwargs)
+        hook = sys.getprofile()
+        sys.setprofile(None)
+        try:
+            return _TORCH_LOAD(*args, **kwargs)
+        finally:
+            sys.setprofile(hook)
+
+    torch.load = torch.serialization.load = load
+    try:
+        yield
+    finally:
+        torch.load = torch.serialization.load = _TORCH_LOAD
+
+
+def _torchs_own(allowed: Any) -> bool:
+    """Whether a class or function torch.load may build (a safe global) is torch's own, as its
+    module holds it: torch registers a few; one of the caller's would run its code in the load."""
+    allowed = allowed[0] if isinstance(allowed, tuple) else allowed  # (class, name it goes by)
+    module = sys.modules.get(getattr(allowed, "__module__", None) or "")
+    return (module is not None and module.__name__.partition(".")[0] == "torch"
+            and getattr(module, getattr(allowed, "__name__", ""), None) is allowed)
 
 
 @functools.cache  # the same functions in every block: looked up once
