@@ -1022,7 +1022,8 @@ def _owner(path: str) -> tuple[Any, str]:
     split = _module_prefix(path)
     if split is None:
         raise ModuleNotFoundError(f"{path}: no module to import in it")
-    owner = importlib.import_module(".".join(parts[:split]))
+    module = ".".join(parts[:split])
+    owner = sys.modules.get(module) or importlib.import_module(module)  # loaded: no importlib
     for name in parts[split:-1]:
         owner = getattr(owner, name)
     if not hasattr(owner, parts[-1]):
