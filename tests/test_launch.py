@@ -491,6 +491,9 @@ def test_a_kernel_that_ran_ranks_shuts_down_by_itself(tmp_path):
     wait at every restart, and after every notebook nbgrader runs)."""
     jupyter_client = pytest.importorskip("jupyter_client")
     manager = jupyter_client.KernelManager(kernel_name="python3")
+    # A kernel kept alive by its helpers never exits; one tearing torch down on a busy machine
+    # takes seconds: the client's grace (5 s by default) is long enough to tell them apart.
+    manager.shutdown_wait_time = 60
     manager.start_kernel(cwd=str(tmp_path))
     kernel = manager.provisioner.process
     client = manager.client()

@@ -15,9 +15,10 @@ catches is raised again when the block ends. What would work out of the block's 
 refused with it: switching its watch off, a thread or a process the notebook left running
 beside it, and (when asked) files, pipes and sockets.
 
-Why one module of about 850 lines: the refusal of each kind of callable (Python function, class
+Why one module of about 1050 lines: the refusal of each kind of callable (Python function, class
 method, C function, dispatcher op, a copy's code) is one mechanism, swapped in and out together,
-and what it watches (this thread, and what runs beside it) is what makes it hold.
+and what it watches (this thread, and what runs beside it, and where it may look away: torch's
+loader of tensors) is what makes it hold.
 """
 
 from __future__ import annotations
