@@ -216,27 +216,29 @@ def unavailable(*paths: str, reason: str = "", allow: Iterable[str] = (),
             f"as it found it (the check compares with it); it is put back")
 
 
-def _library_names() -> dict[str, Any]:
-    """Every function and class a loaded minidist module holds, by dotted name: what a check
-    compares the student's function with."""
-    found = {}
-    for name, module in list(sys.modules.items()):
-        if name.startswith("minidist.") and module is not None:
-            for attribute, value in list(vars(module).items()):
-                if isinstance(value, (types.FunctionType, type, functools.partial)):
-                    found[f"{name}.{attribute}"] = value
-    return found
+def _library_names() -> dict[str, dict[str, Any]]:
+    """What a check compares the student's function with: a copy of every loaded minidist
+    module's namespace, by module name (copied whole, in C; what it holds is sorted out only
+    where something was rebound, as the block ends)."""
+    return {name: dict(vars(module)) for name, module in list(sys.modules.items())
+            if name.startswith("minidist.") and module is not None}
 
 
-def _put_back(library: dict[str, Any]) -> list[str]:
-    """The names of `library` (dotted) bound to something else now, each put back."""
+def _put_back(library: dict[str, dict[str, Any]]) -> list[str]:
+    """The functions and classes of `library` (dotted) bound to something else now, each put
+    back."""
     rebound = []
-    for dotted, value in library.items():
-        module_name, attribute = dotted.rsplit(".", 1)
+    for module_name, before in library.items():
         module = sys.modules.get(module_name)
-        if module is not None and vars(module).get(attribute, value) is not value:
-            setattr(module, attribute, value)
-            rebound.append(dotted)
+        if module is None:
+            continue
+        now = vars(module)
+        for attribute in [name for name, value in before.items()
+                          if now.get(name, value) is not value]:
+            value = before[attribute]
+            if isinstance(value, (types.FunctionType, type, functools.partial)):
+                setattr(module, attribute, value)
+                rebound.append(f"{module_name}.{attribute}")
     return rebound
 
 
