@@ -849,7 +849,8 @@ def test_torch_load_runs_unwatched_only_where_it_can_run_nothing_but_torchs_code
     """Inside a block torch.load of tensors from a path runs with the copy-detecting hook off
     (its Python unpickler made a restore four times slower); a file-like object of the
     caller's, a class of the caller's allowed in the load, or a callable map_location keeps the
-    hook on (their code runs inside the load), and so does a block that refuses files."""
+    hook on (their code runs inside the load), and so does a block that refuses files, inside
+    one that does not too (only the innermost block's hook watches)."""
     from minidist.communication import comm
     from minidist.core.refusal import FILES
 
@@ -883,8 +884,12 @@ def test_torch_load_runs_unwatched_only_where_it_can_run_nothing_but_torchs_code
         with pytest.raises(LibraryVersionUsed, match="chunk_bounds"):
             with unavailable("minidist.communication.comm.chunk_bounds"):
                 watched()
-    with unavailable("minidist.communication.comm.chunk_bounds", *FILES, allow=("io.open",)):
-        assert torch.load is original  # files refused: the loader keeps its watch
+    with unavailable("minidist.communication.comm.chunk_bounds"):
+        unwatched = torch.load
+        with unavailable("minidist.communication.comm.chunk_bounds", *FILES):
+            assert torch.load is original  # files refused: the loader keeps its watch
+        assert torch.load is unwatched
+    assert torch.load is original and torch.serialization.load is original
 
 
 class Kept:

@@ -896,11 +896,11 @@ def _refusing_copies(builtins: dict[int, str], code: dict[int, list[_Original]],
 
     raised: list[str] = []
     previous, previous_threads = sys.getprofile(), threading.getprofile()
-    loader = None if any(path in FILES for path in builtins.values()) else _unwatched_loader()
+    loader = _torch_loader(watched=any(path in FILES for path in builtins.values()))
     sys.setprofile(profile)
     threading.setprofile(profile)
     try:
-        with loader or contextlib.nullcontext():
+        with loader:
             yield
         if sys.getprofile() is not profile and not raised:  # switched off, unseen by the hook
             raise LibraryVersionUsed(_refusal("sys.setprofile", reason))
@@ -914,46 +914,51 @@ _LOAD_PARAMETERS = inspect.signature(_TORCH_LOAD)
 _TORCH_PACKAGES = len(torch.serialization._package_registry)  # where storages go: cpu, cuda, ...
 
 
+@functools.wraps(_TORCH_LOAD)
+def _unwatched_load(*args: Any, **kwargs: Any) -> Any:
+    """torch.load inside a block that does not refuse files: with the hook off when it can run
+    only torch's code (see `_torch_loader`)."""
+    try:
+        given = _LOAD_PARAMETERS.bind(*args, **kwargs).arguments
+    except TypeError:  # torch says what is wrong
+        return _TORCH_LOAD(*args, **kwargs)
+    only_torch = (isinstance(given.get("f"), (str, os.PathLike))
+                  and given.get("pickle_module") is None
+                  and not callable(given.get("map_location"))
+                  and (given.get("weights_only") is True
+                       or given.get("weights_only") is None
+                       and "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD" not in os.environ)
+                  and all(map(_torchs_own, torch.serialization.get_safe_globals()))
+                  and len(torch.serialization._package_registry) == _TORCH_PACKAGES)
+    if not only_torch:
+        return _TORCH_LOAD(*args, **kwargs)
+    hook = sys.getprofile()
+    sys.setprofile(None)
+    try:
+        return _TORCH_LOAD(*args, **kwargs)
+    finally:
+        sys.setprofile(hook)
+
+
 @contextlib.contextmanager
-def _unwatched_loader() -> Iterator[None]:
-    """While the block runs, torch.load runs with the hook off when it can run only torch's code:
-    from a path, tensors only (weights_only, and no class of the caller's allowed in), no
-    callable map_location, no storage location of the caller's registered. Its unpickler is
-    Python, every opcode a call the hook would see: a rank's restore from a checkpoint of 200
-    tensors took four times as long watched. Not where the block refuses files (the loader
-    opens one), and not when torch.load is already someone else's."""
-    if torch.load is not _TORCH_LOAD or torch.serialization.load is not _TORCH_LOAD:
+def _torch_loader(watched: bool) -> Iterator[None]:
+    """torch.load while the block runs: watched, as any call is, where the block refuses files
+    (the loader opens one); elsewhere `_unwatched_load`, which turns the hook off when the load
+    can run only torch's code: from a path, tensors only (weights_only, and no class of the
+    caller's allowed in), no callable map_location, no storage location of the caller's
+    registered. Its unpickler is Python, every opcode a call the hook would see: a rank's
+    restore from a checkpoint of 200 tensors took four times as long watched. Set by each block
+    and put back as it ends, since only the innermost block's hook watches; left alone when
+    torch.load is someone else's."""
+    before = torch.load, torch.serialization.load
+    if not all(load in (_TORCH_LOAD, _unwatched_load) for load in before):
         yield
         return
-
-    @functools.wraps(_TORCH_LOAD)
-    def load(*args: Any, **kwargs: Any) -> Any:
-        try:
-            given = _LOAD_PARAMETERS.bind(*args, **kwargs).arguments
-        except TypeError:  # torch says what is wrong
-            return _TORCH_LOAD(*args, **kwargs)
-        only_torch = (isinstance(given.get("f"), (str, os.PathLike))
-                      and given.get("pickle_module") is None
-                      and not callable(given.get("map_location"))
-                      and (given.get("weights_only") is True
-                           or given.get("weights_only") is None
-                           and "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD" not in os.environ)
-                      and all(map(_torchs_own, torch.serialization.get_safe_globals()))
-                      and len(torch.serialization._package_registry) == _TORCH_PACKAGES)
-        if not only_torch:
-            return _TORCH_LOAD(*args, **kwargs)
-        hook = sys.getprofile()
-        sys.setprofile(None)
-        try:
-            return _TORCH_LOAD(*args, **kwargs)
-        finally:
-            sys.setprofile(hook)
-
-    torch.load = torch.serialization.load = load
+    torch.load = torch.serialization.load = _TORCH_LOAD if watched else _unwatched_load
     try:
         yield
     finally:
-        torch.load = torch.serialization.load = _TORCH_LOAD
+        torch.load, torch.serialization.load = before
 
 
 def _torchs_own(allowed: Any) -> bool:
