@@ -675,7 +675,6 @@ def _source(code: types.CodeType) -> str:
 
 
 @functools.lru_cache(maxsize=4096)  # a check refuses the same functions again and again
-@functools.lru_cache(maxsize=4096)  # code is immutable: a rank's blocks see the same code again
 def _fingerprint(code: types.CodeType) -> tuple:
     """What every copy of `code` keeps, however it and its locals are renamed and whatever its
     line numbers: its instructions, each with the constant, global or attribute name it uses
