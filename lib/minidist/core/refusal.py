@@ -31,7 +31,9 @@ import functools
 import importlib
 import importlib.util
 import inspect
+import itertools
 import linecache
+import operator
 import os
 import re
 import socket
@@ -220,8 +222,18 @@ def _library_names() -> dict[str, dict[str, Any]]:
     """What a check compares the student's function with: a copy of every loaded minidist
     module's namespace, by module name (copied whole, in C; what it holds is sorted out only
     where something was rebound, as the block ends)."""
-    return {name: dict(vars(module)) for name, module in list(sys.modules.items())
-            if name.startswith("minidist.") and module is not None}
+    modules = sys.modules
+    names = list(modules)  # ~1200 with torch's: picked out in C
+    return {name: dict(vars(module)) for name in itertools.compress(
+                names, map(str.startswith, names, itertools.repeat("minidist.")))
+            if (module := modules.get(name)) is not None}
+
+
+def _unchanged(before: dict[str, Any], now: dict[str, Any]) -> bool:
+    """Whether the namespace `now` holds the very names and values `before` did, in order
+    (compared by identity, in C: an object's own __eq__ has no say)."""
+    return (len(before) == len(now) and all(map(operator.is_, before, now))
+            and all(map(operator.is_, before.values(), now.values())))
 
 
 def _put_back(library: dict[str, dict[str, Any]]) -> list[str]:
@@ -233,6 +245,8 @@ def _put_back(library: dict[str, dict[str, Any]]) -> list[str]:
         if module is None:
             continue
         now = vars(module)
+        if _unchanged(before, now):
+            continue
         for attribute in [name for name, value in before.items()
                           if now.get(name, value) is not value]:
             value = before[attribute]
