@@ -17,7 +17,13 @@ import torch.distributed as dist
 from minidist.communication import comm
 from minidist.core.checking import recording, tampered_receives
 from minidist.core.launch import run
-from minidist.core.refusal import TORCH_COLLECTIVES, LibraryVersionUsed, _strangers, unavailable
+from minidist.core.refusal import (
+    TORCH_COLLECTIVES,
+    LibraryVersionUsed,
+    _may_descend,
+    _strangers,
+    unavailable,
+)
 from minidist.parallel import tensor_parallel
 
 
@@ -833,6 +839,23 @@ def test_a_helper_detached_before_the_check_is_refused():
         time.sleep(0.05)
     with unavailable("minidist.communication.comm.chunk_bounds"):
         pass  # gone: the next check runs
+
+
+def test_only_a_process_that_may_descend_from_the_notebook_is_read():
+    """A helper detached from the notebook is adopted by init or by one of the notebook's own
+    ancestors; a process another, older lineage started (another notebook's rank) cannot be
+    the notebook's, and its descriptors are left unread."""
+    # pid: (parent, start time). 1 init; 10 the server, 20 the notebook (born at 200); 30 a
+    # sibling notebook started before it; 40 its rank, started after the notebook.
+    processes = {1: (0, 0), 10: (1, 100), 20: (10, 200), 30: (10, 150), 40: (30, 300),
+                 50: (1, 310),  # a helper the notebook double-forked: adopted by init
+                 60: (10, 320),  # one adopted by the server (an ancestor that adopts orphans)
+                 70: (80, 330), 80: (20, 325),  # a helper's child, its parent still the helper
+                 90: (30, 140)}  # older than the notebook: never its
+    lineage = {1, 10, 20}
+    may = {pid for pid in processes if pid not in lineage
+           and _may_descend(pid, processes, lineage, born=200)}
+    assert may == {50, 60, 70, 80}, may
 
 
 def test_a_block_inside_a_block_that_refuses_files_still_starts():
