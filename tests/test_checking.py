@@ -697,6 +697,11 @@ def test_a_library_name_rebound_inside_a_check_is_refused_and_put_back():
         with unavailable("minidist.costs.planner.estimate_memory"):
             planner.estimate_time = stand_in
     assert planner.estimate_time is original, "put back at the block's end"
+    with pytest.raises(LibraryVersionUsed, match="was rebound inside the check"):
+        with unavailable("minidist.costs.planner.estimate_memory"):
+            with unavailable("minidist.costs.planner.plan"):  # leaves it to the outer block
+                planner.estimate_time = stand_in
+    assert planner.estimate_time is original, "put back as the outer block ends"
     planner.estimate_time = stand_in
     try:
         with unavailable("minidist.costs.planner.estimate_memory"):

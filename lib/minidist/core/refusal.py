@@ -200,8 +200,9 @@ def unavailable(*paths: str, reason: str = "", allow: Iterable[str] = (),
             f"this thread, where the library's versions it is compared with are unavailable; "
             f"finish it (join it, shut the pool down) before the check")
     # What the check compares with: a name the checked function rebinds is put back (a
-    # check's own spy, bound before the block, stays).
-    library = _library_names()
+    # check's own spy, bound before the block, stays). A block inside another leaves that to
+    # the outer one, which still refuses it as it ends (Lab 14's pieces open one at each call).
+    library = {} if sys.getprofile() in _HOOKS else _library_names()
     try:
         refuse()
         with interposer.subscribed("recording", {"minidist.refusal": keep}), \
@@ -647,19 +648,32 @@ def _refusing_code(code: types.CodeType, message: str) -> types.CodeType:
 
 @functools.lru_cache(maxsize=4096)  # keyed by the file too: equal code compares equal across files
 def _refusing_code_at(code: types.CodeType, filename: str, message: str) -> types.CodeType:
-    free = [f"_free{i}" for i in range(len(code.co_freevars))]
+    refused = _refusing_template(len(code.co_freevars))
+    return refused.replace(co_name=code.co_name, co_qualname=code.co_qualname,
+                           co_filename=filename, co_firstlineno=code.co_firstlineno,
+                           co_consts=tuple(message if constant is _MESSAGE else constant
+                                           for constant in refused.co_consts))
+
+
+_MESSAGE = "\x00the refusal's message\x00"  # a placeholder, swapped for each refusal's own
+
+
+@functools.cache  # one per number of free variables: a rank refuses hundreds of functions
+def _refusing_template(free_variables: int) -> types.CodeType:
+    free = [f"_free{i}" for i in range(free_variables)]
     source = ("def outer():\n" + "".join(f"    {name} = None\n" for name in free)
               + "    def refused(*args, **kwargs):\n"
               + (f"        ({', '.join(free)},)\n" if free else "")
               # __import__, a builtin, works in whichever module's globals the function runs
               + "        raise __import__('minidist.core.refusal', fromlist=['_'])"
-              f".LibraryVersionUsed({message!r})\n"
+              f".LibraryVersionUsed({_MESSAGE!r})\n"
               + "    return refused\n")
     namespace: dict[str, Any] = {}
-    exec(source, namespace)  # noqa: S102 - our own text: a refusal with a fixed message
+    exec(source, namespace)  # noqa: S102 - our own text: a refusal with a placeholder message
     refused = namespace["outer"]().__code__
-    return refused.replace(co_name=code.co_name, co_qualname=code.co_qualname,
-                           co_filename=filename, co_firstlineno=code.co_firstlineno)
+    assert _MESSAGE in refused.co_consts
+    return refused.replace(co_consts=tuple(_MESSAGE if constant == _MESSAGE else constant
+                                           for constant in refused.co_consts))
 
 
 _LOCAL_SLOTS = frozenset(("LOAD_FAST", "STORE_FAST", "DELETE_FAST", "LOAD_FAST_CHECK",
@@ -831,10 +845,11 @@ def _resembles(called: types.CodeType, originals: tuple[_Original, ...]) -> str 
     columns = _columns(called)
     if len(columns) < _RESEMBLING:
         return None
+    matcher = difflib.SequenceMatcher(None, (), columns, autojunk=False)  # indexed once
     for original in originals:
         if not 0.75 * len(original.columns) <= len(columns) <= 1.33 * len(original.columns):
             continue
-        matcher = difflib.SequenceMatcher(None, original.columns, columns, autojunk=False)
+        matcher.set_seq1(original.columns)
         if (matcher.real_quick_ratio() >= _EDITED and matcher.quick_ratio() >= _EDITED
                 and matcher.ratio() >= _EDITED):
             return original.path
@@ -878,6 +893,10 @@ def _refusing_copies(builtins: dict[int, str], code: dict[int, list[_Original]],
         path = None
         sized = code.get(len(called.co_code))
         if sized:  # most code is no refused code's size: no disassembly needed
+            # nor for code whose opcodes differ (an equal fingerprint has the same opcodes)
+            opcodes = called.co_code[::2]
+            sized = [original for original in sized if original.code.co_code[::2] == opcodes]
+        if sized:
             fingerprint = _fingerprint(called)
             originals = [original for original in sized if original.fingerprint == fingerprint]
             path = originals and _copied(called, originals, len(fingerprint))
@@ -932,6 +951,7 @@ def _refusing_copies(builtins: dict[int, str], code: dict[int, list[_Original]],
     raised: list[str] = []
     previous, previous_threads = sys.getprofile(), threading.getprofile()
     loader = _torch_loader(watched=any(path in FILES for path in builtins.values()))
+    _HOOKS.add(profile)
     sys.setprofile(profile)
     threading.setprofile(profile)
     try:
@@ -942,6 +962,10 @@ def _refusing_copies(builtins: dict[int, str], code: dict[int, list[_Original]],
     finally:
         sys.setprofile(previous)
         threading.setprofile(previous_threads)
+        _HOOKS.discard(profile)
+
+
+_HOOKS: set[Callable[..., None]] = set()  # the open blocks' hooks: a block inside one finds it
 
 
 _TORCH_LOAD = torch.serialization.load

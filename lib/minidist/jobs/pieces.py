@@ -812,6 +812,26 @@ def _refusing(function: Callable, library: tuple[str, ...], piece: str) -> Calla
     return refusing
 
 
+class _OnePerGroup:
+    """Every piece's functions on one group, and `dist`, torch.distributed on it. A piece is
+    made as one of its functions is first looked up here: its lab's cells run on this group
+    only for the labs the job uses on it (two or three of six, in each of its ranks)."""
+
+    def __init__(self, dist: _OnGroup, functions_of: Callable[[Piece], dict[str, Any]]):
+        self.dist, self._functions_of = dist, functions_of
+
+    def __getattr__(self, name: str) -> Any:
+        piece = next((piece for piece in PIECES if name in piece.functions), None)
+        if piece is None:
+            raise AttributeError(f"no piece has a function {name!r}; the pieces' functions "
+                                 f"are {', '.join(f for p in PIECES for f in p.functions)}")
+        vars(self).update(self._functions_of(piece))
+        return vars(self)[name]
+
+    def __dir__(self) -> list[str]:
+        return [*super().__dir__(), *(name for piece in PIECES for name in piece.functions)]
+
+
 class Pieces:
     """The job's pieces, from a pieces file (see the module doc); made by `load`."""
 
@@ -823,9 +843,9 @@ class Pieces:
         self.whose = {piece.name: "yours" if piece.name not in self.minidist_for
                       else f"minidist's (your choice; yours is {self.status[piece.name]})"
                       for piece in PIECES}
-        self._bound: dict[Any, types.SimpleNamespace] = {}
+        self._bound: dict[Any, _OnePerGroup] = {}
 
-    def on(self, group: dist.ProcessGroup | None) -> types.SimpleNamespace:
+    def on(self, group: dist.ProcessGroup | None) -> _OnePerGroup:
         """Every piece's functions, their `dist` meaning `group` (None: the whole world);
         `.dist` is that torch.distributed itself."""
         key = id(group) if group is not None else None
@@ -833,23 +853,22 @@ class Pieces:
             self._bound[key] = self._build(group)
         return self._bound[key]
 
-    def _build(self, group) -> types.SimpleNamespace:
-        bound = _OnGroup(group, self.impl)
-        names: dict[str, Any] = {"dist": bound}  # torch.distributed as the pieces see it
+    def _build(self, group) -> _OnePerGroup:
+        bound = _OnGroup(group, self.impl)  # torch.distributed as the pieces see it
         namespaces: dict[str, dict] = {}
-        for piece in PIECES:
+
+        def functions_of(piece: Piece) -> dict[str, Any]:
             if piece.name in self.minidist_for:
                 namespace = {"__name__": f"minidist_{piece.name}", "dist": bound}
                 exec("import torch\n" + _MINIDIST[piece.name], namespace)  # noqa: S102
-                names |= {name: _counted(namespace[name], piece.name)
-                          if isinstance(namespace[name], types.FunctionType) else namespace[name]
-                          for name in piece.functions}
-                continue
+                return {name: _counted(namespace[name], piece.name)
+                        if isinstance(namespace[name], types.FunctionType) else namespace[name]
+                        for name in piece.functions}
             if piece.lab not in namespaces:
                 namespaces[piece.lab] = self._run_lab(piece.lab, bound)
-            namespace = namespaces[piece.lab]
-            names |= {name: self._wrap(namespace[name], piece) for name in piece.functions}
-        return types.SimpleNamespace(**names)
+            return {name: self._wrap(namespaces[piece.lab][name], piece)
+                    for name in piece.functions}
+        return _OnePerGroup(bound, functions_of)
 
     def _wrap(self, value: Any, piece: Piece) -> Any:
         if isinstance(value, types.FunctionType):
