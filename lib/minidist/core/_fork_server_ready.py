@@ -9,6 +9,9 @@ the kernel's share of a launch falls by about 40%, which on a 2-core laptop is C
 get. A rank that writes to such a page copies only the 4 KiB it writes, as before. Where the
 kernel does not collapse (older kernels, transparent huge pages turned off) nothing changes.
 
+Warm: what a check compares copies of the library's functions with is worked out here once
+(`refusal.prepare`), not again in every rank that refuses them.
+
 Quick to leave: once the process that started it is gone, the fork server would spend seconds
 tearing down torch's modules (about 5 s on a busy laptop) while looking like a leftover rank;
 it has no state worth finalizing, so it exits at once. atexit runs the last registered first,
@@ -19,6 +22,8 @@ import atexit
 import ctypes
 import os
 import sys
+
+from minidist.core.refusal import prepare
 
 MADV_COLLAPSE = 25  # <linux/mman.h>
 HUGE_PAGE = 2 << 20
@@ -40,6 +45,8 @@ def collapse_private_memory_into_huge_pages() -> None:
                 libc.madvise(low, high - low, MADV_COLLAPSE)  # a refusal leaves it as it was
 
 
+prepare(module for name, module in list(sys.modules.items())
+        if name.startswith("minidist.") and module is not None)
 if sys.platform == "linux":
     collapse_private_memory_into_huge_pages()
 atexit.register(os._exit, 0)
