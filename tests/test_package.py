@@ -18,9 +18,9 @@ PACKAGE = REPO / "lib" / "minidist"
 # modules before it in its folder's list (lib/minidist/README.md draws this; each folder's
 # README lists its modules in this order).
 FOLDERS = {
-    "core": ["_checks", "_groups", "_fork_server_ready", "interposer", "agreement", "_calls",
-             "_diagnose", "_supervisor", "launch", "flat", "timeline", "refusal", "checking",
-             "predictions"],
+    "core": ["_checks", "_groups", "interposer", "agreement", "_calls", "_diagnose",
+             "_supervisor", "launch", "flat", "timeline", "refusal", "_fork_server_ready",
+             "checking", "predictions"],
     "costs": ["algorithms", "cost", "memory", "footprint", "flops", "overlap", "tiers", "bubbles",
               "traffic", "planner"],
     "communication": ["comm", "counting", "timing", "streaming", "network", "emulation",
