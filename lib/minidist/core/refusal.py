@@ -667,7 +667,7 @@ def _refusing_code_at(code: types.CodeType, filename: str, message: str) -> type
     refused = _refusing_template(len(code.co_freevars))
     return refused.replace(co_name=code.co_name, co_qualname=code.co_qualname,
                            co_filename=filename, co_firstlineno=code.co_firstlineno,
-                           co_consts=tuple(message if constant is _MESSAGE else constant
+                           co_consts=tuple(message if constant == _MESSAGE else constant
                                            for constant in refused.co_consts))
 
 
@@ -686,10 +686,7 @@ def _refusing_template(free_variables: int) -> types.CodeType:
               + "    return refused\n")
     namespace: dict[str, Any] = {}
     exec(source, namespace)  # noqa: S102 - our own text: a refusal with a placeholder message
-    refused = namespace["outer"]().__code__
-    assert _MESSAGE in refused.co_consts
-    return refused.replace(co_consts=tuple(_MESSAGE if constant == _MESSAGE else constant
-                                           for constant in refused.co_consts))
+    return namespace["outer"]().__code__
 
 
 _LOCAL_SLOTS = frozenset(("LOAD_FAST", "STORE_FAST", "DELETE_FAST", "LOAD_FAST_CHECK",
