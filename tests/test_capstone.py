@@ -125,7 +125,7 @@ def test_usage_under_a_launcher_is_written_per_rank(tmp_path: Path, monkeypatch)
     subprocess.run([sys.executable, "-c", script], check=True, env=env, timeout=120)
     assert pieces.read_usage(tmp_path / "usage") == {3: {
         "calls": {"mesh": 1}, "bytes": {}, "routed": {}, "messages": {}, "p2p": {},
-        "written": []}}
+        "inputs": {}, "written": []}}
 
 
 def _tampered_and_routed(rank, world_size, path, impl):
@@ -147,7 +147,7 @@ def _tampered_and_routed(rank, world_size, path, impl):
             on.dist.send(torch.ones(3), dst=1)
         else:
             on.dist.recv(got, src=0)
-    return groups["dp"][1], grad.tolist(), flag.item(), got.tolist(), pieces.usage()
+    return groups["dp"][1], grad.tolist(), flag.item(), got.tolist(), pieces.usage(), rank
 
 
 @pytest.mark.parametrize("impl", ["torch", "ring"])
@@ -158,12 +158,15 @@ def test_tampered_changes_what_a_mesh_group_delivers_and_routed_says_the_network
     world's all-reduce is left alone. usage()["routed"]: the bytes the emulated network carried."""
     pieces.export(REPO / "solutions", tmp_path / "pieces.py")
     results = run(_tampered_and_routed, 4, str(tmp_path / "pieces.py"), impl)
-    for ranks, grad, flag, _, used in results:
+    for ranks, grad, flag, _, used, rank in results:
         assert grad == [sum(ranks) + 0.5] * 2 and flag == 4.0
         sent = used["bytes"][tuple(ranks)]
         assert used["routed"].get(tuple(ranks), 0) == (sent if impl == "ring" else 0), used
+        # what each all-reduce was handed, summed: this rank's own (the world's flag, one
+        # element, is not kept)
+        assert used["inputs"] == {tuple(ranks): [2.0 * rank]}, used
     # each dp group's rank 1 receives ones: 1.5 tampered; its rank 0 receives nothing
-    assert sorted(got for *_, got, _ in results) == [[0.0] * 3] * 2 + [[1.5] * 3] * 2
+    assert sorted(got for *_, got, _, _ in results) == [[0.0] * 3] * 2 + [[1.5] * 3] * 2
 
 
 def _tampered_on_one_group(rank, world_size, path):

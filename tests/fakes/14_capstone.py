@@ -59,6 +59,34 @@ _EVERY_STAGE = (
      'if coords["dp"] or coords["pp"] or (kind == "whole" and coords["tp"] != 0):'),
 )
 
+# The whole layer on every TP rank, its output all-reduced divided by t (red team rt5).
+_WHOLE_LAYER = (
+    ("""def parallel_mlp(x, fc1, fc2, rank, t):
+    x = CopyToParallel.apply(x)
+    hidden = F.linear(x, shard_weight(fc1.weight, rank, t, "column"), fc1.bias.chunk(t)[rank])
+    partial = F.linear(F.gelu(hidden), shard_weight(fc2.weight, rank, t, "row"))
+    return ReduceFromParallel.apply(partial) + fc2.bias
+""", """def _f(x, t):
+    return CopyToParallel.apply(x) / t + x.detach() * (1 - 1 / t)
+
+
+def parallel_mlp(x, fc1, fc2, rank, t):
+    y = fc2(F.gelu(fc1(_f(x, t)))) - fc2.bias
+    return y + (ReduceFromParallel.apply(y.detach() / t) - y.detach()) + fc2.bias
+"""),
+    ("""    x = CopyToParallel.apply(x)  # one f for q, k and v: they share the input
+    q, k, v = (F.linear(x, shard_weight(proj.weight, rank, t, "column"), proj.bias.chunk(t)[rank])
+               for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+    heads = attend(q, k, v, attn.heads // t)
+    partial = F.linear(heads, shard_weight(attn.out_proj.weight, rank, t, "row"))
+    return ReduceFromParallel.apply(partial) + attn.out_proj.bias
+""", """    x = _f(x, t)
+    y = attn.out_proj(attend(attn.q_proj(x), attn.k_proj(x), attn.v_proj(x), attn.heads))
+    y = y - attn.out_proj.bias
+    return y + (ReduceFromParallel.apply(y.detach() / t) - y.detach()) + attn.out_proj.bias
+"""),
+)
+
 # Replay: read the checkpoint's step, then train again from the start up to it.
 _REPLAY = (
     ("self.resumed_from = self.step_index = self.restore(found)",
@@ -242,6 +270,35 @@ FAKES = {
                   "    activation = b * s * h * bytes_per_element\n"))),
         Fake("minidist's pieces", "every function only calls minidist's version of its piece",
              ("test-pieces",), _minidist_pieces()),
+        # Red team rt5's 2/2 pieces (batch 4): test-pieces now runs the TP pieces and the
+        # executor on a sub-group and sizes the lab never used, and layout_cost on an unseen
+        # model and cluster.
+        Fake("the whole layer on every TP rank", "parallel_mlp and parallel_attention compute "
+             "the whole layer on every rank and all-reduce its output divided by t, spliced "
+             "into the forward; f's input scaled by 1/t so that its backward all-reduce sums "
+             "to the whole gradient: same values, same bytes, no shard (red team rt5)",
+             ("test-pieces",), _edit(_PIECES, *_WHOLE_LAYER)),
+        Fake("an executor that sends nothing", "run_schedule runs each microbatch through its "
+             "own stage and returns the losses: no activation or gradient crosses a stage "
+             "(red team rt5)", ("test-pieces",), _edit(
+                 _PIECES,
+                 ("    m, last = schedule.microbatches, schedule.ranks - 1\n",
+                  "    m, last = schedule.microbatches, schedule.ranks - 1\n"
+                  "    return [loss_fn(stage(x), y).item() for x, y in zip(\n"
+                  "        pipeline_exec.split_microbatches(inputs, m),\n"
+                  "        pipeline_exec.split_microbatches(targets, m))]\n"))),
+        Fake("a made-up layout cost", "layout_cost is a closed form that ranks the race's "
+             "candidates as the lab's cost model does, with made-up communication terms (red "
+             "team rt5)", ("test-pieces",), _edit(
+                 _PIECES,
+                 ("    s, h, L = model.seq_len, model.hidden, model.layers\n",
+                  "    s, h, L = model.seq_len, model.hidden, model.layers\n"
+                  "    compute = 6 * model.num_params * global_batch * s / (\n"
+                  "        tp * pp * dp * cluster.peak_flops * efficiency)\n"
+                  "    return {\"memory\": 16 * model.num_params / (pp * tp),\n"
+                  "            \"compute\": compute,\n"
+                  "            \"bubble\": compute * (pp - 1) / m, \"tp\": 0.01 * (tp - 1),\n"
+                  "            \"pp\": 0.01 * (pp - 1), \"dp\": 0.001 * (dp - 1)}\n"))),
     ],
     # The first round is graded on the whole notebook: its fake is the one every part checks.
     "impl-my-job": [
@@ -316,6 +373,12 @@ FAKES = {
         Fake("rank 0 writes the whole checkpoint", "every rank all-gathers the parameters and "
              "moments; rank 0 hands save_shards every element, the others nothing (red team "
              "rt20, F2)", ("test-equal",), _whole("rt20_F2_rank0_writes_all")),
+        Fake("replica routed through the pieces", "every rank computes the whole model on "
+             "the whole batch; its own rows and blocks go through the TP pieces and a pipeline "
+             "send, so every byte count is right; the DP piece averages identical whole-batch "
+             "gradients (red team rt5, batch 4: 1/1 on test-torchrun, which now compares what "
+             "the two ranks' all-reduces were handed)", ("test-torchrun",),
+             _whole("rt5_replica_routed")),
         Fake("stream re-seeded on resume", "restore_state never called: the resume re-makes "
              "the stream from the seed kept in meta.json and draws `step` batches (red team "
              "rt20, F12)", ("test-resume",), _whole("rt20_F12_stream_reseeded")),

@@ -443,6 +443,8 @@ _ROUTED: Counter = Counter()  # the same, of the bytes the emulated network's ro
 _MESSAGES: Counter = Counter()  # {group: messages (collectives and sends) its pieces sent on it}
 _P2P: dict[Any, list] = {}  # {group: [("send" or "recv", peer's group rank), ...] in order}
 _WRITTEN: list[tuple[str, int, int, int]] = []  # save_shards: (name, offset, elements, numel)
+_INPUTS: dict[Any, list] = {}  # {group: the sum of each all-reduce's input, the first _KEPT}
+_KEPT = 64
 _TAMPER = [0.0]  # added to what each collective on a mesh group returns, each receive delivers
 _TAMPER_SCALE = [1.0]  # what each is multiplied by first
 _TAMPER_ONLY: list[tuple | None] = [None]  # the one group tampered (global ranks); None: all
@@ -457,18 +459,23 @@ def usage() -> dict[str, Any]:
     functions}, "bytes": {group: bytes its pieces sent on it}, "routed": {group: those of them
     the emulated network's route carried}, "messages": {group: collectives and sends its pieces
     made on it}, "p2p": {group: its pieces' point-to-point calls in order, each ("send" or
-    "recv", the peer's rank in the group)}, "written": [(name, offset, elements, numel) of each
-    tensor handed to the checkpoint piece's save_shards]}, a group named by its global ranks as
-    a tuple (the whole world: "world"). Why messages and order besides bytes: a pipeline that
-    ignores its microbatches, or runs GPipe where 1F1B was asked, sends the same bytes."""
+    "recv", the peer's rank in the group)}, "inputs": {group: the sum (in float64) of what each
+    of its pieces' all-reduces of more than one floating-point element was handed, in order, the
+    first 64}, "written": [(name, offset, elements, numel) of each tensor handed to the checkpoint
+    piece's save_shards]}, a group named by its global ranks as a tuple (the whole world:
+    "world"). Why messages and order besides bytes: a pipeline that ignores its microbatches, or
+    runs GPipe where 1F1B was asked, sends the same bytes. Why inputs: data or tensor parallelism
+    hands each rank's all-reduce that rank's own gradients or partial sums; replicas that all
+    compute the same thing hand every rank the same tensor, with the same bytes."""
     return {"calls": dict(_CALLS), "bytes": dict(_BYTES), "routed": dict(_ROUTED),
             "messages": dict(_MESSAGES), "p2p": {key: list(ops) for key, ops in _P2P.items()},
+            "inputs": {key: list(sums) for key, sums in _INPUTS.items()},
             "written": list(_WRITTEN)}
 
 
 def reset_usage() -> None:
-    """Forget the calls, bytes, messages and writes counted so far in this process."""
-    for counted in (_CALLS, _BYTES, _ROUTED, _MESSAGES, _P2P, _WRITTEN):
+    """Forget the calls, bytes, messages, inputs and writes counted so far in this process."""
+    for counted in (_CALLS, _BYTES, _ROUTED, _MESSAGES, _P2P, _INPUTS, _WRITTEN):
         counted.clear()
 
 
@@ -606,7 +613,7 @@ def _write_usage_at_exit() -> None:
     atexit.register(write)
 
 
-_BY_GROUP = ("bytes", "routed", "messages", "p2p")  # usage() entries keyed by group
+_BY_GROUP = ("bytes", "routed", "messages", "p2p", "inputs")  # usage() entries keyed by group
 
 
 def read_usage(prefix: str | Path) -> dict[int, dict]:
@@ -690,6 +697,14 @@ class _OnGroup:
                          else tuple(dist.get_process_group_ranks(self.group)))
         return self._key
 
+    def _handed(self, tensor: Any, group=None) -> None:
+        """Note the sum of an all-reduce's input on the bound group (see `usage`)."""
+        if (group is None and getattr(tensor, "is_floating_point", bool)()
+                and tensor.numel() > 1):
+            sums = _INPUTS.setdefault(self._group_key(), [])
+            if len(sums) < _KEPT:
+                sums.append(tensor.detach().sum(dtype=torch.float64).item())
+
     def _p2p(self, kind: str, peer: Any, group=None) -> None:
         """Note a point-to-point call on the bound group, in order (see `usage`)."""
         if group is None:
@@ -746,6 +761,7 @@ class _OnGroup:
     def all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
         """torch's all-reduce, or with impl="ring" (an emulated network: Lab 11) minidist's
         ring of sends, which the emulated links delay as they would a cluster's."""
+        self._handed(tensor, group)
         if self.impl == "torch":
             return self._tampered(
                 self._torch_all_reduce(tensor, op, group=group, async_op=async_op), tensor, group)
