@@ -67,6 +67,14 @@ def test_an_unfinished_piece_is_named_with_both_fixes(tmp_path: Path):
         pieces.load(tmp_path / "pieces.py", minidist_for=("ddp",))
     missing = pieces.export(tmp_path / "nowhere")
     assert set(pieces.status(missing).values()) == {"missing"}
+    # A file of the cells' markers with `pass` under each (red team rt5): nothing defined
+    empty = "\n".join(f"# %% {p.lab} {cell}\npass" for p in pieces.PIECES for cell in p.cells)
+    assert set(pieces.status(empty).values()) == {"unfinished"}
+    (tmp_path / "empty.py").write_text(empty)
+    with pytest.raises(pieces.MissingPiece, match=r"cell impl-mlp is empty: it defines no "
+                                                  r"CopyToParallel or ReduceFromParallel or "
+                                                  r"parallel_mlp or parallel_attention"):
+        pieces.load(tmp_path / "empty.py")
 
 
 def _on_a_group(rank, world_size, path, minidist_for):

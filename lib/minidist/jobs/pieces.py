@@ -398,9 +398,10 @@ def export(labs: str | Path, target: str | Path | None = None) -> str:
 
 
 def unfinished_cells(text: str, piece: Piece) -> dict[str, str]:
-    """{cell id: "missing" or "unfinished"} of `piece`'s cells in a pieces file's text that
-    are not finished: which cell of the lab to finish."""
+    """{cell id: "missing", "unfinished" or "empty: ..."} of `piece`'s cells in a pieces
+    file's text that are not finished: which cell of the lab to finish."""
     cells = _split(text)
+    undefined = _undefined(cells, piece)
     found = {}
     for grade_id in piece.cells:
         source = cells.get((piece.lab, grade_id))
@@ -408,23 +409,34 @@ def unfinished_cells(text: str, piece: Piece) -> dict[str, str]:
             found[grade_id] = "missing"
         elif "NotImplementedError" in source:
             found[grade_id] = "unfinished"
+        elif undefined and not _defines(source) & set(piece.functions):
+            found[grade_id] = f"empty: it defines no {' or '.join(undefined)}"
     return found
 
 
 def status(text: str) -> dict[str, str]:
     """Each piece's state in a pieces file's text: "finished", "unfinished" (a cell still
-    raises NotImplementedError) or "missing" (a cell is not there)."""
+    raises NotImplementedError, or the lab's cells leave one of the piece's functions
+    undefined) or "missing" (a cell is not there)."""
     cells = _split(text)
     found = {}
     for piece in PIECES:
         sources = [cells.get((piece.lab, grade_id)) for grade_id in piece.cells]
         if any(source is None for source in sources):
             found[piece.name] = "missing"
-        elif any("NotImplementedError" in source for source in sources):
+        elif (any("NotImplementedError" in source for source in sources)
+              or _undefined(cells, piece)):
             found[piece.name] = "unfinished"
         else:
             found[piece.name] = "finished"
     return found
+
+
+def _undefined(cells: dict[tuple[str, str], str], piece: Piece) -> list[str]:
+    """The functions of `piece` that no cell of its lab in the file defines."""
+    defined = set().union(*(_defines(source) for (lab, _), source in cells.items()
+                            if lab == piece.lab))
+    return [name for name in piece.functions if name not in defined]
 
 
 def _split(text: str) -> dict[tuple[str, str], str]:
