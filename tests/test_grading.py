@@ -374,7 +374,7 @@ def scores(course: Path, lab: str, student: str) -> dict[str, tuple[float, float
 
 
 TRIAL_MARK = "# grading test, trial:"  # the first line of every cell the harness adds
-TRIAL_SPAN = 10  # an exercise is tried when its answer and checks lie within this many code cells
+TRIAL_SPAN = 20  # an exercise is tried when its answer and checks lie within this many code cells
 # A trial runs as one harness cell per cell it reruns, so that each keeps the per-cell time
 # limit its own cell has (a trial in one cell would have to fit a whole span in one limit).
 TRIAL_STEP = """{mark} {name} ({step} of {steps})
@@ -465,10 +465,18 @@ def section_steps(solution: NotebookNode, exercise: str,
 def with_trials(submission: NotebookNode, solution: NotebookNode,
                 tried: dict[str, list[Fake] | list[Alternative]], *,
                 by_section: Iterable[str] = ()) -> list[Trial]:
-    """Add to `submission` (the solution, answered) a trial of each of `tried`'s answers after
-    the last check of its exercise, then one of the solution's answer, which puts the notebook
-    back as it was; returns the trials, in order. The exercises `by_section` rerun only their
-    checks' sections (`section_steps`)."""
+    """Add to `submission` (the solution, answered) a trial of each of `tried`'s answers, then
+    one of the solution's answer, which puts the notebook back as it was; returns the trials,
+    in order.
+
+    The trials of an exercise come right after its answer cell, before the cells that use and
+    check it have run: the notebook's own run of them, after the trials, is then the check that
+    no trial left the notebook changed (test b), for free. The first trial runs every cell of
+    the span down to its last check (other exercises' checks among them unrecorded); the next
+    ones only those that depend on the answer, and any not run yet. The exercises `by_section`
+    (whose sections use what earlier sections computed) are tried after their last check
+    instead, rerunning only their checks' sections (`section_steps`), and the solution's answer
+    after them reruns those sections' checks again."""
     assert [nbgrader_meta(c).get("grade_id") for c in submission.cells] == [
         nbgrader_meta(c).get("grade_id") for c in solution.cells], "cells out of step"
     trials, added = [], {}
@@ -476,10 +484,7 @@ def with_trials(submission: NotebookNode, solution: NotebookNode,
         checked = {check for answer in answers for check in answer.checked_by}
         span = check_span(solution, exercise, checked)
         answer_cell = solution.cells[span[0]]
-        # The solution's trial reruns every check in the span (by section: the answers' own).
-        graded = [nbgrader_meta(solution.cells[i]).get("grade_id") for i in span
-                  if nbgrader_meta(solution.cells[i]).get("grade")]
-        checks = tuple(check for check in graded if check in checked or exercise not in by_section)
+        sections = exercise in by_section
         below = [(without_delimiters(solution.cells[i].source),
                   nbgrader_meta(solution.cells[i]).get("grade_id")
                   if nbgrader_meta(solution.cells[i]).get("grade") else None)
@@ -487,31 +492,71 @@ def with_trials(submission: NotebookNode, solution: NotebookNode,
         runs = [(answer, Trial(answer.name, exercise, answer.checked_by,
                                "fake" if isinstance(answer, Fake) else "alternative"))
                 for answer in answers]
-        runs.append((None, Trial(f"the solution of {exercise}, after the trials", exercise,
-                                 checks, "solution")))
-        cells = []
+        if sections:
+            runs.append((None, Trial(f"the solution of {exercise}, after the trials", exercise,
+                                     tuple(sorted(checked)), "solution")))
+        else:
+            runs.append((None, Trial(f"the solution of {exercise}, put back", exercise, (),
+                                     "solution")))
+        cells, ran = [], 0  # ran: how many cells of `below` a trial has run so far
         for answer, trial in runs:
             source = (without_delimiters(answer_cell.source) if answer is None else
                       replace_solution(answer_cell.source, answer_lines(answer)))
-            # An answer's trial runs the cells below it down to the last check of its own, less
-            # the other checks: what they define the solution's run has defined already (test
-            # cells are locked), and the solution's trial at the end runs them all.
-            if exercise in by_section:
+            if sections:
                 rerun = section_steps(solution, exercise, trial.checked_by)
             else:
                 last = max((k for k, (_, check) in enumerate(below)
                             if check in trial.checked_by), default=-1)
-                rerun = [(step, check) for step, check in below[:last + 1]
-                         if check is None or check in trial.checked_by]
+                # Cells not run yet: all of them (another exercise's check unrecorded: what it
+                # defines, the checks below may use). Those run already: the ones that depend
+                # on the answer, and this trial's own checks.
+                seen = depending_on(source, [(step, check)
+                                             for step, check in below[:min(ran, last + 1)]
+                                             if check is None or check in trial.checked_by])
+                new = [(step, check if check in trial.checked_by else None)
+                       for step, check in below[ran:last + 1]]
+                rerun, ran = seen + new, max(ran, last + 1)
             steps = [(source, None), *rerun]
             cells += [nbformat.v4.new_code_cell(TRIAL_STEP.format(
                 mark=TRIAL_MARK, name=trial.key, step=k + 1, steps=len(steps), source=step,
                 check=check, last=k == len(steps) - 1)) for k, (step, check) in enumerate(steps)]
             trials.append(trial)
-        added[span[-1]] = added.get(span[-1], []) + cells
+        at = span[-1] if sections else span[0]
+        added[at] = added.get(at, []) + cells
     for index in sorted(added, reverse=True):
         submission.cells[index + 1:index + 1] = added[index]
     return trials
+
+
+def depending_on(answer: str, steps: list[tuple[str, str | None]]) -> list[tuple[str, str | None]]:
+    """The check cells of `steps` (source, check or None), and those of its other cells that
+    read a name the answer cell binds, or a name such a cell binds, in turn: the rest compute
+    what the solution's run left in place (torch's own groups, say), the same again."""
+    bound = _names(answer, ast.Store) or set()
+    kept = []
+    for step, check in steps:
+        read = _names(step, ast.Load)
+        if check is not None or read is None or read & bound:
+            kept.append((step, check))
+            bound |= _names(step, ast.Store) or set()
+    return kept
+
+
+def _names(source: str, context: type) -> set[str] | None:
+    """The names `source` reads (ast.Load) or binds (ast.Store, and the functions, classes and
+    imports it defines); None if it does not parse."""
+    try:
+        tree = ast.parse(without_magics(source))
+    except SyntaxError:
+        return None
+    found = {node.id for node in ast.walk(tree)
+             if isinstance(node, ast.Name) and isinstance(node.ctx, context)}
+    if context is ast.Store:
+        found |= {node.name for node in ast.walk(tree)
+                  if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+        found |= {(alias.asname or alias.name).split(".")[0] for node in ast.walk(tree)
+                  if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names}
+    return found
 
 
 def trial_outcomes(notebook: NotebookNode) -> dict[str, dict[str, str | None]]:
@@ -853,7 +898,8 @@ def test_feedback_hides_hidden_tests_and_tracebacks_that_quote_them() -> None:
 
 def test_trials_fail_a_fake_pass_an_alternative_and_put_the_notebook_back() -> None:
     """The harness's trials on a notebook of its own: a fake's check raises, a correct
-    alternative's passes, the solution run again puts the state back for the cells below."""
+    alternative's passes, the solution's answer run again puts the state back for the cells
+    below, whose own run (the last cell here) then passes."""
     from nbclient import NotebookClient
 
     def cell(source: str, **meta: object) -> NotebookNode:
@@ -866,6 +912,7 @@ def test_trials_fail_a_fake_pass_an_alternative_and_put_the_notebook_back() -> N
         cell("def double(x):\n    ### BEGIN SOLUTION\n    return 2 * x\n    ### END SOLUTION",
              grade_id="impl-double", solution=True),
         cell("doubled = double(21)"),
+        cell("unrelated = sum(range(4))"),  # reads nothing the answer binds: not run again
         cell("assert doubled == 42 and double(3) == 6, doubled", grade_id="test-double",
              grade=True, points=1),
         cell("assert double(5) == 10 and doubled == 42, 'the state below the trials'"),
@@ -875,12 +922,18 @@ def test_trials_fail_a_fake_pass_an_alternative_and_put_the_notebook_back() -> N
     submission = answered(solution, solution)
     trials = with_trials(submission, solution, {"impl-double": [fake, correct]})
     assert [trial.kind for trial in trials] == ["fake", "alternative", "solution"]
+    added = [c.source for c in submission.cells if c.source.startswith(TRIAL_MARK)]
+    # right after the answer, before the notebook's own cells below it have run
+    assert submission.cells[1].source.startswith(TRIAL_MARK), submission.cells[1].source
+    # the first trial runs every cell below; the next only what reads the answer's names
+    assert sum("doubled = double(21)" in c for c in added) == 2, added
+    assert sum("unrelated = " in c for c in added) == 1, added
     NotebookClient(submission, timeout=60, kernel_name="python3").execute()
     outcomes = trial_outcomes(submission)
     assert outcomes[trials[0].key]["test-double"].startswith("AssertionError"), outcomes
     assert outcomes[trials[1].key] == {"test-double": None}, outcomes
-    assert outcomes[trials[2].key] == {"test-double": None}, outcomes
-    assert len(without_trials(submission).cells) == len(solution.cells)
+    assert outcomes[trials[2].key] == {}, outcomes  # the answer put back; the notebook's own
+    assert len(without_trials(submission).cells) == len(solution.cells)  # cells check it
 
 
 def test_feedback_math_is_mathml_and_code_is_left_alone() -> None:
@@ -1042,8 +1095,10 @@ def test_i_every_fake_scores_zero_on_the_checks_of_its_exercise(
     """A fake gets the final numbers right while skipping the mechanism its exercise teaches
     (tests/fakes/); it must earn nothing on the cells that check that exercise, while the
     solution, graded in the same course, earns full marks (test b). A fake tried in the
-    solution's notebook must make each of those checks raise, and the solution run through
-    them again after it must pass them all (else the trial's verdicts mean nothing)."""
+    solution's notebook must make each of those checks raise, and the solution must pass them
+    all after it (else the trial's verdicts mean nothing): the notebook's own run of them,
+    after the trials (test b), or, for an exercise tried by section, the solution run through
+    them again."""
     if not fakes_of(lab):
         pytest.skip(f"{lab} has no fakes yet (tests/fakes/{lab}.py)")
     earned = []

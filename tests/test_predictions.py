@@ -141,11 +141,12 @@ def test_autograde_and_the_report_catch_a_prediction_changed_after_its_measureme
                            f"prediction_{PREDICTION} = (2, 2, 4)", correct, flags=re.M)
     assert count == 1, correct
 
-    # "honest" commits the right value and keeps it; "changer" commits a wrong one, sees the
-    # measurement, then writes the right one; "rethinker" changes it before measuring;
+    # "changer" commits a wrong one, sees the measurement, then writes the right one;
+    # "rethinker" commits a first guess, then changes it to the right one before measuring
+    # (an honest student who commits once is every lab's solution: test_grading's test_b);
     # "overwriter" keeps the wrong commit but sets the variable right in the measurement cell.
-    sessions = {"honest": (correct, None), "changer": (wrong, correct),
-                "rethinker": (correct, None), "overwriter": (wrong, None)}
+    sessions = {"changer": (wrong, correct), "rethinker": (correct, None),
+                "overwriter": (wrong, None)}
     notebooks = {}
     for student, (first, then) in sessions.items():
         notebook = nbformat.from_dict(json.loads(json.dumps(solved)))
@@ -166,8 +167,7 @@ def test_autograde_and_the_report_catch_a_prediction_changed_after_its_measureme
 
     cell = f"test-prediction-{PREDICTION}"
     got = {student: scores(root, LAB, student)[cell] for student in sessions}
-    assert got["honest"][0] == got["honest"][1] > 0, f"honest: {got['honest']}"
-    assert got["rethinker"][0] == got["rethinker"][1], f"changed before measuring: {got}"
+    assert got["rethinker"][0] == got["rethinker"][1] > 0, f"changed before measuring: {got}"
     assert got["changer"][0] == 0, f"changed after the measurement: {got['changer']}"
     assert got["overwriter"][0] == 0, f"set again after its commit: {got['overwriter']}"
     feedback = nbformat.read(root / "autograded" / "changer" / LAB / f"{LAB}.ipynb", 4)
@@ -176,7 +176,7 @@ def test_autograde_and_the_report_catch_a_prediction_changed_after_its_measureme
 
     report = run_in_course(root, ".venv/bin/python tools/grading/predictions.py", LAB).output
     assert f"changer  {LAB}  {PREDICTION} = " in report and "CHANGED" in report, report
-    assert not {"honest", "rethinker", "overwriter"} & set(report.split()), report
+    assert not {"rethinker", "overwriter"} & set(report.split()), report
     assert "1 prediction(s) changed after their measurement was shown" in report, report
 
     # A self-learner's `make grade` reads the same history, from the notebook and the ledger.
