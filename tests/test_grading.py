@@ -432,14 +432,14 @@ def tried_here(solution: NotebookNode, exercise: str, checks: Iterable[str]) -> 
     return sum(solution.cells[i].cell_type == "code" for i in span) <= TRIAL_SPAN
 
 
-def section_steps(solution: NotebookNode, exercise: str,
-                  checks: Iterable[str]) -> list[tuple[str, str | None]]:
+def section_cells(solution: NotebookNode, exercise: str,
+                  checks: Iterable[str]) -> tuple[list[int], list[int]]:
     """What a trial of an exercise in its fakes module's TRIED_BY_SECTION reruns below the
-    answer (as (source, check or None)): the cells that follow the answer up to the first test
-    cell or heading (its set-up: an import of the file it wrote), then each of `checks`' own
-    section, from the heading above it down to it, less the other test cells. What the sections
-    in between compute (a race, say) stays the solution's; their cells start afresh when run
-    again (the lab's `fresh`)."""
+    answer, as cell indices: the set-up (the cells that follow the answer up to the first test
+    cell or heading: an import of the file it wrote), and each of `checks`' own section, from
+    the heading above it down to it, less the other test cells. What the sections before
+    compute (a race, say) stays the solution's; their cells start afresh when run again (the
+    lab's `fresh`)."""
     ids = [nbgrader_meta(cell).get("grade_id") for cell in solution.cells]
 
     def graded(index: int) -> bool:
@@ -450,16 +450,25 @@ def section_steps(solution: NotebookNode, exercise: str,
         return cell.cell_type == "markdown" and cell.source.lstrip().startswith("#")
 
     answer = ids.index(exercise)
-    chosen, index = set(), answer + 1
+    setup, index = set(), answer + 1
     while index < len(solution.cells) and not graded(index) and not heading(index):
-        chosen.add(index)
+        setup.add(index)
         index += 1
+    chosen = set()
     for check in checks:
         end = ids.index(check)
         start = max(k for k in range(answer, end) if k == answer or heading(k))
         chosen |= {k for k in range(start + 1, end + 1) if k == end or not graded(k)}
-    return [(without_delimiters(solution.cells[k].source), ids[k] if graded(k) else None)
-            for k in sorted(chosen) if solution.cells[k].cell_type == "code"]
+    return sorted(setup), sorted(chosen - setup)
+
+
+def section_steps(solution: NotebookNode,
+                  indices: Iterable[int]) -> list[tuple[str, str | None]]:
+    """The code cells at `indices`, as trial steps (source, check or None)."""
+    return [(without_delimiters(solution.cells[k].source),
+             nbgrader_meta(solution.cells[k]).get("grade_id")
+             if nbgrader_meta(solution.cells[k]).get("grade") else None)
+            for k in sorted(indices) if solution.cells[k].cell_type == "code"]
 
 
 def with_trials(submission: NotebookNode, solution: NotebookNode,
@@ -469,77 +478,91 @@ def with_trials(submission: NotebookNode, solution: NotebookNode,
     one of the solution's answer, which puts the notebook back as it was; returns the trials,
     in order.
 
-    The trials of an exercise come right after its answer cell, before the cells that use and
-    check it have run: the notebook's own run of them, after the trials, is then the check that
-    no trial left the notebook changed (test b), for free. The first trial runs every cell of
-    the span down to its last check (other exercises' checks among them unrecorded); the next
-    ones only those that depend on the answer, and any not run yet. The exercises `by_section`
-    (whose sections use what earlier sections computed) are tried after their last check
-    instead, rerunning only their checks' sections (`section_steps`), and the solution's answer
-    after them reruns those sections' checks again."""
+    The trials come before the notebook's own run of the cells they rerun and check, so that
+    this run, after them, is the check that no trial left the notebook changed (test b). An
+    exercise's trials come right after its answer cell: the first runs every cell below down
+    to its last check (other exercises' checks among them, unrecorded); the next ones only
+    those that depend on the answer, and any not run yet. The exercises `by_section`, whose
+    sections use what the sections before them computed (a race, then a resume from its
+    checkpoints), rerun only the set-up below the answer and their checks' sections
+    (`section_cells`), each right before the notebook's own run of its last check's section."""
     assert [nbgrader_meta(c).get("grade_id") for c in submission.cells] == [
         nbgrader_meta(c).get("grade_id") for c in solution.cells], "cells out of step"
     trials, added = [], {}
+
+    def add(at: int, trial: Trial, steps: list[tuple[str, str | None]]) -> None:
+        added.setdefault(at, []).extend(nbformat.v4.new_code_cell(TRIAL_STEP.format(
+            mark=TRIAL_MARK, name=trial.key, step=k + 1, steps=len(steps), source=step,
+            check=check, last=k == len(steps) - 1)) for k, (step, check) in enumerate(steps))
+        trials.append(trial)
+
     for exercise, answers in tried.items():
         checked = {check for answer in answers for check in answer.checked_by}
         span = check_span(solution, exercise, checked)
         answer_cell = solution.cells[span[0]]
-        sections = exercise in by_section
+        solution_source = without_delimiters(answer_cell.source)
+        if exercise in by_section:
+            ids = [nbgrader_meta(cell).get("grade_id") for cell in solution.cells]
+            groups: dict[str, list] = {}  # each answer under the last of its checks
+            for answer in answers:
+                groups.setdefault(max(answer.checked_by, key=ids.index), []).append(answer)
+            for last, group in sorted(groups.items(), key=lambda item: ids.index(item[0])):
+                setup, own = section_cells(solution, exercise, [last])
+                for answer in group:
+                    rerun = sum(section_cells(solution, exercise, answer.checked_by), [])
+                    add(own[0] - 1, trial_of(exercise, answer),
+                        [(replace_solution(answer_cell.source, answer_lines(answer)), None),
+                         *section_steps(solution, rerun)])
+                add(own[0] - 1, Trial(f"the solution of {exercise}, put back before {last}",
+                                      exercise, (), "solution"),
+                    [(solution_source, None), *section_steps(solution, setup)])
+            continue
         below = [(without_delimiters(solution.cells[i].source),
                   nbgrader_meta(solution.cells[i]).get("grade_id")
                   if nbgrader_meta(solution.cells[i]).get("grade") else None)
                  for i in span[1:] if solution.cells[i].cell_type == "code"]
-        runs = [(answer, Trial(answer.name, exercise, answer.checked_by,
-                               "fake" if isinstance(answer, Fake) else "alternative"))
-                for answer in answers]
-        if sections:
-            runs.append((None, Trial(f"the solution of {exercise}, after the trials", exercise,
-                                     tuple(sorted(checked)), "solution")))
-        else:
-            runs.append((None, Trial(f"the solution of {exercise}, put back", exercise, (),
-                                     "solution")))
-        cells, ran = [], 0  # ran: how many cells of `below` a trial has run so far
-        for answer, trial in runs:
-            source = (without_delimiters(answer_cell.source) if answer is None else
-                      replace_solution(answer_cell.source, answer_lines(answer)))
-            if sections:
-                rerun = section_steps(solution, exercise, trial.checked_by)
-            else:
-                last = max((k for k, (_, check) in enumerate(below)
-                            if check in trial.checked_by), default=-1)
-                # Cells not run yet: all of them (another exercise's check unrecorded: what it
-                # defines, the checks below may use). Those run already: the ones that depend
-                # on the answer, and this trial's own checks.
-                seen = depending_on(source, [(step, check)
-                                             for step, check in below[:min(ran, last + 1)]
-                                             if check is None or check in trial.checked_by])
-                new = [(step, check if check in trial.checked_by else None)
-                       for step, check in below[ran:last + 1]]
-                rerun, ran = seen + new, max(ran, last + 1)
-            steps = [(source, None), *rerun]
-            cells += [nbformat.v4.new_code_cell(TRIAL_STEP.format(
-                mark=TRIAL_MARK, name=trial.key, step=k + 1, steps=len(steps), source=step,
-                check=check, last=k == len(steps) - 1)) for k, (step, check) in enumerate(steps)]
-            trials.append(trial)
-        at = span[-1] if sections else span[0]
-        added[at] = added.get(at, []) + cells
+        ran = 0  # how many cells of `below` a trial has run so far
+        magics = any(line.lstrip().startswith(("%", "!"))
+                     for line in answer_cell.source.splitlines())
+        for answer in answers:
+            source = replace_solution(answer_cell.source, answer_lines(answer))
+            trial = trial_of(exercise, answer)
+            last = max(k for k, (_, check) in enumerate(below) if check in trial.checked_by)
+            # Cells not run yet: all of them (another exercise's check unrecorded: what it
+            # defines, the checks below may use). Those run already: this trial's own checks
+            # and the cells that depend on the answer; all of them if it has magics (a file
+            # it writes is read by cells no name of it leads to).
+            seen = [(step, check) for step, check in below[:min(ran, last + 1)]
+                    if check is None or check in trial.checked_by]
+            if not magics:
+                seen = depending_on(source, seen)
+            new = [(step, check if check in trial.checked_by else None)
+                   for step, check in below[ran:last + 1]]
+            ran = max(ran, last + 1)
+            add(span[0], trial, [(source, None), *seen, *new])
+        add(span[0], Trial(f"the solution of {exercise}, put back", exercise, (), "solution"),
+            [(solution_source, None)])
     for index in sorted(added, reverse=True):
         submission.cells[index + 1:index + 1] = added[index]
     return trials
 
 
+def trial_of(exercise: str, answer: Fake | Alternative) -> Trial:
+    return Trial(answer.name, exercise, answer.checked_by,
+                 "fake" if isinstance(answer, Fake) else "alternative")
+
+
 def depending_on(answer: str, steps: list[tuple[str, str | None]]) -> list[tuple[str, str | None]]:
-    """The check cells of `steps` (source, check or None), and those of its other cells that
-    read a name the answer cell binds, or a name such a cell binds, in turn: the rest compute
-    what the solution's run left in place (torch's own groups, say), the same again."""
+    """`steps` (source, check or None) from the first that reads a name the answer cell binds
+    (or is a check) on. The cells before it depend on nothing a trial changes, so what they
+    computed when first run stands (torch's own groups, say); every cell after it runs again,
+    since it may read what an earlier one wrote (a file, which no name leads to)."""
     bound = _names(answer, ast.Store) or set()
-    kept = []
-    for step, check in steps:
+    for k, (step, check) in enumerate(steps):
         read = _names(step, ast.Load)
         if check is not None or read is None or read & bound:
-            kept.append((step, check))
-            bound |= _names(step, ast.Store) or set()
-    return kept
+            return steps[k:]
+    return []
 
 
 def _names(source: str, context: type) -> set[str] | None:
@@ -911,8 +934,8 @@ def test_trials_fail_a_fake_pass_an_alternative_and_put_the_notebook_back() -> N
     solution.cells = [
         cell("def double(x):\n    ### BEGIN SOLUTION\n    return 2 * x\n    ### END SOLUTION",
              grade_id="impl-double", solution=True),
-        cell("doubled = double(21)"),
         cell("unrelated = sum(range(4))"),  # reads nothing the answer binds: not run again
+        cell("doubled = double(21)"),
         cell("assert doubled == 42 and double(3) == 6, doubled", grade_id="test-double",
              grade=True, points=1),
         cell("assert double(5) == 10 and doubled == 42, 'the state below the trials'"),
@@ -925,7 +948,8 @@ def test_trials_fail_a_fake_pass_an_alternative_and_put_the_notebook_back() -> N
     added = [c.source for c in submission.cells if c.source.startswith(TRIAL_MARK)]
     # right after the answer, before the notebook's own cells below it have run
     assert submission.cells[1].source.startswith(TRIAL_MARK), submission.cells[1].source
-    # the first trial runs every cell below; the next only what reads the answer's names
+    # the first trial runs every cell below; the next from the first that reads the answer's
+    # names on
     assert sum("doubled = double(21)" in c for c in added) == 2, added
     assert sum("unrelated = " in c for c in added) == 1, added
     NotebookClient(submission, timeout=60, kernel_name="python3").execute()
