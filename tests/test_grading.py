@@ -363,6 +363,22 @@ def _kill_left_behind(tag: str, before: set[int]) -> list[str]:
     return described
 
 
+@functools.cache  # once per worker: a new gradebook asks `alembic heads` (a process, 1.4 s)
+def empty_gradebook() -> bytes:
+    """An empty gradebook.db as nbgrader's first command in a course makes it, as bytes."""
+    path = Path(tempfile.mkdtemp(prefix="gradebook-")) / "gradebook.db"
+    search = os.environ["PATH"]
+    os.environ["PATH"] = f"{REPO / '.venv' / 'bin'}{os.pathsep}{search}"  # where alembic is
+    try:
+        with Gradebook(f"sqlite:///{path}", course_id="scaling-lab"):
+            pass
+    finally:
+        os.environ["PATH"] = search
+    made = path.read_bytes()
+    shutil.rmtree(path.parent)
+    return made
+
+
 def scores(course: Path, lab: str, student: str) -> dict[str, tuple[float, float]]:
     """grade cell -> (score, max score) of a student's autograded submission."""
     with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gradebook:
@@ -692,6 +708,7 @@ def course(lab: str, tmp_path_factory: pytest.TempPathFactory) -> Course:
     shutil.copytree(REPO / "tools", root / "tools")
     shutil.copytree(REPO / "solutions" / lab, root / "solutions" / lab)
     (root / ".venv").symlink_to(REPO / ".venv")
+    (root / "gradebook.db").write_bytes(empty_gradebook())
     ran = run_in_course(root, GENERATE, lab)
     solution = read_notebook(root / "solutions" / lab / f"{lab}.ipynb")
     released = read_notebook(root / "labs" / lab / f"{lab}.ipynb")

@@ -36,6 +36,7 @@ from test_grading import (  # noqa: E402
     Course,
     answered,
     cut_below,
+    empty_gradebook,
     nbgrader_meta,
     read_notebook,
     run_in_course,
@@ -130,6 +131,7 @@ def test_autograde_and_the_report_catch_a_prediction_changed_after_its_measureme
     subprocess.run(["cp", "-r", str(REPO / "solutions" / LAB), str(root / "solutions")],
                    check=True)
     (root / ".venv").symlink_to(REPO / ".venv")
+    (root / "gradebook.db").write_bytes(empty_gradebook())
     course = Course(root, read_notebook(REPO / "solutions" / LAB / f"{LAB}.ipynb"), None, {})
     course.run(GENERATE, LAB)
     released = read_notebook(root / "labs" / LAB / f"{LAB}.ipynb")
