@@ -283,7 +283,7 @@ def schedule(name: str, ranks: int, microbatches: int, chunks: int = 1) -> Sched
     """A named schedule on `ranks` = p pipeline ranks, for `microbatches` = m.
 
     name: "gpipe" (all forwards, then all backwards; Huang et al. 2019), "1f1b" (PipeDream-Flush:
-    p-1-r forwards on rank r, then alternate one forward, one backward; Narayanan et al. 2021),
+    a warm-up of forwards, then one forward, one backward in turn; Narayanan et al. 2021),
     "interleaved" (1F1B over `chunks` = v stages per rank, so p*v stages in all; needs m a
     multiple of p; Narayanan et al. 2021 §2.2.2), "zb-h1" (1F1B with each backward split
     into input gradient B and weight gradient W, rank r holding back r of its W's to fill the
@@ -315,7 +315,7 @@ def _gpipe(rank: int, p: int, m: int) -> list[Action]:
 
 
 def _one_f_one_b(rank: int, p: int, m: int) -> list[Action]:
-    warmup = min(p - 1 - rank, m)  # forwards in flight before the first backward comes back
+    warmup = min(p - 1 - rank, m)
     ops = [Action("F", rank, j) for j in range(warmup)]
     for j in range(m - warmup):
         ops += [Action("F", rank, warmup + j), Action("B", rank, j)]
@@ -339,8 +339,8 @@ def _zb_h1(rank: int, p: int, m: int) -> list[Action]:
 
 def _interleaved(rank: int, p: int, m: int, v: int) -> list[Action]:
     # Microbatches go through in groups of p: the group's forwards on chunk 0, then on chunk 1,
-    # ...; backwards the other way round. Rank r runs (v-1)*p + 2*(p-1-r) forwards before its
-    # first backward (Megatron-LM's schedule), then alternates.
+    # ...; backwards the other way round. A warm-up of forwards before the first backward
+    # (Megatron-LM's schedule), then one of each in turn.
     def forward(i: int) -> Action:
         group, within = divmod(i, p * v)
         chunk, offset = divmod(within, p)
