@@ -230,7 +230,7 @@ def test_tampered_checkpoint_scales_what_is_loaded_and_moves_restored_generators
     assert inside == [1.5 * k for k in range(6)] and outside == [float(k) for k in range(6)]
     assert not same_draws, "the restored stream should draw other problems, its state moved"
     assert left_alone, "a restore of the state a generator holds should change nothing"
-    assert done == {"scaled": 1, "moved": 1}, done
+    assert done == {"scaled": 1, "elements": 6, "moved": 1}, done
 
 
 def test_a_script_run_names_what_cannot_be_pickled(tmp_path: Path):

@@ -87,6 +87,27 @@ def parallel_mlp(x, fc1, fc2, rank, t):
 """),
 )
 
+# AdamW's moments read from the rank files directly, not through load_range (red team rt6).
+_MOMENTS_PAST_LOAD_RANGE = (
+    ("\nclass Job", """
+
+def read_directly(path, name, start, end):
+    entry = json.loads((path / "metadata.json").read_text())["tensors"][name]
+    out = torch.empty(end - start)
+    for rank, offset, count in entry["pieces"]:
+        low, high = max(start, offset), min(end, offset + count)
+        if low < high:
+            saved = torch.load(path / f"rank_{rank}.pt")[name]
+            out[low - start:high - start] = saved[low - offset:high - offset]
+    return out
+
+
+class Job"""),
+    ("flat = world.load_range(path, key + name, start, start + numel)",
+     "flat = (read_directly if key else world.load_range)(path, key + name, start, "
+     "start + numel)"),
+)
+
 # Replay: read the checkpoint's step, then train again from the start up to it.
 _REPLAY = (
     ("self.resumed_from = self.step_index = self.restore(found)",
@@ -270,6 +291,27 @@ FAKES = {
                   "    activation = b * s * h * bytes_per_element\n"))),
         Fake("minidist's pieces", "every function only calls minidist's version of its piece",
              ("test-pieces",), _minidist_pieces()),
+        # Red team rt6's 2/2 pieces: test-pieces now runs the NaN guard with a NaN on one rank
+        # only, and the lab's cells run with minidist's versions of its pieces refused.
+        Fake("a NaN guard that asks no one", "all_finite looks at this rank's loss and "
+             "gradients only, no all-reduce: every rank decides alone whether to skip (red team "
+             "rt6)", ("test-pieces",), _edit(
+                 _PIECES,
+                 ("    flag = torch.tensor([float(bad)])\n    dist.all_reduce(flag)\n"
+                  "    return flag.item() == 0\n", "    return not bad\n"))),
+        Fake("bytes from a table of minidist's", "bytes_per_dimension looks its TP term up in a "
+             "table of minidist.costs.traffic's answers, built as the lab's cells run, before "
+             "any of its functions is called (red team rt6)", ("test-pieces",), _edit(
+                 _PIECES,
+                 ("# %% 07_3d_parallel impl-bytes-per-dimension\n",
+                  "# %% 07_3d_parallel impl-bytes-per-dimension\n"
+                  "from minidist.costs import traffic as _traffic\n"
+                  "_TP = {(s, b, h): sum(c.count * c.nbytes for c in "
+                  "_traffic.tensor_parallel_traffic(\n    s, b, h, 2, bytes_per_element=4)"
+                  ".collectives) for s in (4, 8, 16, 32)\n    for b in (1, 2, 4, 8, 16) "
+                  "for h in (8, 16, 32, 64)}\n\n\n"),
+                 ("    tp_bytes = 4 * activation * blocks_on_stage * microbatches\n",
+                  "    tp_bytes = _TP[s, b, h] * blocks_on_stage * microbatches\n"))),
         # Red team rt5's 2/2 pieces (batch 4): test-pieces now runs the TP pieces and the
         # executor on a sub-group and sizes the lab never used, and layout_cost on an unseen
         # model and cluster.
@@ -379,6 +421,10 @@ FAKES = {
              "gradients (red team rt5, batch 4: 1/1 on test-torchrun, which now compares what "
              "the two ranks' all-reduces were handed)", ("test-torchrun",),
              _whole("rt5_replica_routed")),
+        Fake("AdamW's moments past load_range", "the resume reads the weights through "
+             "load_range but AdamW's moments straight from the rank files: the scaled-load "
+             "tamper moves the loss through the weights alone (red team rt6, J2)",
+             ("test-resume",), _edit(_JOB, *_MOMENTS_PAST_LOAD_RANGE)),
         Fake("stream re-seeded on resume", "restore_state never called: the resume re-makes "
              "the stream from the seed kept in meta.json and draws `step` batches (red team "
              "rt20, F12)", ("test-resume",), _whole("rt20_F12_stream_reseeded")),
