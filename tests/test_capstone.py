@@ -51,6 +51,22 @@ def test_export_of_the_solutions_has_every_piece_finished(tmp_path: Path):
         (p.name for p in pieces.PIECES), "yours")
 
 
+def test_a_lab_section_that_computes_as_it_runs_has_minidists_pieces_refused(tmp_path: Path):
+    """A table of the library's answers built as a lab's cells run (red team rt6) is refused
+    as a call of the library inside the piece would be; exported definitions run as they are."""
+    from minidist.core.refusal import LibraryVersionUsed
+
+    text = pieces.export(REPO / "solutions")
+    marker = "# %% 07_3d_parallel impl-bytes-per-dimension\n"
+    table = ("from minidist.costs import traffic\n"
+             "TABLE = traffic.tensor_parallel_traffic(16, 8, 32, 2, bytes_per_element=4)\n")
+    (tmp_path / "table.py").write_text(text.replace(marker, marker + table))
+    with pytest.raises(LibraryVersionUsed, match="tensor_parallel_traffic"):
+        pieces.load(tmp_path / "table.py").bytes_per_dimension  # noqa: B018
+    (tmp_path / "plain.py").write_text(text)
+    assert pieces.load(tmp_path / "plain.py").bytes_per_dimension(0, 2, 8, 16, 32, 2, 2, 10)
+
+
 def test_an_unfinished_piece_is_named_with_both_fixes(tmp_path: Path):
     labs = tmp_path / "my-labs"
     for lab in {p.lab for p in pieces.PIECES}:

@@ -49,7 +49,7 @@ from anywhere else resumes to the same losses.
 Under torchrun (or any launcher) set `MINIDIST_PIECES_USAGE=prefix`: each process that loads
 pieces writes its usage to `prefix.rank<RANK>.json` when it exits.
 
-Why one module of about 980 lines: the one path a student's piece travels: exported from a notebook,
+Why one module of about 1000 lines: the one path a student's piece travels: exported from a notebook,
 loaded with minidist's stand-ins named, and run on its mesh dimension's group."""
 
 from __future__ import annotations
@@ -440,6 +440,36 @@ def _undefined(cells: dict[tuple[str, str], str], piece: Piece) -> list[str]:
     defined = set().union(*(_defines(source) for (lab, _), source in cells.items()
                             if lab == piece.lab))
     return [name for name in piece.functions if name not in defined]
+
+
+def _runs_code(source: str) -> bool:
+    """Whether a cell calls anything as it runs: a statement other than an import, a def or a
+    class, or a call in a decorator, a default value or a class body (what `export` writes
+    calls nothing; a table built as the cell runs does)."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return True
+
+    def calls(nodes: Iterable[ast.AST]) -> bool:
+        return any(isinstance(inner, ast.Call) for node in nodes for inner in ast.walk(node))
+
+    def runs(statements: list[ast.stmt]) -> bool:
+        for node in statements:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if calls([*node.decorator_list, *node.args.defaults,
+                          *(d for d in node.args.kw_defaults if d is not None)]):
+                    return True
+            elif isinstance(node, ast.ClassDef):
+                if calls([*node.decorator_list, *node.bases, *node.keywords]) or runs(node.body):
+                    return True
+            elif not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)):
+                return True  # an assignment, a loop, a call ... (a docstring is none of them)
+        return False
+
+    return runs(tree.body)
 
 
 def _split(text: str) -> dict[tuple[str, str], str]:
@@ -919,8 +949,9 @@ class Pieces:
                  if name == lab]
         library = [path for piece in PIECES if piece.lab == lab
                    and piece.name not in self.minidist_for for path in piece.library]
+        runs = any(_runs_code(source) for _, source in cells)  # not only definitions
         refused = (unavailable(*library, reason=f"the job runs your Lab {lab[:2]} pieces, not "
-                                                f"minidist's") if library
+                                                f"minidist's") if library and runs
                    else contextlib.nullcontext())
         with refused:
             for grade_id, source in cells:
