@@ -49,8 +49,8 @@ from anywhere else resumes to the same losses.
 Under torchrun (or any launcher) set `MINIDIST_PIECES_USAGE=prefix`: each process that loads
 pieces writes its usage to `prefix.rank<RANK>.json` when it exits.
 
-Why one module of about 1000 lines: the one path a student's piece travels: exported from a notebook,
-loaded with minidist's stand-ins named, and run on its mesh dimension's group."""
+Why one module of about 1000 lines: the one path a student's piece travels: exported from a
+notebook, loaded with minidist's stand-ins named, and run on its mesh dimension's group."""
 
 from __future__ import annotations
 
