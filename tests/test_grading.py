@@ -497,11 +497,12 @@ def with_trials(submission: NotebookNode, solution: NotebookNode,
     The trials come before the notebook's own run of the cells they rerun and check, so that
     this run, after them, is the check that no trial left the notebook changed (test b). An
     exercise's trials come right after its answer cell: the first runs every cell below down
-    to its last check (other exercises' checks among them, unrecorded); the next ones only
-    those that depend on the answer, and any not run yet. The exercises `by_section`, whose
-    sections use what the sections before them computed (a race, then a resume from its
-    checkpoints), rerun only the set-up below the answer and their checks' sections
-    (`section_cells`), each right before the notebook's own run of its last check's section."""
+    to its last check (other exercises' checks among them, unrecorded); the next ones those
+    from the first that depends on the answer on (`depending_on`), and any not run yet. The
+    exercises `by_section`, whose sections use what the sections before them computed (a
+    race, then a resume from its checkpoints), rerun only the set-up below the answer and
+    their checks' sections (`section_cells`), each right before the notebook's own run of its
+    last check's section."""
     assert [nbgrader_meta(c).get("grade_id") for c in submission.cells] == [
         nbgrader_meta(c).get("grade_id") for c in solution.cells], "cells out of step"
     trials, added = [], {}
@@ -546,8 +547,8 @@ def with_trials(submission: NotebookNode, solution: NotebookNode,
             last = max(k for k, (_, check) in enumerate(below) if check in trial.checked_by)
             # Cells not run yet: all of them (another exercise's check unrecorded: what it
             # defines, the checks below may use). Those run already: this trial's own checks
-            # and the cells that depend on the answer; all of them if it has magics (a file
-            # it writes is read by cells no name of it leads to).
+            # and the cells from the first that depends on the answer on; all of them if it
+            # has magics (a file it writes is read by cells no name of it leads to).
             seen = [(step, check) for step, check in below[:min(ran, last + 1)]
                     if check is None or check in trial.checked_by]
             if not magics:

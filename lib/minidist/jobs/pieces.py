@@ -404,7 +404,7 @@ def unfinished_cells(text: str, piece: Piece) -> dict[str, str]:
     """{cell id: "missing", "unfinished" or "empty: ..."} of `piece`'s cells in a pieces
     file's text that are not finished: which cell of the lab to finish."""
     cells = _split(text)
-    undefined = _undefined(cells, piece)
+    undefined = _undefined(_defined_by_lab(cells), piece)
     found = {}
     for grade_id in piece.cells:
         source = cells.get((piece.lab, grade_id))
@@ -422,24 +422,32 @@ def status(text: str) -> dict[str, str]:
     raises NotImplementedError, or the lab's cells leave one of the piece's functions
     undefined) or "missing" (a cell is not there)."""
     cells = _split(text)
+    defined = _defined_by_lab(cells)
     found = {}
     for piece in PIECES:
         sources = [cells.get((piece.lab, grade_id)) for grade_id in piece.cells]
         if any(source is None for source in sources):
             found[piece.name] = "missing"
         elif (any("NotImplementedError" in source for source in sources)
-              or _undefined(cells, piece)):
+              or _undefined(defined, piece)):
             found[piece.name] = "unfinished"
         else:
             found[piece.name] = "finished"
     return found
 
 
-def _undefined(cells: dict[tuple[str, str], str], piece: Piece) -> list[str]:
-    """The functions of `piece` that no cell of its lab in the file defines."""
-    defined = set().union(*(_defines(source) for (lab, _), source in cells.items()
-                            if lab == piece.lab))
-    return [name for name in piece.functions if name not in defined]
+def _defined_by_lab(cells: dict[tuple[str, str], str]) -> dict[str, set[str]]:
+    """{lab: the functions and classes its cells in a pieces file define}, each cell parsed
+    once."""
+    defined: dict[str, set[str]] = {}
+    for (lab, _), source in cells.items():
+        defined.setdefault(lab, set()).update(_defines(source))
+    return defined
+
+
+def _undefined(defined: dict[str, set[str]], piece: Piece) -> list[str]:
+    """The functions of `piece` that no cell of its lab defines (`defined`: `_defined_by_lab`)."""
+    return [name for name in piece.functions if name not in defined.get(piece.lab, set())]
 
 
 def _runs_code(source: str) -> bool:
@@ -746,7 +754,7 @@ class _OnGroup:
 
     def _handed(self, tensor: Any, group=None) -> None:
         """Note the sum of an all-reduce's input on the bound group (see `usage`)."""
-        if (group is None and getattr(tensor, "is_floating_point", bool)()
+        if (group is None and hasattr(tensor, "is_floating_point") and tensor.is_floating_point()
                 and tensor.numel() > 1):
             sums = _INPUTS.setdefault(self._group_key(), [])
             if len(sums) < _KEPT:
