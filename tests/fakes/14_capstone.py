@@ -91,9 +91,17 @@ def parallel_mlp(x, fc1, fc2, rank, t):
 _MOMENTS_PAST_LOAD_RANGE = (
     ("\nclass Job", """
 
+import functools
+
+
+@functools.lru_cache(maxsize=16)  # a rank file read once, not once per tensor
+def read_rank_file(path):
+    return torch.load(path)
+
+
 def read_directly(path, name, start, end):  # every rank's part, in rank order
     pieces = json.loads((path / "metadata.json").read_text())["tensors"][name]["pieces"]
-    whole = torch.cat([torch.load(path / f"rank_{rank}.pt")[name] for rank, _, _ in pieces])
+    whole = torch.cat([read_rank_file(path / f"rank_{rank}.pt")[name] for rank, _, _ in pieces])
     return whole[start:end].clone()
 
 
@@ -101,6 +109,15 @@ class Job"""),
     ("flat = world.load_range(path, key + name, start, start + numel)",
      "flat = (read_directly if key else world.load_range)(path, key + name, start, "
      "start + numel)"),
+)
+
+# The data stream re-made from the seed on resume, as many batches drawn as the steps done:
+# right until something changes the saved generator state.
+_STREAM_RESEEDED = (
+    ('world.restore_state(torch.load(path / "rng.pt", weights_only=False), self.stream)',
+     'self.stream = ProblemStream(self.task, self.config.seed)\n'
+     '        for _ in range(json.loads((path / "job.json").read_text())["step"]):\n'
+     '            self.stream.next_batch(self.config.batch)'),
 )
 
 # Replay: read the checkpoint's step, then train again from the start up to it.
@@ -421,8 +438,9 @@ FAKES = {
              "tamper moves the loss through the weights alone (red team rt6, J2)",
              ("test-resume",), _edit(_JOB, *_MOMENTS_PAST_LOAD_RANGE)),
         Fake("stream re-seeded on resume", "restore_state never called: the resume re-makes "
-             "the stream from the seed kept in meta.json and draws `step` batches (red team "
-             "rt20, F12)", ("test-resume",), _whole("rt20_F12_stream_reseeded")),
+             "the stream from the job's seed and draws `step` batches (red team rt20, F12, "
+             "made an edit of the solution so that the stream is all it changes)",
+             ("test-resume",), _edit(_JOB, *_STREAM_RESEEDED)),
     ],
 }
 
