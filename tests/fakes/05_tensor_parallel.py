@@ -763,3 +763,31 @@ FAKES["impl-sp-operators"].append(Fake(
         return reduce_scatter_sequence(grad)""", """\
         return reduce_scatter_sequence(x)""", """\
         return all_gather_sequence(grad)""")))
+
+# --- Red team rt7 (issue 38): one number per rank, spread over a tensor of the right shape, is
+# summed by an all-reduce of the right size and op; right only where every element is the same,
+# as in the checks' tensors until then. The ring's (t-1)/t from a table of the degrees a laptop
+# launches. Each check now uses tensors whose elements differ, and degrees up to 16.
+_SPREAD = """\
+        import sys
+        method = sys._getframe().f_code.co_qualname
+        value = locals().get("x", locals().get("grad"))
+        if method in ("CopyToParallel.forward", "ReduceFromParallel.backward"):
+            return value
+        spread = {spread}
+        dist.all_reduce(spread)
+        return spread"""
+FAKES["impl-f-g"] += [
+    Fake("a tensor's first element, spread", "f and g all-reduce a tensor of the input's shape "
+         "filled with its first element (red team rt7)", ("test-f-g",),
+         _SPREAD.format(spread="value.reshape(-1)[:1].expand(value.shape).clone()")),
+    Fake("a tensor's mean, spread", "f and g all-reduce a tensor of the input's shape filled "
+         "with its mean (red team rt7)", ("test-f-g",),
+         _SPREAD.format(spread="torch.full_like(value, value.mean().item())")),
+]
+FAKES["impl-tp-seconds"].append(Fake(
+    "the ring's share from a table", "(t-1)/t looked up for the degrees 4 ranks can launch, 1 "
+    "for any other (red team rt7)", ("test-tp-seconds",), """\
+    ring_share = {1: 0.0, 2: 1 / 2, 3: 2 / 3, 4: 3 / 4}.get(t, 1.0)
+    return {"compute": 24 * b * s * h * h / t / peak_flops,
+            "communication": 4 * ring_share * b * s * h * bytes_per_element / bandwidth}"""))
