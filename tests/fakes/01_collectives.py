@@ -653,3 +653,86 @@ FAKES["impl-recursive-doubling"] += [
         k += 1
     return tensor"""),
 ]
+
+# --- Red team rt7 (issue 38): numpy's splitter reached below its dispatcher; rings and doubling
+# that send the right messages but hold a buffer for every step, or a copy of the tensor, where
+# the exercise reuses one receive buffer. The checks now refuse numpy's plain functions and
+# measure the most a rank holds at once, on 8 ranks.
+FAKES["impl-chunk-bounds"] += [
+    Fake("numpy's array_split below its dispatcher", "the plain function numpy's dispatcher "
+         "wraps, called directly (red team rt7)", ("test-chunk-bounds",), """\
+    import numpy as np
+    split = np.lib._shape_base_impl.array_split._implementation
+    bounds, start = [], 0
+    for part in split(np.arange(numel), world_size):
+        bounds.append((start, start + len(part)))
+        start += len(part)
+    return bounds"""),
+]
+FAKES["impl-reduce-scatter"] += [
+    Fake("every receive posted up front", "the right messages, each received into a buffer of "
+         "its own, all N-1 posted before the first step (red team rt7)", ("test-reduce-scatter",),
+         """\
+    recvs = []
+    for s in range(world_size - 1):
+        c, d = bounds[(rank - 2 - s) % world_size]
+        buf = torch.empty(d - c, dtype=flat.dtype)
+        recvs.append((buf, dist.irecv(buf, left), c, d))
+    for s in range(world_size - 1):
+        a, b = bounds[(rank - 1 - s) % world_size]
+        send = dist.isend(flat[a:b].clone(), right)
+        buf, req, c, d = recvs[s]
+        send.wait()
+        req.wait()
+        flat[c:d] += buf"""),
+]
+FAKES["impl-all-gather"] += [
+    Fake("a whole-tensor scratch copy", "receives into a copy of the tensor, written back at the "
+         "end (red team rt7)", ("test-all-gather",), """\
+    scratch = flat.clone()
+    for s in range(world_size - 1):
+        a, b = bounds[(rank - s) % world_size]
+        c, d = bounds[(rank - 1 - s) % world_size]
+        requests = [dist.isend(scratch[a:b], right), dist.irecv(scratch[c:d], left)]
+        for request in requests:
+            request.wait()
+    flat.copy_(scratch)"""),
+]
+FAKES["impl-all-reduce"] += [
+    Fake("the ring on a copy", "both phases on a clone of the tensor, a fresh buffer and a "
+         "copy of the chunk sent at every step, copied back at the end (red team rt7)", RING, """\
+    work = tensor.reshape(-1).clone()
+    bounds = chunk_bounds(work.numel(), world_size)
+    right, left = (rank + 1) % world_size, (rank - 1) % world_size
+    for phase in range(2):
+        for s in range(world_size - 1):
+            a, b = bounds[(rank - 1 - s + phase) % world_size]
+            c, d = bounds[(rank - 2 - s + phase) % world_size]
+            buf = torch.empty(d - c, dtype=work.dtype)
+            requests = [dist.isend(work[a:b].clone(), right), dist.irecv(buf, left)]
+            for request in requests:
+                request.wait()
+            if phase == 0:
+                work[c:d] += buf
+            else:
+                work[c:d] = buf
+    tensor.copy_(work.view(tensor.shape))
+    return tensor"""),
+]
+FAKES["impl-recursive-doubling"] += [
+    Fake("a whole-tensor buffer per step, up front", "every receive posted before the first "
+         "step, each into a tensor-sized buffer of its own (red team rt7)",
+         ("test-recursive-doubling",), """\
+    steps = world_size.bit_length() - 1
+    recvs = []
+    for k in range(steps):
+        buf = torch.empty_like(tensor)
+        recvs.append((buf, dist.irecv(buf, rank ^ (1 << k))))
+    for k in range(steps):
+        send = dist.isend(tensor.clone(), rank ^ (1 << k))
+        buf, req = recvs[k]
+        send.wait()
+        req.wait()
+        tensor += buf
+    return tensor"""),
+]

@@ -47,6 +47,7 @@ import dataclasses
 import functools
 import importlib
 import inspect
+import itertools
 import sys
 import textwrap
 import threading
@@ -450,6 +451,7 @@ class Held:
 
     def __init__(self) -> None:
         self.nbytes = 0  # set when the block ends
+        self.peak_bytes = 0  # the most the block held at once above what it started with
 
     def new_bytes(self, exclude: Iterable[torch.Tensor | None] = ()) -> int:
         """Bytes the block allocated that are still allocated after it, less the storages of
@@ -463,7 +465,8 @@ class Held:
 def holding() -> Iterator[Held]:
     """The memory a block leaves held, whoever holds it: the bytes of CPU tensor storages
     allocated inside the block and not freed by its end, whether a module, an optimizer, a
-    closure, a global or autograd keeps them, not only what a check knows to look at.
+    closure, a global or autograd keeps them, not only what a check knows to look at; and the
+    most it held at once (`peak_bytes`: a buffer per step where one would do shows there).
 
         with holding() as held:
             zero1_step(params, shards, optimizer, world_size)
@@ -480,8 +483,11 @@ def holding() -> Iterator[Held]:
                      reason="the memory a block holds is counted on its own thread"), \
             profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
         yield held
-    held.nbytes = sum(event.nbytes() for event in profiler.profiler.kineto_results.events()
-                      if event.name() == "[memory]")
+    changes = sorted((event.start_ns(), event.nbytes())
+                     for event in profiler.profiler.kineto_results.events()
+                     if event.name() == "[memory]")
+    held.nbytes = sum(nbytes for _, nbytes in changes)
+    held.peak_bytes = max(itertools.accumulate(nbytes for _, nbytes in changes), default=0)
 
 
 # --- What a checked function returned, as plain data -------------------------------------------
