@@ -662,6 +662,91 @@ _CLIPPING = _snapshot(clipping)"""),
     ],
 }
 
+# --- Red team rt7 (issue 38): a copy across PCIe counted, then used only as 0 * copy (a NaN put
+# into it still shows, a number does not); initialisations that draw nothing, or draw under a
+# seed of their own; the norm taken from the notebook's own single-process clip. The checks now
+# add a finite amount to every copy, materialize under two seeds, and clip a model drawn at
+# grading time.
+FAKES["impl-offload-hooks"].append(Fake(
+    "the device's slice, the host copy times zero", "the averaged slice kept on the device; the "
+    "copy sent to the host only as 0 * copy (red team rt7, H2)", ("test-offload-step",), """\
+    def make(i):
+        def hook(p):
+            mine = collectives.reduce_scatter(p.grad.reshape(-1), impl="ring", when="gradients")
+            host = offload.to_host(mine, "gradient shard")
+            p.grad = None
+            g = mine.float().div(world_size) + 0 * host.float()
+            s = host_shards[i]
+            s.grad = g if s.grad is None else s.grad + g
+        return hook
+    for i, p in enumerate(params):
+        p.register_post_accumulate_grad_hook(make(i))"""))
+FAKES["impl-offloaded-step"].append(Fake(
+    "the host shard gathered, the copy back times zero", "the parameters rebuilt from the host "
+    "shard; the copy to the device only as 0 * copy (red team rt7, S2)", ("test-offload-step",),
+    """\
+    optimizer.step()
+    for p, s in zip(params, host_shards):
+        back = offload.to_device(s.to(p.dtype), p.device, "parameter shard")
+        piece = s.to(p.dtype) + 0 * back
+        full = collectives.all_gather(piece, p.numel(), impl="ring", when="parameters")
+        p.copy_(full.view_as(p))"""))
+FAKES["impl-materialize"] += [
+    Fake("quantiles, nothing drawn", "Linear, Embedding and LayerNorm filled in place with "
+         "deterministic quantiles of their distributions (red team rt7, M3b)",
+         ("test-materialize",), """\
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for module in model.modules():
+            own = list(module.named_parameters(recurse=False))
+            if not own:
+                continue
+            if isinstance(module, (torch.nn.Linear, torch.nn.Embedding, torch.nn.LayerNorm)):
+                for name, p in own:
+                    local = p.to_local() if hasattr(p, "to_local") else p
+                    n = local.numel()
+                    if n == 0:
+                        continue
+                    if isinstance(module, torch.nn.LayerNorm):
+                        local.fill_(1.0 if name == "weight" else 0.0)
+                        continue
+                    flat = local.view(-1)
+                    torch.arange(n, out=flat)
+                    flat.add_(0.5).div_(n)
+                    if isinstance(module, torch.nn.Embedding):
+                        torch.special.ndtri(flat, out=flat)
+                    else:
+                        flat.mul_(2).sub_(1).mul_(module.weight.shape[-1] ** -0.5)
+            elif hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+    return model"""),
+    Fake("a seed of its own", "every module re-initialised, under one fixed seed whatever the "
+         "caller set (red team rt7, M4)", ("test-materialize",), """\
+    model.to_empty(device=device)
+    torch.manual_seed(1234)
+    with torch.no_grad():
+        for module in model.modules():
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+    return model"""),
+]
+FAKES["impl-clip-parallel"].append(Fake(
+    "the notebook's single-process clip", "the norm from the test cell's single_process_clip; "
+    "the tp and pp all-reduces carry ones, their result used as a scale (red team rt7, P3)",
+    ("test-clip-parallel",), """\
+    total = torch.ones(1)
+    collectives.all_reduce(total, group=tp_group, when="gradient norm")
+    collectives.all_reduce(total, group=pp_group, when="gradient norm")
+    size = dist.get_world_size(tp_group) * dist.get_world_size(pp_group)
+    with torch.enable_grad():
+        base = single_process_clip(max_norm)[0]
+    norm = torch.tensor(base) * torch.sqrt(total[0] / size)
+    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(scale.to(p.grad.dtype))
+    return norm"""))
+
 ALTERNATIVES = {
     "impl-clip-parallel": [
         Alternative("no epsilon in the scale",
