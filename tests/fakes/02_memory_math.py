@@ -494,3 +494,164 @@ ALTERNATIVES = {
         return x.grad, None""")),
     ],
 }
+
+# --- Red team rt7 (issue 38): every storage counted once by torch's serialiser or by a copy the
+# profiler measures; a recompute that keeps dropout's masks outside torch (numpy), one that
+# switches dropout off for good, and one that keeps forward's whole graph in numpy and reruns a
+# decoy; the message time from the library's algorithm table. The checks now refuse those
+# helpers, draw noise that is not dropout's, check the module's mode, and change the weights
+# between forward and backward.
+FAKES["impl-held-bytes"] += [
+    Fake("torch.save counts the storages", "the sizes of the data entries of a torch.save into "
+         "memory: one per storage, whole (red team rt7)", ("test-held-bytes",), """\
+    import io
+    import zipfile
+
+    def total(tensors):
+        buffer = io.BytesIO()
+        torch.save([t.detach() for t in tensors], buffer)
+        buffer.seek(0)
+        with zipfile.ZipFile(buffer) as archive:
+            return sum(info.file_size for info in archive.infolist()
+                       if info.filename.split("/")[-2] == "data")
+
+    params = list(model.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
+    ids = {id(p) for p in params}
+    masters = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in ids]
+    states = [v for st in optimizer.state.values() for v in st.values()
+              if isinstance(v, torch.Tensor)]
+    return total(params), total(grads), total(masters + states)"""),
+    Fake("a deep copy, measured", "deepcopy copies each storage once; the library's holding() "
+         "says what the copy allocated (red team rt7)", ("test-held-bytes",), """\
+    import copy
+
+    from minidist.core.checking import holding
+
+    def total(tensors):
+        tensors = [t.detach() for t in tensors]
+        with holding() as held:
+            clone = copy.deepcopy(tensors)
+        del clone
+        return int(held.new_bytes())
+
+    params = list(model.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
+    ids = {id(p) for p in params}
+    masters = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in ids]
+    states = [v for st in optimizer.state.values() for v in st.values()
+              if isinstance(v, torch.Tensor)]
+    return total(params), total(grads), total(masters + states)"""),
+]
+FAKES["impl-recompute"] += [
+    Fake("dropout's masks kept in numpy", "forward records each dropout mask outside torch's "
+         "allocator, backward replays them: no random state, and only F.dropout's draws (red team "
+         "rt7)", ("test-recompute",), ("""\
+        import torch.nn.functional as F
+
+        real, ctx.module, ctx.masks = F.dropout, module, []
+
+        def recording(input, p=0.5, training=True, inplace=False):
+            if not training or p == 0:
+                return input
+            noise = torch.empty_like(input).bernoulli_(1 - p)
+            ctx.masks.append(noise.numpy().astype(bool))
+            return input * noise.div_(1 - p)
+
+        ctx.save_for_backward(x)
+        F.dropout = recording
+        try:
+            with torch.no_grad():
+                return module(x)
+        finally:
+            F.dropout = real""", """\
+        import torch.nn.functional as F
+
+        (x,) = ctx.saved_tensors
+        x = x.detach().requires_grad_(True)
+        real, masks = F.dropout, list(ctx.masks)
+
+        def replaying(input, p=0.5, training=True, inplace=False):
+            if not training or p == 0:
+                return input
+            return input * torch.from_numpy(masks.pop(0)).to(input.dtype).div_(1 - p)
+
+        F.dropout = replaying
+        try:
+            with torch.enable_grad():
+                out = ctx.module(x)
+        finally:
+            F.dropout = real
+        torch.autograd.backward(out, grad_output)
+        return x.grad, None""")),
+    Fake("dropout off for good", "module.eval() in forward, never undone: nothing random left to "
+         "draw again (red team rt7)", ("test-recompute",), ("""\
+        module.eval()
+        ctx.module = module
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return module(x)""", """\
+        (x,) = ctx.saved_tensors
+        x = x.detach().requires_grad_(True)
+        with torch.enable_grad():
+            out = ctx.module(x)
+        torch.autograd.backward(out, grad_output)
+        return x.grad, None""")),
+    Fake("forward's graph kept in numpy, a decoy rerun", "the module records its graph anyway "
+         "(autograd switched on by a pre-hook), its saved tensors moved into numpy by hooks of "
+         "its own; backward reruns the module for show and goes through the kept graph (red team "
+         "rt7)", ("test-recompute",), ("""\
+        def offload(tensor):
+            raw = tensor.detach().reshape(-1).contiguous().view(torch.uint8).numpy().copy()
+            return tensor.dtype, tuple(tensor.shape), raw
+
+        def reload(packed):
+            dtype, shape, raw = packed
+            return torch.from_numpy(raw).view(dtype).reshape(shape)
+
+        ctx.module = module
+        ctx.save_for_backward(x)
+        children = list(module.children())
+        inner = children[0] if len(children) == 1 else module
+        state = {}
+
+        def pre(mod, args):
+            state["grad"] = torch.is_grad_enabled()
+            torch.set_grad_enabled(True)
+            state["hooks"] = torch.autograd.graph.saved_tensors_hooks(offload, reload)
+            state["hooks"].__enter__()
+            state["x"] = args[0].detach().requires_grad_(True)
+            return (state["x"],) + tuple(args[1:])
+
+        def post(mod, args, out):
+            state["hooks"].__exit__(None, None, None)
+            torch.set_grad_enabled(state["grad"])
+
+        handles = [inner.register_forward_pre_hook(pre), inner.register_forward_hook(post)]
+        try:
+            out = module(x)
+        finally:
+            for handle in handles:
+                handle.remove()
+        ctx.graph_out, ctx.graph_x = out, state["x"]
+        return out.detach()""", """\
+        (x,) = ctx.saved_tensors
+        rng = torch.get_rng_state()
+        with torch.enable_grad():
+            ctx.module(x.detach().requires_grad_(True))
+        torch.set_rng_state(rng)
+        torch.autograd.backward(ctx.graph_out, grad_output)
+        return ctx.graph_x.grad, None""")),
+]
+FAKES["impl-hiding"].append(Fake(
+    "a message's time from the algorithm table", "alpha + S beta read from the library's "
+    "algorithm table (a tree broadcast to one rank is one message) (red team rt7)",
+    ("test-hiding",), ("""\
+    from minidist.costs import algorithms
+
+    a, b, _ = algorithms.named("tree").coefficients("broadcast", 2)
+    return max(0.0, a * link.alpha + b * nbytes * link.beta - flops / peak_flops)""", """\
+    from minidist.costs import algorithms
+
+    a, b, _ = algorithms.named("tree").coefficients("broadcast", 2)
+    return peak_flops * (a * link.alpha + b * nbytes * link.beta) / nbytes""")))

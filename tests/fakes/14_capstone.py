@@ -111,8 +111,9 @@ class Job"""),
      "start + numel)"),
 )
 
-# The data stream re-made from the seed on resume, as many batches drawn as the steps done:
-# right until something changes the saved generator state.
+# The data stream re-made from the seed on resume, as many batches drawn as the steps done, and
+# restore_state never called: the stream's draws come out right, the global generators it also
+# puts back do not (the resumed step already differs).
 _STREAM_RESEEDED = (
     ('world.restore_state(torch.load(path / "rng.pt", weights_only=False), self.stream)',
      'self.stream = ProblemStream(self.task, self.config.seed)\n'
@@ -438,8 +439,8 @@ FAKES = {
              "tamper moves the loss through the weights alone (red team rt6, J2)",
              ("test-resume",), _edit(_JOB, *_MOMENTS_PAST_LOAD_RANGE)),
         Fake("stream re-seeded on resume", "restore_state never called: the resume re-makes "
-             "the stream from the job's seed and draws `step` batches (red team rt20, F12, "
-             "made an edit of the solution so that the stream is all it changes)",
+             "the stream from the job's seed and draws `step` batches; the global generators are "
+             "not put back (red team rt20, F12, made an edit of the solution)",
              ("test-resume",), _edit(_JOB, *_STREAM_RESEEDED)),
     ],
 }
