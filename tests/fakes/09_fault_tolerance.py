@@ -362,3 +362,104 @@ FAKES["impl-nan_guard"] += [
     dist.all_reduce(flag)
     return bool(flag.item() == 0)"""),
 ]
+
+# --- Red team rt7 (issue 38): a checkpoint whose renames come in the right order but whose
+# metadata is written again in place after COMPLETE; a load that reads every rank file (outside
+# torch.load) before loading the ones it needs; a save without the flush; generator states
+# without their cached Gaussians; the sampler as a count of batches; guards that look at some
+# gradients, or some dtypes, or count bad elements in a byte. The checks now compare the folder
+# as COMPLETE appears with the folder after the save, watch os.fsync and every open, draw
+# normals and restore other sampler states and types, and poison longer lists.
+FAKES["impl-save_load"] += [
+    Fake("metadata written again after COMPLETE", "a placeholder metadata.json renamed in, then "
+         "COMPLETE, then the real metadata written in place (red team rt7, F1c)",
+         ("test-save_load",), """\
+    if "shards" in locals():
+        path = Path(path)
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        path.mkdir(parents=True, exist_ok=True)
+        tensors = {name: tensor.detach().clone() for name, (_, tensor, _) in shards.items()}
+        write_atomically(path / f"rank_{rank}.pt", lambda p: torch.save(tensors, p))
+        everyone = [None] * world_size
+        dist.all_gather_object(everyone, {name: (offset, tensor.numel())
+                                          for name, (offset, tensor, _) in shards.items()})
+        if rank == 0:
+            metadata = {"world_size": world_size, "tensors": {
+                name: {"numel": numel,
+                       "pieces": [[r, everyone[r][name][0], everyone[r][name][1]]
+                                  for r in range(world_size)]}
+                for name, (_, _, numel) in shards.items()}}
+            write_atomically(path / "metadata.json", lambda p: p.write_text("{}"))
+            write_atomically(path / "COMPLETE", lambda p: p.write_text(""))
+            (path / "metadata.json").write_text(json.dumps(metadata))
+        dist.barrier()
+        return
+""" + _LOAD),
+    Fake("every rank file read for a checksum", "load_range reads every rank file whole "
+         "(Path.read_bytes), then torch.loads only the ones that overlap (red team rt7, F1e)",
+         ("test-save_load",), _SAVE + """\
+    import hashlib
+
+    path = Path(path)
+    if not (path / "COMPLETE").exists():
+        raise RuntimeError(f"{path} has no COMPLETE marker")
+    hashlib.sha256(b"".join(p.read_bytes() for p in sorted(path.glob("rank_*.pt"))))
+""" + _LOAD.split("\n", 3)[3]),
+    Fake("no flush before the rename", "write_atomically's fsync dropped (a copy of it in the "
+         "save): the rename can reach the disk before the data (red team rt7, F1f)",
+         ("test-save_load",), """\
+    def write_atomically(path, save_fn):
+        temporary = Path(f"{path}.tmp")
+        save_fn(temporary)
+        os.replace(temporary, path)
+
+""" + _SAVE + _LOAD),
+]
+FAKES["impl-rng_state"] += [
+    Fake("no cached Gaussians", "NumPy's and Python's generator states without the normal each "
+         "keeps from a pair (red team rt7, R1e)", ("test-rng_state",), """\
+    if "state" not in locals():
+        kind, key, pos, _, _ = np.random.get_state()
+        version, internal, _ = random.getstate()
+        return {"torch": torch.get_rng_state(), "python": (version, internal),
+                "numpy": (kind, key.copy(), pos), "sampler": dict(sampler.state_dict())}
+    torch.set_rng_state(state["torch"])
+    random.setstate((*state["python"], None))
+    np.random.set_state(state["numpy"])
+    sampler.load_state_dict(state["sampler"])"""),
+    Fake("the sampler as a count of batches", "the batches drawn since the start, replayed from "
+         "(0, 0) on restore (red team rt7, R1b)", ("test-rng_state",), """\
+    if "state" not in locals():
+        per_epoch = sampler.size // sampler.global_batch
+        drawn = sampler.epoch * per_epoch + sampler.position // sampler.global_batch
+        return {"torch": torch.get_rng_state(), "python": random.getstate(),
+                "numpy": np.random.get_state(), "drawn": drawn}
+    sampler.epoch, sampler.position = 0, 0
+    for _ in range(state["drawn"]):
+        sampler.next_batch()
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])"""),
+]
+FAKES["impl-nan_guard"] += [
+    Fake("bad elements counted in a byte", "each rank's count of non-finite elements all-reduced "
+         "as a uint8, which wraps at 256 (red team rt7, N1a)", ("test-nan_guard",), """\
+    bad = int((~torch.isfinite(loss)).sum()) + sum(int((~torch.isfinite(g)).sum())
+                                                   for g in grads if g is not None)
+    flag = torch.tensor([bad]).to(torch.uint8)
+    dist.all_reduce(flag)
+    return bool(flag.item() == 0)"""),
+    Fake("float32 only", "only float32 tensors are looked at (red team rt7, N1d)",
+         ("test-nan_guard",), """\
+    looked = [t for t in [loss, *grads] if t is not None and t.dtype == torch.float32]
+    flag = torch.tensor([float(all(bool(torch.isfinite(t).all()) for t in looked))])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item() == 1.0)"""),
+    Fake("the loss, the first and the last gradient", "a NaN shows first there, the fake "
+         "assumes (red team rt7, N1b)", ("test-nan_guard",), """\
+    present = [g for g in grads if g is not None]
+    looked = [loss] + present[:1] + present[-1:]
+    flag = torch.tensor([float(all(bool(torch.isfinite(t).all()) for t in looked))])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item() == 1.0)"""),
+]
