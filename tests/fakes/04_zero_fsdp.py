@@ -629,3 +629,123 @@ FAKES["impl-zero2"] += [
          "shard.grad: a whole gradient kept, off torch's books", ("test-zero2",),
          (indented(ZERO2_NUMPY_ACCUMULATOR_HOOKS, 4), indented(ZERO2_NUMPY_ACCUMULATOR_STEP, 4))),
 ]
+
+# --- Red team rt7 (issue 38): whole-size state hidden in the storage under shard.grad (the
+# memory check left a gradient's whole storage out); ready-made flatteners; a copy of the unit
+# kept by free, and a blocking gather's vector replayed in place of the prefetch's; a prefetch
+# order written for six units. The checks now leave out only a gradient's own bytes, refuse the
+# flatteners, shift what a prefetch delivers, measure what gather, forward and free leave held,
+# and shard a model of seven units.
+FAKES["impl-zero1"].append(Fake(
+    "whole state under shard.grad", "each shard's gradient is a view into one allocation that "
+    "also holds the whole gradient and the whole parameters (red team rt7)", ("test-zero1",),
+    """\
+    for p, s in zip(params, shards):
+        k, n = s.numel(), p.numel()
+        if getattr(p, "_big", None) is None or p._big.numel() != k + 2 * n:
+            p._big = torch.zeros(k + 2 * n)
+        p._big[k:k + n].copy_(p.grad.reshape(-1))
+        mine = collectives.reduce_scatter(p.grad.reshape(-1), impl="ring")
+        p._big[:k].copy_(mine).div_(world_size)
+        s.grad = p._big[:k]
+    optimizer.step()
+    for p, s in zip(params, shards):
+        k, n = s.numel(), p.numel()
+        p.view(-1).copy_(collectives.all_gather(s.detach(), n, impl="ring"))
+        p._big[k + n:].copy_(p.view(-1))"""))
+FAKES["impl-zero2"].append(Fake(
+    "a whole accumulator under shard.grad", "the accumulated whole gradient kept in the "
+    "allocation shard.grad views, reduce-scattered at each arrival (red team rt7)",
+    ("test-zero2",), ("""\
+    for p, s in zip(params, shards):
+        def hook(p, s=s):
+            with torch.no_grad():
+                k, n = s.numel(), p.numel()
+                if s.grad is None:
+                    p._big = torch.zeros(2 * k + n)
+                    s.grad = p._big[:k]
+                previous, whole = p._big[k:2 * k], p._big[2 * k:]
+                whole.add_(p.grad.reshape(-1))
+                reduced = collectives.reduce_scatter(whole, impl="ring") / world_size
+                s.grad.add_(reduced - previous)
+                previous.copy_(reduced)
+            p.grad = None
+        p.register_post_accumulate_grad_hook(hook)""", """\
+    optimizer.step()
+    for p, s in zip(params, shards):
+        p.view(-1).copy_(collectives.all_gather(s.detach(), p.numel(), impl="ring"))""")))
+FAKES["impl-flat-shard"] += [
+    Fake("torch's private flattener", "torch._utils._flatten_dense_tensors (red team rt7)",
+         ("test-flat-shard",), """\
+    from torch._utils import _flatten_dense_tensors
+    flat = _flatten_dense_tensors([p.detach().float() for p in params])
+    start, end = collectives.shard_bounds(flat.numel())
+    return nn.Parameter(flat[start:end].clone())"""),
+    Fake("parameters_to_vector", "torch.nn.utils.parameters_to_vector (red team rt7)",
+         ("test-flat-shard",), """\
+    flat = torch.nn.utils.parameters_to_vector([p.detach().float() for p in params])
+    start, end = collectives.shard_bounds(flat.numel())
+    return nn.Parameter(flat[start:end].clone())"""),
+]
+_GATHER_FREE_BACKWARD = """\
+        grad = collectives.reduce_scatter(grad_full.contiguous(), impl="ring")
+        free(unit)
+        unit.full = None
+        return grad.float() / dist.get_world_size(), None, None"""
+_GATHER_FREE_SETUP = """\
+    if unit.full is None:
+        unit.full = GatherParams.apply(unit.shard, full, unit)
+        pieces = unit.full.split([shape.numel() for _, _, shape in unit.slots])
+        for (owner, name, shape), piece in zip(unit.slots, pieces):
+            setattr(owner, name, piece.view(shape))
+    else:
+        unit.full.untyped_storage().resize_(unit.numel * unit.full.element_size())
+"""
+FAKES["impl-gather-free"] += [
+    Fake("free keeps a copy", "free empties the storage but keeps a clone of the whole vector "
+         "on the unit; the refill takes what arrived only where it differs (red team rt7)",
+         ("test-gather-free",), (_GATHER_FREE_BACKWARD, """\
+    return collectives.all_gather(unit.shard.detach().to(unit.compute_dtype), unit.numel,
+                                  impl="ring", async_op=async_op)""", """\
+    if unit.prefetched is not None:
+        full, unit.prefetched = unit.prefetched.wait(), None
+    else:
+        full = all_gather_params(unit)
+""" + _GATHER_FREE_SETUP + """\
+        kept = getattr(unit, "_copy", None)
+        unit.full.data.copy_(full if kept is None or not torch.equal(full, kept) else kept)""", """\
+    if unit.full.untyped_storage().nbytes() > 0:
+        unit._copy = unit.full.detach().clone()
+    unit.full.untyped_storage().resize_(0)""")),
+    Fake("a blocking gather replayed", "gather waits on the prefetch, then uses the vector of an "
+         "earlier blocking gather of the same shard (red team rt7)", ("test-gather-free",), (
+             _GATHER_FREE_BACKWARD, """\
+    result = collectives.all_gather(unit.shard.detach().to(unit.compute_dtype), unit.numel,
+                                    impl="ring", async_op=async_op)
+    if not async_op:
+        unit._cache, unit._cache_of = result.clone(), unit.shard.detach().clone()
+    return result""", """\
+    if unit.prefetched is not None:
+        full, unit.prefetched = unit.prefetched.wait(), None
+        cache = getattr(unit, "_cache", None)
+        if cache is not None and torch.equal(unit._cache_of, unit.shard.detach()):
+            full = cache
+    else:
+        full = all_gather_params(unit)
+""" + _GATHER_FREE_SETUP + """\
+        unit.full.data.copy_(full)""", """\
+    unit.full.untyped_storage().resize_(0)""")),
+]
+FAKES["impl-fsdp-hooks"].append(Fake(
+    "a prefetch order for six units", "the next unit to prefetch read from tables written for "
+    "the notebook's six units (red team rt7)", ("test-fsdp",), ("""\
+        gather(units[i])
+        j = {0: 1, 1: 2, 2: 3, 3: 4, 4: 5}.get(i)
+        if prefetch and j is not None and j < len(units) and units[j].prefetched is None:
+            units[j].prefetched = all_gather_params(units[j], async_op=True)""", """\
+        free(units[i])
+        output.register_hook(lambda grad: before_backward(i))""", """\
+        gather(units[i])
+        j = {5: 4, 4: 3, 3: 2, 2: 1, 1: 0}.get(i)
+        if prefetch and j is not None and units[j].prefetched is None:
+            units[j].prefetched = all_gather_params(units[j], async_op=True)""")))

@@ -454,9 +454,10 @@ class Held:
         self.peak_bytes = 0  # the most the block held at once above what it started with
 
     def new_bytes(self, exclude: Iterable[torch.Tensor | None] = ()) -> int:
-        """Bytes the block allocated that are still allocated after it, less the storages of
-        `exclude`: tensors it was meant to make and keep (the shards' gradients, say)."""
-        skip = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        """Bytes the block allocated that are still allocated after it, less the bytes of
+        `exclude`: tensors it was meant to make and keep (the shards' gradients, say). Only a
+        tensor's own elements are left out: the rest of a larger allocation it views counts."""
+        skip = {(t.untyped_storage().data_ptr(), t.storage_offset()): t.numel() * t.element_size()
                 for t in exclude if t is not None}
         return self.nbytes - sum(skip.values())
 
