@@ -749,3 +749,52 @@ FAKES["impl-fsdp-hooks"].append(Fake(
         j = {5: 4, 4: 3, 3: 2, 2: 1, 1: 0}.get(i)
         if prefetch and j is not None and units[j].prefetched is None:
             units[j].prefetched = all_gather_params(units[j], async_op=True)""")))
+
+
+def _prefetch_waited_at_once(wait_line: str) -> tuple[str, str, str]:
+    # shard_model's three hook regions, each prefetch followed at once by `wait_line`
+    return ("""\
+        gather(units[i])
+        if prefetch and i + 1 < len(units) and units[i + 1].prefetched is None:
+            units[i + 1].prefetched = all_gather_params(units[i + 1], async_op=True)
+            """ + wait_line.format(j="i + 1"), """\
+        free(units[i])
+        output.register_hook(lambda grad: before_backward(i))""", """\
+        gather(units[i])
+        if prefetch and i > 0 and units[i - 1].prefetched is None:
+            units[i - 1].prefetched = all_gather_params(units[i - 1], async_op=True)
+            """ + wait_line.format(j="i - 1"))
+
+
+FAKES["impl-fsdp-hooks"] += [
+    Fake("the prefetch waited for through the thread's queue", "each prefetch followed at once "
+         "by an empty job on minidist's communication thread, waited for: nothing overlaps "
+         "(red team rt7)", ("test-fsdp",),
+         _prefetch_waited_at_once("collectives.in_background(lambda: None).result()")),
+    Fake("the prefetch's handle taken apart", "each prefetch waited for at once through what its "
+         "handle wraps, out of the handle's sight (red team rt7)", ("test-fsdp",),
+         _prefetch_waited_at_once(
+             'getattr(units[{j}].prefetched, "handle", units[{j}].prefetched).wait()')),
+]
+FAKES["impl-fsdp-hooks"].append(Fake(
+    "backward refilled from copies kept since forward", "backward's all-gathers run (count and "
+    "bytes as FSDP's) but each unit is refilled from a copy kept when its forward ended (red "
+    "team rt7)", ("test-fsdp",), ("""\
+        gather(units[i])
+        if prefetch and i + 1 < len(units) and units[i + 1].prefetched is None:
+            units[i + 1].prefetched = all_gather_params(units[i + 1], async_op=True)""", """\
+        if not hasattr(units[i], "_keep"):
+            units[i]._keep = []
+        units[i]._keep.append(units[i].full.detach().clone())
+        free(units[i])
+        output.register_hook(lambda grad: before_backward(i))""", """\
+        unit = units[i]
+        if unit.prefetched is not None:
+            full, unit.prefetched = unit.prefetched.wait(), None
+        else:
+            full = all_gather_params(unit)
+        kept = unit._keep.pop() if getattr(unit, "_keep", None) else full
+        unit.full.untyped_storage().resize_(unit.numel * unit.full.element_size())
+        unit.full.data.copy_(kept)
+        if prefetch and i > 0 and units[i - 1].prefetched is None:
+            units[i - 1].prefetched = all_gather_params(units[i - 1], async_op=True)""")))
