@@ -687,54 +687,30 @@ FAKES["impl-flat-shard"] += [
     start, end = collectives.shard_bounds(flat.numel())
     return nn.Parameter(flat[start:end].clone())"""),
 ]
-_GATHER_FREE_BACKWARD = """\
-        grad = collectives.reduce_scatter(grad_full.contiguous(), impl="ring")
-        free(unit)
-        unit.full = None
-        return grad.float() / dist.get_world_size(), None, None"""
-_GATHER_FREE_SETUP = """\
-    if unit.full is None:
-        unit.full = GatherParams.apply(unit.shard, full, unit)
-        pieces = unit.full.split([shape.numel() for _, _, shape in unit.slots])
-        for (owner, name, shape), piece in zip(unit.slots, pieces):
-            setattr(owner, name, piece.view(shape))
-    else:
-        unit.full.untyped_storage().resize_(unit.numel * unit.full.element_size())
-"""
+_WAITED = "    full, unit.prefetched = unit.prefetched.wait(), None\n"  # in GATHER
 FAKES["impl-gather-free"] += [
     Fake("free keeps a copy", "free empties the storage but keeps a clone of the whole vector "
          "on the unit; the refill takes what arrived only where it differs (red team rt7)",
-         ("test-gather-free",), (_GATHER_FREE_BACKWARD, """\
-    return collectives.all_gather(unit.shard.detach().to(unit.compute_dtype), unit.numel,
-                                  impl="ring", async_op=async_op)""", """\
-    if unit.prefetched is not None:
-        full, unit.prefetched = unit.prefetched.wait(), None
-    else:
-        full = all_gather_params(unit)
-""" + _GATHER_FREE_SETUP + """\
-        kept = getattr(unit, "_copy", None)
-        unit.full.data.copy_(full if kept is None or not torch.equal(full, kept) else kept)""", """\
+         ("test-gather-free",), (indented(BACKWARD, 8), indented(ALL_GATHER_PARAMS, 4), indented(
+             GATHER.replace("    unit.full.data.copy_(full)\n", """\
+    kept = getattr(unit, "_copy", None)
+    unit.full.data.copy_(full if kept is None or not torch.equal(full, kept) else kept)
+"""), 4), """\
     if unit.full.untyped_storage().nbytes() > 0:
         unit._copy = unit.full.detach().clone()
     unit.full.untyped_storage().resize_(0)""")),
     Fake("a blocking gather replayed", "gather waits on the prefetch, then uses the vector of an "
          "earlier blocking gather of the same shard (red team rt7)", ("test-gather-free",), (
-             _GATHER_FREE_BACKWARD, """\
+             indented(BACKWARD, 8), """\
     result = collectives.all_gather(unit.shard.detach().to(unit.compute_dtype), unit.numel,
                                     impl="ring", async_op=async_op)
     if not async_op:
         unit._cache, unit._cache_of = result.clone(), unit.shard.detach().clone()
-    return result""", """\
-    if unit.prefetched is not None:
-        full, unit.prefetched = unit.prefetched.wait(), None
-        cache = getattr(unit, "_cache", None)
-        if cache is not None and torch.equal(unit._cache_of, unit.shard.detach()):
-            full = cache
-    else:
-        full = all_gather_params(unit)
-""" + _GATHER_FREE_SETUP + """\
-        unit.full.data.copy_(full)""", """\
-    unit.full.untyped_storage().resize_(0)""")),
+    return result""", indented(GATHER.replace(_WAITED, _WAITED + """\
+    cache = getattr(unit, "_cache", None)
+    if cache is not None and torch.equal(unit._cache_of, unit.shard.detach()):
+        full = cache
+"""), 4), indented(FREE, 4))),
 ]
 FAKES["impl-fsdp-hooks"].append(Fake(
     "a prefetch order for six units", "the next unit to prefetch read from tables written for "

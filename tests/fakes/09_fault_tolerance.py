@@ -373,28 +373,12 @@ FAKES["impl-nan_guard"] += [
 FAKES["impl-save_load"] += [
     Fake("metadata written again after COMPLETE", "a placeholder metadata.json renamed in, then "
          "COMPLETE, then the real metadata written in place (red team rt7, F1c)",
-         ("test-save_load",), """\
-    if "shards" in locals():
-        path = Path(path)
-        rank, world_size = dist.get_rank(), dist.get_world_size()
-        path.mkdir(parents=True, exist_ok=True)
-        tensors = {name: tensor.detach().clone() for name, (_, tensor, _) in shards.items()}
-        write_atomically(path / f"rank_{rank}.pt", lambda p: torch.save(tensors, p))
-        everyone = [None] * world_size
-        dist.all_gather_object(everyone, {name: (offset, tensor.numel())
-                                          for name, (offset, tensor, _) in shards.items()})
-        if rank == 0:
-            metadata = {"world_size": world_size, "tensors": {
-                name: {"numel": numel,
-                       "pieces": [[r, everyone[r][name][0], everyone[r][name][1]]
-                                  for r in range(world_size)]}
-                for name, (_, _, numel) in shards.items()}}
-            write_atomically(path / "metadata.json", lambda p: p.write_text("{}"))
-            write_atomically(path / "COMPLETE", lambda p: p.write_text(""))
-            (path / "metadata.json").write_text(json.dumps(metadata))
-        dist.barrier()
-        return
-""" + _LOAD),
+         ("test-save_load",), _SAVE.replace(
+             "lambda p: p.write_text(json.dumps(metadata)))\n"
+             '            write_atomically(path / "COMPLETE", lambda p: p.write_text(""))\n',
+             'lambda p: p.write_text("{}"))\n'
+             '            write_atomically(path / "COMPLETE", lambda p: p.write_text(""))\n'
+             '            (path / "metadata.json").write_text(json.dumps(metadata))\n') + _LOAD),
     Fake("every rank file read for a checksum", "load_range reads every rank file whole "
          "(Path.read_bytes), then torch.loads only the ones that overlap (red team rt7, F1e)",
          ("test-save_load",), _SAVE + """\
