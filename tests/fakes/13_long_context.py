@@ -809,3 +809,96 @@ FAKES["impl-ring-backward"] += [
             block = pending.wait()
 {_BACKWARD_END}"""),
 ]
+
+# --- Red team rt7 (issue 38): rings whose messages, counts and overlap look right but that keep
+# every key/value block (or every block's gradient share) to the end: a second pass over all of
+# them instead of the online merge, a one-query decoy attended while each block travels, the
+# gradients sent on a lap of their own. The hidden checks now measure the most a rank holds at
+# once on a ring of 8.
+FAKES["impl-ring-forward"] += [
+    Fake("every block kept, a second pass", "each block's lse taken as it comes, its output "
+         "dropped; the output recomputed over every kept block once the ring ends, no merge "
+         "(red team rt7)", checked_by=("test-ring-forward",), source="""\
+    n, scale = q.shape[2], q.shape[-1] ** -0.5
+    held, lses = [], []
+    for step in range(size):
+        source = (rank - step) % size
+        travelling = None
+        if step < size - 1:
+            travelling = collectives.shift(block, group=group, when="forward", async_op=True)
+        if not causal or source <= rank:
+            diagonal = causal and source == rank
+            _, part_lse = context_parallel.block_attention(q, block[0], block[1],
+                                                           diagonal=diagonal)
+            held.append((block, diagonal))
+            lses.append(part_lse)
+        if travelling is not None:
+            block = travelling.wait()
+    lse = torch.logsumexp(torch.stack(lses), dim=0)
+    for kv, diagonal in held:
+        scores = (q.float() @ kv[0].float().transpose(-2, -1)) * scale
+        if diagonal:
+            scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+        out = out + torch.exp(scores - lse.unsqueeze(-1)) @ kv[1].float()"""),
+    Fake("a decoy attended while each block travels", "a one-query attention for show during "
+         "each transfer; the real attention over every kept block after the ring (red team rt7)",
+         checked_by=("test-ring-forward",), source="""\
+    n, scale = q.shape[2], q.shape[-1] ** -0.5
+    held = []
+    for step in range(size):
+        source = (rank - step) % size
+        travelling = None
+        if step < size - 1:
+            travelling = collectives.shift(block, group=group, when="forward", async_op=True)
+        if not causal or source <= rank:
+            context_parallel.block_attention(q[:, :, :1], block[0], block[1])
+            held.append((block, causal and source == rank))
+        if travelling is not None:
+            block = travelling.wait()
+    parts = []
+    for kv, diagonal in held:
+        scores = (q.float() @ kv[0].float().transpose(-2, -1)) * scale
+        if diagonal:
+            scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+        parts.append(scores)
+    lse = torch.logsumexp(torch.stack([s.logsumexp(-1) for s in parts]), dim=0)
+    for (kv, _), scores in zip(held, parts):
+        out = out + torch.exp(scores - lse.unsqueeze(-1)) @ kv[1].float()"""),
+]
+FAKES["impl-ring-backward"].append(Fake(
+    "every share kept, the gradients on a lap of their own", "each block's dk/dv share kept "
+    "until the key/value lap ends, then the sums sent round a second lap (red team rt7)",
+    checked_by=("test-ring-backward",), source="""\
+    n, scale = q.shape[2], q.shape[-1] ** -0.5
+    qf, gf, lf = q.float(), grad_out.float(), lse.float()
+    delta = (gf * out.float()).sum(-1, keepdim=True)
+    dq = torch.zeros_like(qf)
+    shares = {}
+    for step in range(size):
+        source = (rank - step) % size
+        travelling = None
+        if step < size - 1:
+            travelling = collectives.shift(block, group=group, when="backward", async_op=True)
+        if not causal or source <= rank:
+            kb, vb = block[0].float(), block[1].float()
+            scores = qf @ kb.transpose(-2, -1) * scale
+            if causal and source == rank:
+                hidden = ~torch.ones(n, n, dtype=torch.bool).tril()
+                scores = scores.masked_fill(hidden, float("-inf"))
+            p = torch.exp(scores - lf.unsqueeze(-1))
+            dx = p * (gf @ vb.transpose(-2, -1) - delta)
+            dq += dx @ kb * scale
+            shares[source] = torch.stack([dx.transpose(-2, -1) @ qf * scale,
+                                          p.transpose(-2, -1) @ gf])
+        if travelling is not None:
+            block = travelling.wait()
+    coming = None
+    for step in range(size):
+        source = (rank - step) % size
+        grads = shares.get(source, torch.zeros(block.shape))
+        if coming is not None:
+            grads = grads + coming.wait().float()
+        coming = collectives.shift(grads.to(block.dtype), group=group, when="backward",
+                                   async_op=True)
+    home = coming.wait()
+    return dq.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype)"""))

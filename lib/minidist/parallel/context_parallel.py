@@ -25,10 +25,11 @@ its share, until one last step brings each block's gradient home. Bytes per rank
 Causal balance. With a causal mask a query sees only earlier keys. Split the sequence into cp
 contiguous blocks ("contiguous") and rank 0 attends to one block while rank cp-1 attends to
 cp: the ring runs at the pace of the busiest rank. "zigzag" cuts the sequence into 2·cp chunks
-and gives rank r chunks r and 2cp-1-r, an early and a late one, so every rank scores the same
-number of query-key pairs (Brandon et al. 2023, REFERENCES.md#striped-attention; the layout of
-Llama 3 and Megatron-LM's context parallelism). A layout can also be given as the positions of
-this rank's tokens in the sequence (a 1-D tensor); any split of 0..s-1 works.
+and gives rank r chunk r and a late one that evens out the work (Lab 13's Exercise 4 works out
+which), so every rank scores the same number of query-key pairs (Brandon et al. 2023,
+REFERENCES.md#striped-attention; the layout of Llama 3 and Megatron-LM's context parallelism).
+A layout can also be given as the positions of this rank's tokens in the sequence (a 1-D
+tensor); any split of 0..s-1 works.
 
 DeepSpeed-Ulysses (Jacobs et al. 2023; REFERENCES.md#ulysses). An all-to-all turns q, k and v
 from sequence-sharded ([b, h, s/cp, d]) into head-sharded ([b, h/cp, s, d]): each rank then
@@ -96,7 +97,8 @@ def _check_layout(layout: str) -> None:
 
 def chunks_of(cp_rank: int, cp: int, *, layout: str = "contiguous") -> tuple[int, ...]:
     """Which chunks of the sequence rank `cp_rank` of the cp group holds: ("contiguous") chunk
-    r of cp, ("zigzag") chunks r and 2cp-1-r of 2·cp."""
+    r of cp, ("zigzag") two of 2·cp, chunk r and the later one that evens out causal work (Lab
+    13's Exercise 4 works out which)."""
     _check_layout(layout)
     if not 0 <= cp_rank < cp:
         raise ValueError(f"cp_rank={cp_rank}: must be in 0..{cp - 1}")
