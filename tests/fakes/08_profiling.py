@@ -307,3 +307,41 @@ FAKES["impl-overlap"] += [
 
 _KNOWN = {id(t): profiling.overlap_fraction(t) for t in (ddp_flat, ddp_buckets)}""")),
 ]
+
+# --- Red team rt7 (issue 38): straggler rules fitted to the checks' timings (compute against
+# the all-reduce's waiting), and checked collectives that compare too little (an operation's
+# family, shapes with their 1s squeezed out). The checks now have a straggler on a slow link
+# and calls that differ in a dimension of size 1 or in the operation within a family.
+_MEDIAN = """\
+    def median(values):
+        ordered = sorted(values)
+        middle = len(ordered) // 2
+        return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+"""
+FAKES["impl-straggler"] += [
+    Fake("compute over the all-reduce's waiting", "medians of compute divided by medians of "
+         "all-reduce time (red team rt7)", ("test-straggler",), _MEDIAN + """\
+    return max(per_rank, key=lambda rank: median(per_rank[rank]["compute"])
+               / max(median(per_rank[rank]["all_reduce"]), 1e-9))"""),
+    Fake("compute less the all-reduce's waiting", "median compute minus median all-reduce time "
+         "(red team rt7)", ("test-straggler",), _MEDIAN + """\
+    return max(per_rank, key=lambda rank: median(per_rank[rank]["compute"])
+               - median(per_rank[rank]["all_reduce"]))"""),
+]
+_CHECKED = """\
+    mine = (op, list(tensor.shape), str(tensor.dtype).removeprefix("torch."))
+    calls = [None] * dist.get_world_size()
+    dist.all_gather_object(calls, mine)
+    if len({{{key} for o, s, d in calls}}) > 1:
+        raise RuntimeError("mismatched collectives: " + "; ".join(
+            f"rank {{r}}: {{o}} {{s}} {{d}}" for r, (o, s, d) in enumerate(calls)))
+    return collective(tensor)"""
+FAKES["impl-checked-collective"] += [
+    Fake("the operation's family only", "compares op.split('_')[0]: all_reduce against "
+         "all_gather goes through (red team rt7)", ("test-checked-collective",),
+         _CHECKED.format(key='(o.split("_")[0], tuple(s), d)')),
+    Fake("shapes with their 1s squeezed out", "(4,) and (1, 4) compare equal (red team rt7)",
+         ("test-checked-collective",),
+         _CHECKED.format(key="(o, tuple(x for x in s if x != 1), d)")),
+]
