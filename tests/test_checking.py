@@ -616,6 +616,24 @@ def test_holding_refuses_a_thread_whose_memory_it_would_not_count():
             threading.Thread(target=torch.ones, args=(1000,)).start()
 
 
+def test_holding_sees_the_most_held_at_once_and_what_a_kept_view_keeps():
+    from minidist.core.checking import holding
+
+    with holding() as held:
+        first = torch.empty(1000)  # 4,000 bytes
+        second = torch.empty(2000)  # 8,000 more: 12,000 at once
+        del first
+        third = torch.empty(500)
+        del second, third
+    assert held.peak_bytes == 12_000 and held.nbytes == 0, (
+        f"expected 12,000 bytes at most and none left; got {held.peak_bytes}, {held.nbytes}")
+    with holding() as held:
+        kept = torch.zeros(100)[:10]  # a view: the other 90 elements stay allocated beside it
+    assert held.new_bytes(exclude=[kept]) == 360, (
+        f"excluding the view leaves its own 40 bytes out, not its allocation's 400: expected "
+        f"360 held, got {held.new_bytes(exclude=[kept])}")
+
+
 def test_plain_converts_what_would_compute_later_inside_the_block():
     """A float whose value asks the library when it is compared: plain() makes it ask now,
     inside the block, where the library refuses; a liar's comparisons are left behind."""
