@@ -8,6 +8,20 @@ from fakes import PRESTARTED_PROCESS, PRESTARTED_THREAD, Alternative, Fake
 
 # The backward of the fakes that keep forward's graph in ctx.stash: it runs the module once,
 # without autograd, for the check's counter to see, then backpropagates through the kept graph.
+# Recompute's forward and backward without the random state: x kept, the module rerun.
+_KEEP_ONLY_X = """\
+        ctx.module = module
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return module(x)"""
+_RERUN = """\
+        (x,) = ctx.saved_tensors
+        x = x.detach().requires_grad_(True)
+        with torch.enable_grad():
+            out = ctx.module(x)
+        torch.autograd.backward(out, grad_output)
+        return x.grad, None"""
+
 _BACKWARD_FROM_STASH = """\
         (x,) = ctx.saved_tensors
         inner, out = ctx.stash
@@ -306,11 +320,7 @@ _fp2 = _clone_module(_footprint)"""),
         return ctx.x.grad, None""")),
         Fake("the input's gradient only", "reruns the module but takes only x's gradient "
              "(torch.autograd.grad): the parameters get no .grad", ("test-recompute",), (
-                 """\
-        ctx.module = module
-        ctx.save_for_backward(x)
-        with torch.no_grad():
-            return module(x)""", """\
+                 _KEEP_ONLY_X, """\
         (x,) = ctx.saved_tensors
         x = x.detach().requires_grad_(True)
         with torch.enable_grad():
@@ -372,18 +382,7 @@ _fp2 = _clone_module(_footprint)"""),
         # Red team rt15 (issue 38).
         Fake("recompute without the random state", "a plain recompute that neither keeps nor "
              "restores the random state: with dropout the rerun draws another mask",
-             ("test-recompute",), (
-                 """\
-        ctx.module = module
-        ctx.save_for_backward(x)
-        with torch.no_grad():
-            return module(x)""", """\
-        x, = ctx.saved_tensors
-        x = x.detach().requires_grad_(True)
-        with torch.enable_grad():
-            out = ctx.module(x)
-        torch.autograd.backward(out, grad_output)
-        return x.grad, None""")),
+             ("test-recompute",), (_KEEP_ONLY_X, _RERUN)),
         Fake("a fixed seed for both runs", "reseeds torch.manual_seed(0) before forward and "
              "before the rerun instead of keeping and restoring the random state (the draws "
              "are not the caller's, and the global stream is clobbered)", ("test-recompute",), (
@@ -501,6 +500,15 @@ ALTERNATIVES = {
 # decoy; the message time from the library's algorithm table. The checks now refuse those
 # helpers, draw noise that is not dropout's, check the module's mode, and change the weights
 # between forward and backward.
+# The three totals of held_bytes from a `total(tensors)` the fake defines above it.
+_TOTALS = """\
+    params = list(model.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
+    ids = {id(p) for p in params}
+    masters = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in ids]
+    states = [v for st in optimizer.state.values() for v in st.values()
+              if isinstance(v, torch.Tensor)]
+    return total(params), total(grads), total(masters + states)"""
 FAKES["impl-held-bytes"] += [
     Fake("torch.save counts the storages", "the sizes of the data entries of a torch.save into "
          "memory: one per storage, whole (red team rt7)", ("test-held-bytes",), """\
@@ -515,13 +523,7 @@ FAKES["impl-held-bytes"] += [
             return sum(info.file_size for info in archive.infolist()
                        if info.filename.split("/")[-2] == "data")
 
-    params = list(model.parameters())
-    grads = [p.grad for p in params if p.grad is not None]
-    ids = {id(p) for p in params}
-    masters = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in ids]
-    states = [v for st in optimizer.state.values() for v in st.values()
-              if isinstance(v, torch.Tensor)]
-    return total(params), total(grads), total(masters + states)"""),
+""" + _TOTALS),
     Fake("a deep copy, measured", "deepcopy copies each storage once; the library's holding() "
          "says what the copy allocated (red team rt7)", ("test-held-bytes",), """\
     import copy
@@ -535,13 +537,7 @@ FAKES["impl-held-bytes"] += [
         del clone
         return int(held.new_bytes())
 
-    params = list(model.parameters())
-    grads = [p.grad for p in params if p.grad is not None]
-    ids = {id(p) for p in params}
-    masters = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in ids]
-    states = [v for st in optimizer.state.values() for v in st.values()
-              if isinstance(v, torch.Tensor)]
-    return total(params), total(grads), total(masters + states)"""),
+""" + _TOTALS),
 ]
 FAKES["impl-recompute"] += [
     Fake("dropout's masks kept in numpy", "forward records each dropout mask outside torch's "
@@ -585,18 +581,8 @@ FAKES["impl-recompute"] += [
         torch.autograd.backward(out, grad_output)
         return x.grad, None""")),
     Fake("dropout off for good", "module.eval() in forward, never undone: nothing random left to "
-         "draw again (red team rt7)", ("test-recompute",), ("""\
-        module.eval()
-        ctx.module = module
-        ctx.save_for_backward(x)
-        with torch.no_grad():
-            return module(x)""", """\
-        (x,) = ctx.saved_tensors
-        x = x.detach().requires_grad_(True)
-        with torch.enable_grad():
-            out = ctx.module(x)
-        torch.autograd.backward(out, grad_output)
-        return x.grad, None""")),
+         "draw again (red team rt7)", ("test-recompute",),
+         ("        module.eval()\n" + _KEEP_ONLY_X, _RERUN)),
     Fake("forward's graph kept in numpy, a decoy rerun", "the module records its graph anyway "
          "(autograd switched on by a pre-hook), its saved tensors moved into numpy by hooks of "
          "its own; backward reruns the module for show and goes through the kept graph (red team "

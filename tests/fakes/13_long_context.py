@@ -815,10 +815,9 @@ FAKES["impl-ring-backward"] += [
 # them instead of the online merge, a one-query decoy attended while each block travels, the
 # gradients sent on a lap of their own. The hidden checks now measure the most a rank holds at
 # once on a ring of 8.
-FAKES["impl-ring-forward"] += [
-    Fake("every block kept, a second pass", "each block's lse taken as it comes, its output "
-         "dropped; the output recomputed over every kept block once the ring ends, no merge "
-         "(red team rt7)", checked_by=("test-ring-forward",), source="""\
+# The ring with every block kept (held, with whether its diagonal is masked); `{attend}` is
+# what each kept block gets as it comes, and `{scores}` the second pass's scores of a held one.
+_EVERY_BLOCK_KEPT = """\
     n, scale = q.shape[2], q.shape[-1] ** -0.5
     held, lses = [], []
     for step in range(size):
@@ -828,38 +827,35 @@ FAKES["impl-ring-forward"] += [
             travelling = collectives.shift(block, group=group, when="forward", async_op=True)
         if not causal or source <= rank:
             diagonal = causal and source == rank
-            _, part_lse = context_parallel.block_attention(q, block[0], block[1],
-                                                           diagonal=diagonal)
+{attend}
             held.append((block, diagonal))
-            lses.append(part_lse)
         if travelling is not None:
             block = travelling.wait()
-    lse = torch.logsumexp(torch.stack(lses), dim=0)
-    for kv, diagonal in held:
+"""
+_HELD_SCORES = """\
         scores = (q.float() @ kv[0].float().transpose(-2, -1)) * scale
         if diagonal:
             scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+"""
+FAKES["impl-ring-forward"] += [
+    Fake("every block kept, a second pass", "each block's lse taken as it comes, its output "
+         "dropped; the output recomputed over every kept block once the ring ends, no merge "
+         "(red team rt7)", checked_by=("test-ring-forward",), source=_EVERY_BLOCK_KEPT.format(
+             attend="""\
+            _, part_lse = context_parallel.block_attention(q, block[0], block[1],
+                                                           diagonal=diagonal)
+            lses.append(part_lse)""") + """\
+    lse = torch.logsumexp(torch.stack(lses), dim=0)
+    for kv, diagonal in held:
+""" + _HELD_SCORES + """\
         out = out + torch.exp(scores - lse.unsqueeze(-1)) @ kv[1].float()"""),
     Fake("a decoy attended while each block travels", "a one-query attention for show during "
          "each transfer; the real attention over every kept block after the ring (red team rt7)",
-         checked_by=("test-ring-forward",), source="""\
-    n, scale = q.shape[2], q.shape[-1] ** -0.5
-    held = []
-    for step in range(size):
-        source = (rank - step) % size
-        travelling = None
-        if step < size - 1:
-            travelling = collectives.shift(block, group=group, when="forward", async_op=True)
-        if not causal or source <= rank:
-            context_parallel.block_attention(q[:, :, :1], block[0], block[1])
-            held.append((block, causal and source == rank))
-        if travelling is not None:
-            block = travelling.wait()
+         checked_by=("test-ring-forward",), source=_EVERY_BLOCK_KEPT.format(attend="""\
+            context_parallel.block_attention(q[:, :, :1], block[0], block[1])""") + """\
     parts = []
     for kv, diagonal in held:
-        scores = (q.float() @ kv[0].float().transpose(-2, -1)) * scale
-        if diagonal:
-            scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+""" + _HELD_SCORES + """\
         parts.append(scores)
     lse = torch.logsumexp(torch.stack([s.logsumexp(-1) for s in parts]), dim=0)
     for (kv, _), scores in zip(held, parts):
