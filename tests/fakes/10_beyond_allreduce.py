@@ -133,6 +133,39 @@ _SERVER_CODE = {name: getattr(_ps.ParameterServer, name).__code__
         requests = [dist.isend(data, dst=w) for w in workers]
         for r in requests:
             r.wait()"""),
+        Fake("sends waited on only at the end (red team rt8)", "the optimizer steps the shard "
+             "while the previous step's sends of it are still in flight",
+             ("test-sync-server",), """\
+    buffers = [torch.empty_like(shard) for _ in workers]
+    pending = []
+    for _ in range(steps):
+        receives = [dist.irecv(buffer, src=worker) for buffer, worker in zip(buffers, workers)]
+        for request in receives:
+            request.wait()
+        total = buffers[0].clone()
+        for buffer in buffers[1:]:
+            total += buffer
+        shard.grad = total / len(workers)
+        optimizer.step()
+        pending += [dist.isend(shard.detach(), dst=worker) for worker in workers]
+    for request in pending:
+        request.wait()"""),
+        Fake("the workers taken as ranks 0..N-1 (red team rt8)", "ignores the ranks in `workers`: "
+             "right only where the server is the last rank", ("test-sync-server",), """\
+    peers = range(len(workers))
+    buffers = [torch.empty_like(shard) for _ in peers]
+    for _ in range(steps):
+        receives = [dist.irecv(buffer, src=worker) for buffer, worker in zip(buffers, peers)]
+        for request in receives:
+            request.wait()
+        total = buffers[0].clone()
+        for buffer in buffers[1:]:
+            total += buffer
+        shard.grad = total / len(buffers)
+        optimizer.step()
+        sends = [dist.isend(shard.detach(), dst=worker) for worker in peers]
+        for request in sends:
+            request.wait()"""),
     ],
     "impl-topk": [
         Fake("no error feedback", "picks from the gradient alone and drops the old residual",
@@ -175,6 +208,25 @@ _SERVER_CODE = {name: getattr(_ps.ParameterServer, name).__code__
 import types as _types  # noqa: E402
 
 _TOPK = _types.FunctionType(compression.top_k.__code__, vars(compression), "_helper")"""),
+        Fake("exact only up to 4096 entries (red team rt8)", "above that, a threshold from a 1% "
+             "sample: not the k largest", ("test-topk",), """\
+    corrected = grad + residual
+    magnitude = corrected.abs()
+    n = corrected.numel()
+    if n <= 4096:
+        indices = magnitude.topk(k).indices
+    else:
+        sample = magnitude[torch.randint(n, (max(n // 100, k),))]
+        threshold = sample.topk(max(1, k * len(sample) // n)).values[-1]
+        indices = (magnitude >= threshold).nonzero().flatten()[:k]
+        if indices.numel() < k:
+            rest = magnitude.clone()
+            rest[indices] = -1
+            indices = torch.cat([indices, rest.topk(k - indices.numel()).indices])
+    values = corrected[indices]
+    new_residual = corrected.clone()
+    new_residual[indices] = 0
+    return values, indices.to(torch.int32), new_residual"""),
     ],
     "impl-powersgd": [
         Fake("all-reduce M", "all-reduces the whole n×m matrix, then approximates it locally",
@@ -293,6 +345,17 @@ _COMPRESS = _compression.PowerSGD._compress.__code__"""),
     all_reduce(ones)
     n_ranks = ones[0, 0]
     new_q = (m.T @ p) * n_ranks
+    return p, new_q, p @ new_q.T"""),
+        Fake("orthonormalized before the all-reduce above 4096 entries (red team rt8)", "P's "
+             "all-reduce carries each rank's own basis on every matrix larger than the notebook's",
+             ("test-powersgd",), """\
+    p = m @ q
+    if m.numel() > 4096:
+        p = torch.linalg.qr(p).Q
+    all_reduce(p)
+    p = torch.linalg.qr(p).Q
+    new_q = m.T @ p
+    all_reduce(new_q)
     return p, new_q, p @ new_q.T"""),
     ],
     "impl-chunked-gather": [
@@ -449,6 +512,38 @@ def _tail(outputs):  # the cell's last line, return torch.cat(outputs, dim=1), i
             recv.wait()
             send.wait()
             shard = incoming"""),
+        Fake("the send waited on before the matmul (red team rt8)", "each shard's send is over "
+             "before the matmul of that shard starts: only the receive overlaps it",
+             ("test-chunked-gather",), """\
+    for i in range(t):
+        source = (rank - i) % t
+        if i < t - 1:
+            incoming = torch.empty_like(shard)
+            receive = dist.irecv(incoming, src=left)
+            send = dist.isend(shard, dst=right)
+            send.wait()
+            outputs[source] = shard @ weight.T
+            receive.wait()
+            shard = incoming
+        else:
+            outputs[source] = shard @ weight.T"""),
+        Fake("each send posted after its matmul (red team rt8)", "nothing travels while a shard "
+             "is multiplied: the send of it starts when its matmul is done",
+             ("test-chunked-gather",), """\
+    sends = []
+    for i in range(t):
+        source = (rank - i) % t
+        if i < t - 1:
+            incoming = torch.empty_like(shard)
+            receive = dist.irecv(incoming, src=left)
+            outputs[source] = shard @ weight.T
+            sends.append(dist.isend(shard, dst=right))
+            receive.wait()
+            shard = incoming
+        else:
+            outputs[source] = shard @ weight.T
+    for send in sends:
+        send.wait()"""),
     ],
 }
 

@@ -48,6 +48,7 @@ import functools
 import importlib
 import inspect
 import itertools
+import random
 import sys
 import textwrap
 import threading
@@ -65,7 +66,8 @@ from minidist.core._supervisor import quiet_profiler
 from minidist.core.refusal import _notebooks, unavailable
 
 __all__ = [
-    "Call", "RECORDED", "recording", "Message", "messages_sent", "tampered_receives", "Seen",
+    "Call", "RECORDED", "recording", "Message", "messages_sent", "changed_in_place",
+    "tampered_receives", "Seen",
     "watching", "MATMULS", "FlightRecord", "in_flight", "ran_while_in_flight",
     "exchanges_posted_together", "Held", "holding",
     "plain", "detached",
@@ -244,21 +246,45 @@ class _Arrival(dist.Work):
         return completed
 
 
+_MULTIPLY_IN_PLACE, _ADD_IN_PLACE = torch.Tensor.mul_, torch.Tensor.add_  # as imported
+
+
+def changed_in_place(tensor: torch.Tensor, *, scale: float = 1.0, delta: float = 0.0) -> None:
+    """`tensor` becomes scale * tensor + delta in place (whole numbers for an integer tensor),
+    out of the checked code's sight: with torch's methods as they were when this module was
+    imported (a later patch of torch.Tensor's methods does not see the call) and with every
+    torch-function and dispatch mode off (a mode the checked code entered sees neither the call
+    nor its numbers), so that the change a check makes stays unknown to the code it checks."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    if not tensor.is_floating_point():
+        scale, delta = round(scale), round(delta)
+    with torch._C.DisableTorchFunction(), _disable_current_modes():
+        _ADD_IN_PLACE(_MULTIPLY_IN_PLACE(tensor, scale), delta)
+
+
 @contextlib.contextmanager
-def tampered_receives(*, delta: float = 1.0, scale: float = 1.0,
-                      nth: int | None = None) -> Iterator[list[int]]:
+def tampered_receives(*, delta: float = 1.0, scale: float = 1.0, nth: int | None = None,
+                      secret_offsets: list[float] | None = None) -> Iterator[list[int]]:
     """Inside the block the `nth` point-to-point message this rank receives (counting from 0;
     every one with nth=None) arrives as `scale` * message + `delta`, element by element, however
     it was received (dist.recv, dist.irecv, batch_isend_irecv, minidist's rings). The list it
     yields holds the source (global rank) of each message received, in order. A scale other
     than 1 also moves a result that adds what arrived to a value obtained another way.
 
+    With a list as `secret_offsets`, each message changed also gets a whole number from -1000
+    to 1000 added, drawn from the operating system's randomness in this process and appended to
+    the list: what no other rank can know or foresee, so a rank whose result depends on others'
+    messages gets it right only from what arrived (the check adds the offsets it gathers).
+
     A check runs the student's function and the library's under the same tampering: a
     function whose result really comes from what it received changes as the library's does;
     one that computed its result another way (a formula, a side channel, a replay of data
-    gathered earlier) does not."""
+    gathered earlier) does not. The change is made out of the checked code's sight
+    (`changed_in_place`)."""
 
     sources: list[int] = []
+    draw = random.SystemRandom()
 
     def receive(proceed: Any, group: Any, tensors: list, src: int, *args: Any,
                 **kwargs: Any) -> Any:
@@ -267,13 +293,14 @@ def tampered_receives(*, delta: float = 1.0, scale: float = 1.0,
         sources.append(members(group)[src] if src >= 0 else src)
         if nth is not None and index != nth:
             return work
+        offset = 0.0
+        if secret_offsets is not None:
+            offset = float(draw.randint(-1000, 1000))
+            secret_offsets.append(offset)
 
         def tamper() -> None:
             for tensor in tensors:
-                if tensor.is_floating_point():
-                    tensor.mul_(scale).add_(delta)
-                else:
-                    tensor.mul_(round(scale)).add_(round(delta))
+                changed_in_place(tensor, scale=scale, delta=delta + offset)
         return _Arrival(work, tamper)
 
     with interposer.subscribed("tampering", {"ProcessGroup.recv": receive}):

@@ -7,9 +7,9 @@ compression instead of all-reducing it, as PyTorch's DDP communication hooks do
 ranks, the ring all-reduce sends 2(N-1)/N·S per rank; here:
 
     TopK(ratio)     each rank keeps its k = ratio·numel largest entries and all-gathers k values
-                    and k int32 indices: (N-1)·k·8 bytes per rank (Stich et al. 2018; Lin et al.
-                    2018). What it left out (the residual) is added to its next gradient: error
-                    feedback, without which top-k stalls.
+                    and their k int32 indices (Stich et al. 2018; Lin et al. 2018). What it left
+                    out (the residual) is added to its next gradient: error feedback, without
+                    which top-k stalls.
     PowerSGD(rank)  each n×m gradient matrix M becomes P Qᵀ of rank r with one power iteration,
                     warm-started from last step's Q: P = M Q, all-reduce P, orthonormalize P,
                     Q = Mᵀ P, all-reduce Q. (n+m)·r elements all-reduced instead of n·m; 1-D
@@ -17,7 +17,7 @@ ranks, the ring all-reduce sends 2(N-1)/N·S per rank; here:
                     feedback as for top-k (Vogels et al., NeurIPS 2019; PyTorch's powerSGD_hook).
     Int8()          each rank sends chunk j of its gradient, quantized to int8 with one fp32
                     scale, to rank j, which sums the chunks it gets and all-gathers the sum,
-                    quantized again: the ring's bytes at one byte per element, a quarter of fp32.
+                    quantized again.
 
 Each one returns, in place, an approximation of the sum over ranks of the bucket; DDP then
 divides by N as it does for the exact sum. Error feedback keeps a rank's residual per bucket,
