@@ -411,8 +411,10 @@ def _trial_step(name, source, check, last):
     if check:
         raised[check] = error and f"{{type(error).__name__}}: {{error}}"[:400]
     if last:
-        # "$" escaped: an error's text (gloo's addresses) would read as LaTeX in the feedback
-        print("TRIAL " + json.dumps({{"name": name, "raised": raised}}).replace("$", "\\\\u0024"))
+        # dollar signs escaped (chr(36), written so that this cell has none): an error's text
+        # (gloo's addresses) would read as LaTeX in the feedback, where this output shows
+        line = json.dumps({{"name": name, "raised": raised}}).replace(chr(36), "\\\\u0024")
+        print("TRIAL " + line)
 
 
 _trial_step({name!r}, {source!r}, {check!r}, {last!r})

@@ -95,6 +95,81 @@ FAKES = {
         dist.recv(token, src=left)
         token += rank + 1
         dist.send(token, dst=right)"""),
+        # Red team rt8: the tamper's numbers learnt (a payload that measures it, a mode that
+        # watches its arithmetic, its closure read) and the token computed from them.
+        Fake("a ruler sent instead of the token", "sends [0, 1] to measure the tamper, returns "
+             "the formula with its scale and shift", ("test-pass-token",), """\
+    token = torch.zeros(2)
+    left, right = (rank - 1) % world_size, (rank + 1) % world_size
+    probe = torch.tensor([0.0, 1.0])
+    if rank == 0:
+        dist.send(probe, right)
+        dist.recv(token, left)
+    else:
+        dist.recv(token, left)
+        dist.send(probe, right)
+    delta = token[0].item()
+    scale = token[1].item() - delta
+    value = 1.0
+    for r in range(1, (world_size - 1 if rank == 0 else rank) + 1):
+        value = scale * value + delta + (r + 1)
+    return scale * value + delta if rank == 0 else value"""),
+        Fake("zeros sent, the tamper watched by a torch-function mode", "the token is the "
+             "formula with the scale and delta the mode saw", ("test-pass-token",), """\
+    from torch.overrides import TorchFunctionMode
+
+    class Wire(TorchFunctionMode):
+        # notes the check's mul_ and add_ on what arrives
+        scale, delta = 1.0, 0.0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            name = getattr(func, "__name__", "")
+            if name == "mul_" and len(args) > 1:
+                self.scale = float(args[1])
+            if name == "add_" and len(args) > 1:
+                self.delta = float(args[1])
+            return func(*args, **(kwargs or {}))
+
+    left, right = (rank - 1) % world_size, (rank + 1) % world_size
+    seen = Wire()
+    if rank == 0:
+        dist.send(torch.zeros(1), right)
+        request = dist.irecv(token, left)
+    else:
+        request = dist.irecv(token, left)
+    with seen:
+        request.wait()
+    if rank != 0:
+        dist.send(torch.zeros(1), right)
+    value = 1.0
+    for r in range(1, (world_size - 1 if rank == 0 else rank) + 1):
+        value = seen.scale * value + seen.delta + (r + 1)
+    return seen.scale * value + seen.delta if rank == 0 else value"""),
+        Fake("the formula, with the tamper's closure read", "sends formula values and ignores "
+             "what arrives", ("test-pass-token",), """\
+    from minidist.core import interposer
+
+    def wire(target):
+        # the check's scale and delta, read from its tamper's closure
+        for _, _, around in interposer._subscribers.get(target, []):
+            names = around.__code__.co_freevars
+            if around.__closure__ and "scale" in names and "delta" in names:
+                cells = dict(zip(names, around.__closure__))
+                return float(cells["scale"].cell_contents), float(cells["delta"].cell_contents)
+        return 1.0, 0.0
+
+    scale, delta = wire("ProcessGroup.recv")
+    left, right = (rank - 1) % world_size, (rank + 1) % world_size
+    value = 1.0
+    for r in range(1, (world_size - 1 if rank == 0 else rank) + 1):
+        value = scale * value + delta + (r + 1)
+    if rank == 0:
+        dist.send(torch.ones(1), right)
+        dist.recv(token, left)
+        return scale * value + delta
+    dist.recv(token, left)
+    dist.send(torch.tensor([float(value)]), right)
+    return value"""),
     ],
     "impl-all-reduce": [
         Fake("the sum from its formula", "no all-reduce: nothing is sent",
@@ -183,5 +258,92 @@ FAKES = {
         return t
     dist.all_reduce(t)
     return t"""),
+        # Red team rt8: the tamper's numbers learnt and the sum computed from them.
+        Fake("the formula, the tamper watched by a torch-function mode", "the all-reduce's "
+             "result overwritten by the formula with the scale and delta the mode saw",
+             ("test-all-reduce",), """\
+    from torch.overrides import TorchFunctionMode
+
+    class Wire(TorchFunctionMode):
+        # notes the check's mul_ and add_ on what arrives
+        scale, delta = 1.0, 0.0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            name = getattr(func, "__name__", "")
+            if name == "mul_" and len(args) > 1:
+                self.scale = float(args[1])
+            if name == "add_" and len(args) > 1:
+                self.delta = float(args[1])
+            return func(*args, **(kwargs or {}))
+
+    i = torch.arange(1, length + 1, dtype=torch.float32)
+    values = (rank + 1) * i
+    seen = Wire()
+    with seen:
+        dist.all_reduce(values)
+    values.copy_(seen.scale * (world_size * (world_size + 1) / 2) * i + seen.delta)
+    return values"""),
+        Fake("the formula, with the tamper's closure read", "the all-reduce's result "
+             "overwritten by the formula", ("test-all-reduce",), """\
+    from minidist.core import interposer
+
+    def wire(target):
+        # the check's scale and delta, read from its tamper's closure
+        for _, _, around in interposer._subscribers.get(target, []):
+            names = around.__code__.co_freevars
+            if around.__closure__ and "scale" in names and "delta" in names:
+                cells = dict(zip(names, around.__closure__))
+                return float(cells["scale"].cell_contents), float(cells["delta"].cell_contents)
+        return 1.0, 0.0
+
+    scale, delta = wire("dist.all_reduce")
+    i = torch.arange(1, length + 1, dtype=torch.float32)
+    values = (rank + 1) * i
+    dist.all_reduce(values)
+    values.copy_(scale * (world_size * (world_size + 1) / 2) * i + delta)
+    return values"""),
+        Fake("the other half of the reduced tensor's storage", "returns a neighbour of the "
+             "reduced tensor, filled by the formula", ("test-all-reduce",), """\
+    from minidist.core import interposer
+
+    def wire(target):
+        # the check's scale and delta, read from its tamper's closure
+        for _, _, around in interposer._subscribers.get(target, []):
+            names = around.__code__.co_freevars
+            if around.__closure__ and "scale" in names and "delta" in names:
+                cells = dict(zip(names, around.__closure__))
+                return float(cells["scale"].cell_contents), float(cells["delta"].cell_contents)
+        return 1.0, 0.0
+
+    scale, delta = wire("dist.all_reduce")
+    i = torch.arange(1, length + 1, dtype=torch.float32)
+    buffer = torch.empty(2 * length)
+    buffer[:length] = (rank + 1) * i
+    dist.all_reduce(buffer[:length])
+    buffer[length:] = scale * (world_size * (world_size + 1) / 2) * i + delta
+    return buffer[length:]"""),
+        Fake("the formula, torch.Tensor's mul_ and add_ patched", "notes the tamper's numbers "
+             "from its method calls, then overwrites the result", ("test-all-reduce",), """\
+    i = torch.arange(1, length + 1, dtype=torch.float32)
+    values = (rank + 1) * i
+    seen = {}
+    multiply, add = torch.Tensor.mul_, torch.Tensor.add_
+
+    def noting_multiply(self, other, *args, **kwargs):
+        seen["scale"] = float(other)
+        return multiply(self, other, *args, **kwargs)
+
+    def noting_add(self, other, *args, **kwargs):
+        seen["delta"] = float(other)
+        return add(self, other, *args, **kwargs)
+
+    torch.Tensor.mul_, torch.Tensor.add_ = noting_multiply, noting_add
+    try:
+        dist.all_reduce(values)
+    finally:
+        torch.Tensor.mul_, torch.Tensor.add_ = multiply, add
+    values.copy_(seen.get("scale", 1.0) * (world_size * (world_size + 1) / 2) * i
+                 + seen.get("delta", 0.0))
+    return values"""),
     ],
 }
