@@ -52,6 +52,27 @@ while self.next_to_launch < len(self.buckets) and self.pending[self.next_to_laun
     self.next_to_launch += 1
 """
 
+WHOLE_BATCH = """\
+def whole_batch_gradients(module):
+    # Which of the notebook's make_batches() is this step's? The one whose slice gives this
+    # rank's gradients. Then that batch's whole gradient, computed here on this rank alone.
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    named = [(k, p) for k, p in module.named_parameters() if p.grad is not None]
+
+    def gradients(x, y):
+        params = {k: p.detach().requires_grad_(True) for k, p in module.named_parameters()}
+        loss = F.mse_loss(torch.func.functional_call(module, params, (x,)), y)
+        found = torch.autograd.grad(loss, [params[k] for k, _ in named])
+        return dict(zip([k for k, _ in named], found))
+
+    for batch in make_batches():
+        local = gradients(*my_slice(batch, rank, world_size))
+        if all(torch.allclose(p.grad, local[k], atol=1e-7) for k, p in named):
+            return gradients(*batch)
+    return None
+"""
+
+
 FAKES = {
     "impl-broadcast": [
         # Red team rt9 (issue 38): rank 0's tensors through a file; the broadcasts carry
@@ -202,6 +223,19 @@ FAKES = {
         if p.requires_grad:
             all_reduce(p.grad)
             p.grad /= world_size"""),
+        # Red team rt8: the notebook's own batch recognised and its gradient recomputed on each
+        # rank (the all-reduces for show), the honest average only on other data.
+        Fake("the notebook's batch recognised, its gradient recomputed (red team rt8)",
+             "on the notebook's data the all-reduces' results are thrown away; only other data "
+             "is averaged", ("test-naive",), textwrap.indent(WHOLE_BATCH, "    ") + """
+    whole = whole_batch_gradients(model)
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            all_reduce(p.grad.clone() if whole is not None else p.grad)
+            if whole is not None:
+                p.grad.copy_(whole[name])
+            else:
+                p.grad /= dist.get_world_size()"""),
     ],
     "impl-flat": [
         # Red team rt9 (issue 38): gradients through files; one flat all_reduce of zeros (the
@@ -293,6 +327,20 @@ FAKES = {
     all_reduce(flat)
     flat /= world_size
     vector_to_parameters(flat, grads)"""),
+        Fake("one flat all-reduce, the notebook's batch recomputed (red team rt8)", "the flat "
+             "buffer's average used only on data the notebook never showed", ("test-flat",),
+             textwrap.indent(WHOLE_BATCH, "    ") + """
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    all_reduce(flat)
+    whole = whole_batch_gradients(model)
+    offset = 0
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        part = flat[offset:offset + p.numel()].view_as(p.grad) / dist.get_world_size()
+        p.grad.copy_(whole[name] if whole is not None else part)
+        offset += p.numel()"""),
     ],
     "impl-buckets": [
         # Red team rt9 (issue 38): the library's assign_buckets, cloned when the cell ran and
@@ -330,6 +378,40 @@ _dd = _clone_module(_ddp_module)"""),
     code = code.replace(co_name="mine", co_qualname="mine", co_filename="<my cell>",
                         co_firstlineno=1, co_consts=(None,) + code.co_consts[1:])
     return types.FunctionType(code, vars(ddp), "mine")(list(nbytes), cap_bytes)"""),
+        # Red team rt8: greedy packers that torch and setuptools ship.
+        Fake("torch's _take_tensors on meta tensors (red team rt8)", "torch's private packer "
+             "groups the sizes", ("test-buckets",), """\
+    from torch._utils import _take_tensors
+    tensors = [torch.empty(n, dtype=torch.uint8, device="meta") for n in nbytes]
+    index = {id(t): i for i, t in enumerate(tensors)}
+    return [[index[id(t)] for t in chunk] for chunk in _take_tensors(tensors, cap_bytes)]"""),
+        Fake("setuptools' copy of more_itertools.constrained_batches (red team rt8)",
+             "a third-party greedy packer groups the sizes", ("test-buckets",), """\
+    from setuptools._vendor.more_itertools import constrained_batches
+    batches = constrained_batches(enumerate(nbytes), cap_bytes, get_len=lambda item: item[1],
+                                  strict=False)
+    return [[i for i, _ in batch] for batch in batches]"""),
+        Fake("torch's _take_tensors on stand-ins (red team rt8)", "objects that report a size, "
+             "grouped by torch's private packer", ("test-buckets",), """\
+    from torch._utils import _take_tensors
+
+    class Sized:
+        is_sparse = False
+
+        def __init__(self, n):
+            self.n = n
+
+        def type(self):
+            return "bytes"
+
+        def numel(self):
+            return self.n
+
+        def element_size(self):
+            return 1
+    items = [Sized(n) for n in nbytes]
+    index = {id(t): i for i, t in enumerate(items)}
+    return [[index[id(t)] for t in chunk] for chunk in _take_tensors(items, cap_bytes)]"""),
     ],
     "impl-my-ddp": [
         Fake("waits for each bucket in its hook", "blocks inside the hook until the "
@@ -384,6 +466,23 @@ for bucket in self.buckets:
              "bucket is waited on inside the hook (no overlap in real use); honest in the "
              "check's ring mode", ("test-my-ddp",),
              (indented(COPY_IN + WAIT_UNLESS_RING), indented(FINISH))),
+        Fake("the buckets waited on, the notebook's batch recomputed (red team rt8)",
+             "launch order, overlap and bytes real; the buckets' averages written back only on "
+             "data the notebook never showed", ("test-my-ddp",),
+             (indented(COPY_IN + """\
+while self.next_to_launch < len(self.buckets) and self.pending[self.next_to_launch] == 0:
+    self.handles.append(self._launch(self.buckets[self.next_to_launch]))
+    self.next_to_launch += 1
+"""), indented(WHOLE_BATCH + """\
+for handle in self.handles:
+    handle.wait()
+whole = whole_batch_gradients(self.module)
+names = {p: k for k, p in self.module.named_parameters()}
+for bucket in self.buckets:
+    for p, offset in zip(bucket.params, bucket.offsets):
+        average = bucket.buffer[offset:offset + p.numel()].view_as(p) / self.world_size
+        p.grad.copy_(whole[names[p]] if whole is not None else average)
+"""))),
     ],
     "impl-no-sync": [
         Fake("synchronizes every microbatch", "no no_sync(): every backward all-reduces",
@@ -421,6 +520,17 @@ for bucket in self.buckets:
     x, y = microbatches[-1]
     losses.append(F.mse_loss(model(x), y) / k)
     sum(losses).backward()"""),
+        Fake("each loss scaled by its share of the notebook's batch (red team rt8)", "no_sync() "
+             "as taught, the scale from GLOBAL_BATCH instead of the number of microbatches",
+             ("test-no-sync",), """\
+    def share(x):
+        return len(x) / (GLOBAL_BATCH // dist.get_world_size())
+    *first, last = microbatches
+    with model.no_sync():
+        for x, y in first:
+            (F.mse_loss(model(x), y) * share(x)).backward()
+    x, y = last
+    (F.mse_loss(model(x), y) * share(x)).backward()"""),
     ],
     "impl-min-tokens": [
         # Red team rt9 (issue 38): the library's formula where no check reaches: a process
