@@ -69,7 +69,7 @@ __all__ = [
     "Call", "RECORDED", "recording", "Message", "messages_sent", "changed_in_place",
     "tampered_receives", "Seen",
     "watching", "MATMULS", "FlightRecord", "in_flight", "ran_while_in_flight",
-    "exchanges_posted_together", "Held", "holding",
+    "exchanges_posted_together", "Held", "holding", "reached_buffers",
     "plain", "detached",
 ]
 
@@ -214,7 +214,9 @@ def messages_sent() -> Iterator[list[Message]]:
     def send(proceed: Any, group: Any, tensors: list, dst: int, *args: Any, **kwargs: Any) -> Any:
         peer = members(group)[dst]
         for tensor in tensors:
-            sent.append(Message(peer, tensor.detach().clone()))
+            # a plain tensor's copy: a subclass sent as it is would answer the check's comparisons
+            with torch._C.DisableTorchFunctionSubclass():
+                sent.append(Message(peer, tensor.detach().clone().as_subclass(torch.Tensor)))
         return proceed(group, tensors, dst, *args, **kwargs)
 
     with interposer.subscribed("messages", {"ProcessGroup.send": send}):
@@ -519,6 +521,94 @@ def holding() -> Iterator[Held]:
 
 
 # --- What a checked function returned, as plain data -------------------------------------------
+
+
+def reached_buffers(*functions: Any, at_least: int = 4096,
+                    most_items: int = 256) -> list[tuple[str, int]]:
+    """What `functions` keep beside their arguments: (name, size) of each buffer of at least
+    `at_least` bytes (a tensor's storage, a NumPy array, a bytearray, a memory map) and each table
+    of more than `most_items` entries that their code reaches through module-level names, their
+    classes' methods and the notebook's functions those name in turn, looking inside containers.
+
+    `holding` sees what a function allocates while it runs; a buffer made before (with the cell,
+    or as the function reached a rank) is not among it, nor a table of answers worked out then."""
+    import mmap
+
+    import numpy as np
+
+    found: dict[str, int] = {}
+    seen: set[int] = set()
+
+    def size(value: Any) -> int | None:
+        if isinstance(value, torch.Tensor):
+            return value.untyped_storage().nbytes()
+        if isinstance(value, np.ndarray):
+            return value.nbytes
+        if isinstance(value, (bytes, bytearray, mmap.mmap)):
+            return len(value)
+        if isinstance(value, memoryview):
+            return value.nbytes
+        return None
+
+    def names_in(code: types.CodeType) -> set[str]:
+        names = set(code.co_names)
+        for constant in code.co_consts:
+            if isinstance(constant, types.CodeType):
+                names |= names_in(constant)
+        return names
+
+    def visit(name: str, value: Any, depth: int) -> None:
+        if id(value) in seen or depth > 4:
+            return
+        seen.add(id(value))
+        nbytes = size(value)
+        if nbytes is not None:
+            if nbytes >= at_least:
+                found[name] = nbytes
+        elif isinstance(value, (dict, list, tuple, set)):
+            if len(value) > most_items:
+                found[name] = len(value)
+            else:
+                items = value.items() if isinstance(value, dict) else enumerate(value)
+                for key, item in items:
+                    visit(f"{name}[{key!r}]", item, depth + 1)
+        elif isinstance(value, types.FunctionType):
+            for inner, cell in zip(value.__code__.co_freevars, value.__closure__ or (),
+                                   strict=True):
+                if _filled(cell):
+                    visit(f"{value.__name__}.{inner}", cell.cell_contents, depth + 1)
+            for used in names_in(value.__code__) & value.__globals__.keys():
+                item = value.__globals__[used]
+                if not isinstance(item, types.ModuleType) and (_notebooks_own(item)
+                                                               or not callable(item)):
+                    visit(used, item, depth + 1)
+        elif isinstance(value, type) and _notebooks_own(value):
+            for attribute, item in vars(value).items():
+                visit(f"{value.__name__}.{attribute}", getattr(item, "__func__", item), depth + 1)
+        elif isinstance(value, types.MethodType):
+            visit(name, value.__func__, depth)
+
+    for function in functions:
+        visit(getattr(function, "__name__", "function"), function, 0)
+    return sorted(found.items())
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 (an empty cell raises)
+    except ValueError:
+        return False
+    return True
+
+
+def _notebooks_own(value: Any) -> bool:
+    """Whether `value` is a function or class the notebook defined (a cell, or a file it wrote)."""
+    code = getattr(value, "__code__", None)
+    if code is not None:
+        return _notebooks(code.co_filename)
+    module = sys.modules.get(getattr(value, "__module__", "") or "")
+    return isinstance(value, type) and (module is None or module.__name__ == "__main__"
+                                        or _notebooks(getattr(module, "__file__", "") or ""))
 
 
 def plain(value: Any) -> Any:

@@ -50,7 +50,8 @@ from torch._ops import _OpNamespace
 from minidist.core import interposer
 
 __all__ = ["unavailable", "prepare", "Refusals", "LibraryVersionUsed", "PROCESS_STARTERS",
-           "TORCH_COLLECTIVES", "TORCH_STORE", "FILES", "PEEKING", "FORGING", "watched_as_here"]
+           "TORCH_COLLECTIVES", "TORCH_STORE", "FILES", "FOREIGN_MEMORY", "PEEKING", "FORGING",
+           "watched_as_here"]
 
 
 class LibraryVersionUsed(RuntimeError):
@@ -519,13 +520,23 @@ FILES = tuple(path for path in (
     and hasattr(importlib.import_module(path.partition(".")[0]), path.partition(".")[2])) + (
     "torch.from_file", "torch.UntypedStorage.from_file",
     *(f"torch._C._distributed_c10d.Backend.{method}"
-      for method in ("send", "recv", "recv_anysource")))
+      for method in ("send", "recv", "recv_anysource")),
+    *(f"torch.ops.c10d.{op}" for op in ("send", "recv_", "recv_any_source_")))
 """What opens a file, a pipe, a socket or shared memory, and the backend's own send and receive
-below the process group (`group._get_backend(device).send(...)`, which torch never calls from
-Python): the side channels beside the collectives, which no count, tamper or emulation sees, to
-pass to `unavailable` where an exercise has no business with files (a verdict, a norm or a
-state shared through /tmp, /dev/shm or gloo's backend would pass every count of its
-collectives). Reading a source file to show a traceback or a warning stays allowed."""
+below the process group (`group._get_backend(device).send(...)`, or the dispatcher's c10d ops on
+`group.boxed()`, which torch never calls from Python): the side channels beside the collectives,
+which no count, tamper or emulation sees, to pass to `unavailable` where an exercise has no
+business with files (a verdict, a norm or a state shared through /tmp, /dev/shm or gloo's
+backend would pass every count of its collectives). Reading a source file to show a traceback or
+a warning stays allowed."""
+
+FOREIGN_MEMORY = (
+    "torch.from_numpy", "torch.frombuffer", "torch.asarray", "torch.as_tensor", "torch.from_dlpack",
+    "torch.utils.dlpack.from_dlpack", "torch.UntypedStorage.from_buffer")
+"""What puts a tensor on memory that torch's allocator did not give (NumPy's, a buffer's):
+`minidist.core.checking.holding` counts what torch allocates, so a check of the memory a function
+holds refuses these while it runs, with FILES (a memory map among them)."""
+
 
 PROCESS_STARTERS = (
     "os.fork", "os.forkpty", "os.posix_spawn", "os.posix_spawnp", "os.system",
