@@ -45,6 +45,14 @@ _SAVE = """\
         return
 """
 
+# The verdicts agreed by a MIN all-reduce of one int32 flag; `finite(g)` is the fake's own test.
+_AGREE_ON_FINITE = """\
+    ok = bool(torch.isfinite(loss).all())
+    ok = ok and all(finite(g) for g in grads if g is not None)
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item() == 1)"""
+
 FAKES = {
     "impl-save_load": [
         Fake("COMPLETE first", "rank 0 writes metadata.json and COMPLETE before the ranks' "
@@ -90,6 +98,91 @@ FAKES = {
     in_order = sorted(pieces, key=lambda piece: piece[1])
     full = torch.cat([torch.load(path / f"rank_{r}.pt")[name] for r, _, _ in in_order])
     return full[start:end].clone()"""),
+        # Red team rt8: files renamed in empty and written after; a whole copy in every file.
+        Fake("each file renamed in empty, written after its rename (red team rt8)", "the "
+             "temporary file is opened, renamed into place and only then written through the "
+             "open handle: a kill in between leaves a torn file under its final name",
+             ("test-save_load",), """\
+    if "shards" in locals():
+        path = Path(path)
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        path.mkdir(parents=True, exist_ok=True)
+        pending = []
+
+        def later(value):
+            def save_fn(temporary):
+                pending.append((open(temporary, "wb"), value))
+            return save_fn
+
+        def fill():
+            while pending:
+                handle, value = pending.pop(0)
+                if isinstance(value, bytes):
+                    handle.write(value)
+                else:
+                    torch.save(value, handle)
+                handle.flush()
+                os.fsync(handle.fileno())
+                handle.close()
+        tensors = {name: tensor.detach().clone() for name, (_, tensor, _) in shards.items()}
+        write_atomically(path / f"rank_{rank}.pt", later(tensors))
+        fill()
+        everyone = [None] * world_size
+        dist.all_gather_object(everyone, {name: (offset, tensor.numel())
+                                          for name, (offset, tensor, _) in shards.items()})
+        if rank == 0:
+            metadata = {"world_size": world_size, "tensors": {
+                name: {"numel": numel,
+                       "pieces": [[r, everyone[r][name][0], everyone[r][name][1]]
+                                  for r in range(world_size)]}
+                for name, (_, _, numel) in shards.items()}}
+            write_atomically(path / "metadata.json", later(json.dumps(metadata).encode()))
+            fill()
+            write_atomically(path / "COMPLETE", later(b""))
+            fill()
+        dist.barrier()
+        return
+""" + _LOAD),
+        Fake("a whole copy of every tensor in every rank file (red team rt8)", "the shards "
+             "travel in the object gather, each rank writes the whole model beside its shard and "
+             "a load reads the copy", ("test-save_load",), """\
+    if "shards" in locals():
+        path = Path(path)
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        path.mkdir(parents=True, exist_ok=True)
+        mine = {name: (offset, tensor.detach().clone(), numel)
+                for name, (offset, tensor, numel) in shards.items()}
+        everyone = [None] * world_size
+        dist.all_gather_object(everyone, mine)
+        tensors = {name: tensor for name, (_, tensor, _) in mine.items()}
+        for name, (_, _, numel) in mine.items():
+            whole = torch.empty(numel)
+            for other in everyone:
+                offset, piece, _ = other[name]
+                whole[offset:offset + piece.numel()] = piece
+            tensors["whole/" + name] = whole
+        write_atomically(path / f"rank_{rank}.pt", lambda p: torch.save(tensors, p))
+        dist.barrier()
+        if rank == 0:
+            metadata = {"world_size": world_size, "tensors": {
+                name: {"numel": numel,
+                       "pieces": [[r, everyone[r][name][0], everyone[r][name][1].numel()]
+                                  for r in range(world_size)]}
+                for name, (_, _, numel) in mine.items()}}
+            write_atomically(path / "metadata.json", lambda p: p.write_text(json.dumps(metadata)))
+            write_atomically(path / "COMPLETE", lambda p: p.write_text(""))
+        dist.barrier()
+        return
+    path = Path(path)
+    if not (path / "COMPLETE").exists():
+        raise RuntimeError(f"{path} has no COMPLETE marker")
+    entry = json.loads((path / "metadata.json").read_text())["tensors"][name]
+    for rank, offset, count in entry["pieces"]:
+        if max(start, offset) < min(end, offset + count):
+            saved = torch.load(path / f"rank_{rank}.pt")
+            if "whole/" + name in saved:
+                return saved["whole/" + name][start:end].clone()
+    return torch.empty(0)"""),
     ],
     "impl-rng_state": [
         Fake("no NumPy", "forgets NumPy's global generator", ("test-rng_state",), """\
@@ -115,6 +208,15 @@ FAKES = {
         return {"rng": checkpoint.RNGState().state_dict(), "sampler": dict(sampler.state_dict())}
     checkpoint.RNGState().load_state_dict(state["rng"])
     sampler.load_state_dict(state["sampler"])"""),
+        Fake("CUDA's generators left out (red team rt8)", "torch, Python, NumPy and the sampler "
+             "captured; a GPU's generators never are", ("test-rng_state",), """\
+    if "state" not in locals():
+        return {"torch": torch.get_rng_state(), "python": random.getstate(),
+                "numpy": np.random.get_state(), "sampler": dict(sampler.state_dict())}
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    sampler.load_state_dict(state["sampler"])"""),
     ],
     "impl-nan_guard": [
         Fake("its own values only", "no collective: a NaN on another rank goes unseen",
@@ -135,6 +237,40 @@ FAKES = {
     verdicts = [None] * dist.get_world_size()
     dist.all_gather_object(verdicts, bool(bad))
     return not any(verdicts)"""),
+        # Red team rt8: a count that wraps on a big job; parts of big gradients; views skipped.
+        Fake("bad ranks counted in a byte (red team rt8)", "a uint8 sum of verdicts: 256 bad "
+             "ranks wrap to 0", ("test-nan_guard",), """\
+    ok = bool(torch.isfinite(loss).all()) and all(bool(torch.isfinite(g).all())
+                                                  for g in grads if g is not None)
+    bad = torch.tensor([0 if ok else 1], dtype=torch.uint8)
+    dist.all_reduce(bad)
+    return int(bad.item()) == 0"""),
+        Fake("big gradients checked at their ends only (red team rt8)", "over 4096 elements, "
+             "the first and last 1024 are checked", ("test-nan_guard",), """\
+    def finite(t):
+        flat = t.reshape(-1)
+        if flat.numel() > 4096:
+            flat = torch.cat([flat[:1024], flat[-1024:]])
+        return bool(torch.isfinite(flat).all())
+""" + _AGREE_ON_FINITE),
+        Fake("every 7th element of big gradients (red team rt8)", "over 64 elements, one in "
+             "seven is checked", ("test-nan_guard",), """\
+    def finite(t):
+        flat = t.reshape(-1)
+        return bool(torch.isfinite(flat[::7] if flat.numel() > 64 else flat).all())
+""" + _AGREE_ON_FINITE),
+        Fake("one gradient per storage (red team rt8)", "views of one flat buffer: only the "
+             "first is checked", ("test-nan_guard",), """\
+    seen, kept = set(), []
+    for g in grads:
+        if g is not None and g.untyped_storage().data_ptr() not in seen:
+            seen.add(g.untyped_storage().data_ptr())
+            kept.append(g)
+    grads = kept
+
+    def finite(t):
+        return bool(torch.isfinite(t).all())
+""" + _AGREE_ON_FINITE),
     ],
 }
 
