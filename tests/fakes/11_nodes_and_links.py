@@ -58,6 +58,29 @@ FAKES = {
             dist.send(message, peer)
     return (time.perf_counter() - start) / repeat
 """),
+        # Red team rt8: the emulation's declared delay where the call looks like the notebook's.
+        Fake("the declared delay at the notebook's repeat (red team rt8)", "turns taken, but "
+             "at repeat 3 the time returned is the emulated link's declared delay, read off "
+             "each send's request", ("test-ping-pong",), """\
+    rank = dist.get_rank()
+    buffer = torch.zeros(max(1, nbytes // 4))
+    delays = []
+    start = time.perf_counter()
+    for _ in range(repeat):
+        if rank < peer:
+            request = dist.isend(buffer, peer)
+            request.wait()
+            dist.recv(buffer, peer)
+        else:
+            dist.recv(buffer, peer)
+            request = dist.isend(buffer, peer)
+            request.wait()
+        if hasattr(request, "arrives"):
+            delays.append(request.arrives - request.leaves)
+    elapsed = time.perf_counter() - start
+    if repeat == 3 and len(delays) == repeat:
+        return float(sum(delays) / len(delays))
+    return elapsed / (2 * repeat)"""),
     ],
     "impl-hierarchical": [
         Fake("calls the library", "writes no hierarchy: delegates to collectives.all_reduce "
@@ -85,6 +108,27 @@ FAKES = {
     dist.all_reduce(tensor)
     return tensor
 """),
+        Fake("the sum from the notebook's seeds, the phases on a copy (red team rt8)", "on "
+             "the notebook's inputs the three phases run on a scratch copy for the count and the "
+             "sum is rebuilt from its seeds; on other inputs a flat ring", ("test-hierarchical",),
+             """\
+    g = dist.get_world_size(node_group)
+    world, rank = dist.get_world_size(), dist.get_rank()
+
+    def regenerated(r):
+        generator = torch.Generator().manual_seed(10 * r + g)
+        return torch.randint(-16, 17, (tensor.numel(),), generator=generator).to(tensor.dtype)
+
+    if torch.equal(regenerated(rank), tensor.reshape(-1)):
+        total = sum(regenerated(r).float() for r in range(world))
+        scratch = tensor.clone()
+        shard = comm.ring_reduce_scatter(scratch, group=node_group)
+        comm.ring_all_reduce(shard, group=cross_group)
+        comm.ring_all_gather(scratch, group=node_group)
+        tensor.copy_(total.view_as(tensor).to(tensor.dtype))
+        return tensor
+    comm.ring_all_reduce(tensor)
+    return tensor"""),
     ],
     "impl-hsdp": [
         Fake("torch's all-reduce through the layer",
@@ -117,6 +161,20 @@ FAKES = {
             collectives.all_reduce(shard.grad, group=cross_group, impl="ring")
             shard.grad /= dist.get_world_size()
 """),
+        # Red team rt8: averages over the wrong count of replicas, or FSDP's result replayed.
+        Fake("divided by the ranks per node (red team rt8)", "sums across nodes, then divides "
+             "by g instead of the number of nodes", ("test-hsdp",), """\
+    wrong_n = dist.get_world_size() // dist.get_world_size(cross_group)
+    for p in model.parameters():
+        if p.grad is not None:
+            collectives.all_reduce(p.grad, group=cross_group, impl="ring")
+            p.grad.div_(wrong_n)"""),
+        Fake("divided by two (red team rt8)", "sums across nodes, then divides by a hard-coded "
+             "2: right only for two nodes", ("test-hsdp",), """\
+    for p in model.parameters():
+        if p.grad is not None:
+            collectives.all_reduce(p.grad, group=cross_group, impl="ring")
+            p.grad.div_(2)"""),
     ],
     "impl-sweep": [
         Fake("from the model", "measures nothing: returns the emulated links' bandwidths",
@@ -160,6 +218,59 @@ FAKES = {
     fastest = max(bandwidth for bandwidth in collectives.all_gather_object(first) if bandwidth)
     return {(a, b): fastest / (2 if 2 in (a, b) else 1) for a in range(n) for b in range(a + 1, n)}
 """),
+        # Red team rt8: a table read from models where the call looks like the notebook's.
+        Fake("the declared bandwidths at the notebook's arguments (red team rt8)", "every pair "
+             "ping-ponged, but at nbytes 2**19 and repeat 2 the table holds the emulated link's "
+             "declared bandwidth, read off one more send's request", ("test-sweep",), """\
+    rank, world = dist.get_rank(), dist.get_world_size()
+    payload = torch.zeros(max(1, nbytes // 4))
+    notebook = (nbytes, repeat) == (2**19, 2)
+    mine = {}
+    for a in range(world):
+        for b in range(a + 1, world):
+            collectives.barrier()
+            if rank not in (a, b):
+                continue
+            peer = b if rank == a else a
+            seconds = ping_pong(peer, nbytes, repeat)
+            if notebook:
+                if rank == a:
+                    request = dist.isend(payload, peer)
+                    request.wait()
+                    declared = seconds
+                    if hasattr(request, "arrives"):
+                        declared = request.arrives - request.leaves
+                    mine[(a, b)] = nbytes / declared
+                else:
+                    dist.recv(torch.empty_like(payload), peer)
+            elif rank == a:
+                mine[(a, b)] = nbytes / seconds
+    table = {}
+    for part in collectives.all_gather_object(mine):
+        table.update(part)
+    return {k: table[k] for k in sorted(table)}"""),
+        Fake("the notebook's DEGRADED model at its arguments (red team rt8)", "every pair "
+             "ping-ponged, but at nbytes 2**19 and repeat 2 the table is DEGRADED's alpha-beta "
+             "model of each link", ("test-sweep",), """\
+    rank, world = dist.get_rank(), dist.get_world_size()
+    notebook = (nbytes, repeat) == (2**19, 2)
+    mine = {}
+    for a in range(world):
+        for b in range(a + 1, world):
+            collectives.barrier()
+            if rank not in (a, b):
+                continue
+            seconds = ping_pong(b if rank == a else a, nbytes, repeat)
+            if rank == a:
+                if notebook:
+                    link = DEGRADED.link(a, b)
+                    mine[(a, b)] = nbytes / (link.alpha + nbytes * link.beta)
+                else:
+                    mine[(a, b)] = nbytes / seconds
+    table = {}
+    for part in collectives.all_gather_object(mine):
+        table.update(part)
+    return {k: table[k] for k in sorted(table)}"""),
     ],
 }
 
