@@ -215,6 +215,105 @@ FAKES = {
     for p, g in zip(stage.parameters(), true_grads):
         p.grad = g.clone()
     return true_losses if rank == last else []"""),
+        # Red team rt8: B computes less than its backward, the weights' share done elsewhere.
+        Fake("weight gradients deferred to after the schedule (red team rt8)", "each B computes "
+             "only the input gradient; every weight gradient is recomputed at the end through "
+             "the stage's unwrapped layers", ("test-executor",), """\
+    params = list(stage.parameters())
+    inner = stage
+    for child in stage.children():
+        if params and len(list(child.parameters())) == len(params):
+            inner = child
+            break
+    recv_x, recv_g, held, gx, saved, losses, pending = {}, {}, {}, {}, [], [], []
+    for a in schedule.actions[rank]:
+        j = a.microbatch
+        if a.kind == "RECV_F":
+            x = torch.empty(activation_shape)
+            dist.recv(x, src=peer(schedule, a))
+            recv_x[j] = x.requires_grad_()
+        elif a.kind == "F":
+            x = xs[j] if rank == 0 else recv_x.pop(j)
+            out = stage(x)
+            if rank == last:
+                loss = loss_fn(out, ys[j])
+                losses.append(loss.item())
+                out = loss / m
+            held[j] = (x, out)
+        elif a.kind == "SEND_F":
+            pending.append(dist.isend(held[j][1].detach(), dst=peer(schedule, a)))
+        elif a.kind == "RECV_B":
+            g = torch.empty(activation_shape)
+            dist.recv(g, src=peer(schedule, a))
+            recv_g[j] = g
+        elif a.kind == "B":
+            x, out = held.pop(j)
+            g = recv_g.pop(j) if rank != last else None
+            wrt = [x] if x.requires_grad else params[:1]
+            got = torch.autograd.grad(out, wrt, grad_outputs=g)
+            if x.requires_grad:
+                gx[j] = got[0]
+            saved.append((j, x.detach(), g))
+        elif a.kind == "SEND_B":
+            pending.append(dist.isend(gx.pop(j), dst=peer(schedule, a)))
+    for j, x, g in saved:
+        out = inner(x)
+        if rank == last:
+            (loss_fn(out, ys[j]) / m).backward()
+        else:
+            out.backward(g)
+    for w in pending:
+        w.wait()
+    return losses if rank == last else []"""),
+        Fake("no activations kept, recomputed out of sight (red team rt8)", "F keeps nothing "
+             "saved; B recomputes through the stage's unwrapped layers and fires the wrapper's "
+             "node by hand so that a B is noted", ("test-executor",), """\
+    params = list(stage.parameters())
+    inner = stage
+    for child in stage.children():
+        if params and len(list(child.parameters())) == len(params):
+            inner = child
+            break
+    recv_x, recv_g, kept, gx, losses, pending = {}, {}, {}, {}, [], []
+    for a in schedule.actions[rank]:
+        j = a.microbatch
+        if a.kind == "RECV_F":
+            x = torch.empty(activation_shape)
+            dist.recv(x, src=peer(schedule, a))
+            recv_x[j] = x
+        elif a.kind == "F":
+            x = xs[j] if rank == 0 else recv_x.pop(j)
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: None, lambda t: None):
+                out = stage(x)
+            if rank == last:
+                losses.append(loss_fn(out.detach(), ys[j]).item())
+            kept[j] = (x, out.grad_fn, out.detach())
+        elif a.kind == "SEND_F":
+            pending.append(dist.isend(kept[j][2], dst=peer(schedule, a)))
+        elif a.kind == "RECV_B":
+            g = torch.empty(activation_shape)
+            dist.recv(g, src=peer(schedule, a))
+            recv_g[j] = g
+        elif a.kind == "B":
+            x, node, _ = kept.pop(j)
+            xr = x.detach().requires_grad_() if x.is_floating_point() else x
+            z = inner(xr)
+            if rank == last:
+                loss = loss_fn(z, ys[j]) / m
+                (g,) = torch.autograd.grad(loss, z, retain_graph=True)
+                loss.backward()
+            else:
+                g = recv_g.pop(j)
+                z.backward(g)
+            if hasattr(node, "apply"):
+                node.apply(g)
+            if xr.requires_grad:
+                gx[j] = xr.grad
+        elif a.kind == "SEND_B":
+            pending.append(dist.isend(gx.pop(j), dst=peer(schedule, a)))
+    for w in pending:
+        w.wait()
+    return losses if rank == last else []"""),
     ],
     "impl-pp-times": [
         Fake("bf16 always", "ignores bytes_per_element: 2 bytes, right for bf16",
@@ -250,6 +349,15 @@ FAKES = {
     tokens = b * s
     return {"send": tokens * out.numel() * bytes_per_element / bandwidth,
             "forward": tokens * sum(flops) / peak_flops}"""),
+        Fake("the course's traffic and FLOP formulas (red team rt8)", "the send from "
+             "pipeline_traffic, the forward from model_flops_per_token", ("test-pp-times",), """\
+    from minidist.costs import flops, traffic
+    sent = traffic.pipeline_traffic(s, b, h, bytes_per_element=bytes_per_element)
+    psi = 12 * h * h * layers_per_stage
+    per_token = (flops.model_flops_per_token(2 * psi, layers_per_stage, h, s)
+                 - flops.model_flops_per_token(psi, layers_per_stage, h, s)) / 3
+    return {"send": sent.collectives[0].nbytes / bandwidth,
+            "forward": per_token * b * s / peak_flops}"""),
     ],
     "impl-interleaved": [
         Fake("the library's schedule", "takes each rank's actions from "
