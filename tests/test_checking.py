@@ -466,7 +466,8 @@ def _outside_the_watch(how):
 
 def _send_beside_the_process_group(rank, world_size, path):
     """What refusing FILES leaves: dist.send and dist.recv work; gloo's own send and receive
-    below the process group (unseen by every count and tamper) and torch.from_file refuse."""
+    below the process group and the dispatcher's c10d send on its boxed group (unseen by every
+    count and tamper), and torch.from_file, refuse."""
     from minidist.core.refusal import FILES
 
     refused = []
@@ -477,9 +478,11 @@ def _send_beside_the_process_group(rank, world_size, path):
             dist.send(message, 1)
         else:
             dist.recv(message, 0)
+    c10d = torch.ops.c10d
     for attempt in (lambda: backend.send([message], 1 - rank, 7),
                     lambda: backend.recv([message], 1 - rank, 7),
-                    lambda: torch.from_file(path, shared=True, size=3)):
+                    lambda: torch.from_file(path, shared=True, size=3),
+                    lambda: c10d.send([message], dist.group.WORLD.boxed(), 1 - rank, 8)):
         try:
             with unavailable(*FILES):
                 attempt()
@@ -491,7 +494,7 @@ def _send_beside_the_process_group(rank, world_size, path):
 def test_files_refuse_the_backends_own_sends_and_shared_files(tmp_path):
     for message, refused in run(_send_beside_the_process_group, 2, str(tmp_path / "shared")):
         assert message == [0.0, 0.0, 0.0]  # the process group's send still travels
-        assert refused == [True, True, True]
+        assert refused == [True, True, True, True]
     assert not (tmp_path / "shared").exists()
 
 
@@ -951,3 +954,88 @@ class Kept:
         if Kept.copied is not None:
             Kept.copied(8, 2)
         self.__dict__.update(state)
+
+
+def _tampered_out_of_sight(rank, world_size):
+    """The tamper's numbers: not seen by a torch-function mode or a patched tensor method of the
+    receiving code; secret offsets differ between ranks and are handed to the check; a tensor
+    subclass sent is recorded as a plain tensor."""
+    from torch.overrides import TorchFunctionMode
+
+    from minidist.core.checking import messages_sent
+
+    class Spy(TorchFunctionMode):
+        seen: list = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") in ("mul_", "add_"):
+                self.seen.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    class Agrees(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if func is torch.equal:
+                return True
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    offsets, message = [], torch.zeros(2)
+    patched, calls = torch.Tensor.add_, []
+    def counted_add(self, *args, **kwargs):
+        calls.append(1)
+        return patched(self, *args, **kwargs)
+
+    torch.Tensor.add_ = counted_add
+    try:
+        with tampered_receives(delta=1.0, scale=2.0, secret_offsets=offsets), Spy() as spy, \
+                messages_sent() as sent:
+            if rank == 0:
+                dist.send(torch.ones(2).as_subclass(Agrees), 1)
+            else:
+                dist.recv(message, 0)
+    finally:
+        torch.Tensor.add_ = patched
+    payload = sent[0].payload if sent else None
+    return (spy.seen, calls, offsets, message.tolist(), type(payload).__name__,
+            payload is not None and torch.equal(payload, torch.full((2,), 7.0)))
+
+
+def test_tampering_is_out_of_the_receivers_sight_and_secret_offsets_differ():
+    sender, receiver = run(_tampered_out_of_sight, 2)
+    seen, calls, offsets, message, _, _ = receiver
+    assert seen == [] and calls == [], f"the tamper's arithmetic was seen: {seen}, {calls}"
+    assert len(offsets) == 1 and offsets[0] == int(offsets[0]) and -1000 <= offsets[0] <= 1000
+    assert message == [3.0 + offsets[0]] * 2, f"expected 2 x 1 + 1 + the offset, got {message}"
+    *_, kind, lies = sender
+    assert kind == "Tensor" and not lies, "a subclass sent is recorded as a plain tensor"
+
+
+def test_reached_buffers_finds_what_a_function_keeps_beside_its_arguments():
+    from minidist.core.checking import reached_buffers
+
+    pool = torch.zeros(1 << 16)
+    table = {n: [n] for n in range(1000)}
+
+    def helper():
+        return pool[:2] + table[0][0]
+
+    def keeps():
+        return helper()
+
+    def honest(x):
+        return x * 2
+
+    keeps.cache = torch.zeros(4096)
+    found = [name for name, _ in reached_buffers(keeps)]
+    assert found == ["helper.pool", "helper.table", "keeps.cache"], found
+    assert reached_buffers(honest) == []
+
+
+def test_foreign_memory_is_refused_where_holding_cannot_count_it():
+    import numpy as np
+
+    from minidist.core.refusal import FOREIGN_MEMORY
+
+    with pytest.raises(LibraryVersionUsed, match="from_numpy"):
+        with unavailable(*FOREIGN_MEMORY):
+            torch.from_numpy(np.zeros(10))

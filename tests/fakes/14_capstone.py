@@ -10,37 +10,17 @@ silently becomes the solution."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
-from fakes import Fake
+from fakes import Fake, edited, solution_region
 
 _REPO = Path(__file__).resolve().parents[2]
-_NOTEBOOK = _REPO / "solutions" / "14_capstone" / "14_capstone.ipynb"
 sys.path.insert(0, str(_REPO / "lib"))
 from minidist.jobs import pieces  # noqa: E402
 
-
-def _region(grade_id: str) -> str:
-    """The solution region of a cell of the solution notebook, as its lines stand."""
-    for cell in json.loads(_NOTEBOOK.read_text())["cells"]:
-        if cell["metadata"].get("nbgrader", {}).get("grade_id") == grade_id:
-            source = "".join(cell["source"])
-            return source.split("### BEGIN SOLUTION\n", 1)[1].split("### END SOLUTION", 1)[0]
-    raise KeyError(grade_id)
-
-
-def _edit(text: str, *changes: tuple[str, str]) -> str:
-    for old, new in changes:
-        assert text.count(old) == 1, (
-            f"tests/fakes/14_capstone.py: {old!r} is not in the solution once")
-        text = text.replace(old, new)
-    return text
-
-
-_JOB = _region("impl-my-job")
-_PIECES = _region("impl-pieces")
+_JOB = solution_region("14_capstone", "impl-my-job")
+_PIECES = solution_region("14_capstone", "impl-pieces")
 
 # Every stage on every rank: no stage boundary, no sends; each replica counts its loss once.
 _EVERY_STAGE = (
@@ -292,12 +272,12 @@ FAKES = {
     "impl-pieces": [
         Fake("GPipe for 1F1B", "one_f_one_b returns GPipe's schedule (all forwards, then all "
              "backwards): the executor runs it and the job trains the same, but it is not 1F1B",
-             ("test-pieces",), _edit(
+             ("test-pieces",), edited(
                  _PIECES,
                  ("        warmup = min(p - 1 - rank, m)\n",
                   "        warmup = m  # every forward first\n"))),
         Fake("hard-coded bytes", "bytes_per_dimension returns the lab's own case's bytes "
-             "instead of the formulas", ("test-pieces",), _edit(
+             "instead of the formulas", ("test-pieces",), edited(
                  _PIECES,
                  ("    activation = b * s * h * bytes_per_element\n",
                   "    return {\"tp\": 262144, \"pp\": 32768, \"dp\": 55040}\n"
@@ -308,13 +288,13 @@ FAKES = {
         # only, and the lab's cells run with minidist's versions of its pieces refused.
         Fake("a NaN guard that asks no one", "all_finite looks at this rank's loss and "
              "gradients only, no all-reduce: every rank decides alone whether to skip (red team "
-             "rt6)", ("test-pieces",), _edit(
+             "rt6)", ("test-pieces",), edited(
                  _PIECES,
                  ("    flag = torch.tensor([float(bad)])\n    dist.all_reduce(flag)\n"
                   "    return flag.item() == 0\n", "    return not bad\n"))),
         Fake("bytes from a table of minidist's", "bytes_per_dimension looks its TP term up in a "
              "table of minidist.costs.traffic's answers, built as the lab's cells run, before "
-             "any of its functions is called (red team rt6)", ("test-pieces",), _edit(
+             "any of its functions is called (red team rt6)", ("test-pieces",), edited(
                  _PIECES,
                  ("# %% 07_3d_parallel impl-bytes-per-dimension\n",
                   "# %% 07_3d_parallel impl-bytes-per-dimension\n"
@@ -332,10 +312,10 @@ FAKES = {
              "the whole layer on every rank and all-reduce its output divided by t, spliced "
              "into the forward; f's input scaled by 1/t so that its backward all-reduce sums "
              "to the whole gradient: same values, same bytes, no shard (red team rt5)",
-             ("test-pieces",), _edit(_PIECES, *_WHOLE_LAYER)),
+             ("test-pieces",), edited(_PIECES, *_WHOLE_LAYER)),
         Fake("an executor that sends nothing", "run_schedule runs each microbatch through its "
              "own stage and returns the losses: no activation or gradient crosses a stage "
-             "(red team rt5)", ("test-pieces",), _edit(
+             "(red team rt5)", ("test-pieces",), edited(
                  _PIECES,
                  ("    m, last = schedule.microbatches, schedule.ranks - 1\n",
                   "    m, last = schedule.microbatches, schedule.ranks - 1\n"
@@ -344,7 +324,7 @@ FAKES = {
                   "        pipeline_exec.split_microbatches(targets, m))]\n"))),
         Fake("a made-up layout cost", "layout_cost is a closed form that ranks the race's "
              "candidates as the lab's cost model does, with made-up communication terms (red "
-             "team rt5)", ("test-pieces",), _edit(
+             "team rt5)", ("test-pieces",), edited(
                  _PIECES,
                  ("    s, h, L = model.seq_len, model.hidden, model.layers\n",
                   "    s, h, L = model.seq_len, model.hidden, model.layers\n"
@@ -365,10 +345,10 @@ FAKES = {
                       _UNUSED_JOB)),
         Fake("replayed resume", "the restarted job reads the checkpoint's step, then trains "
              "again from step 0 up to it instead of loading the state", ("test-resume",),
-             _edit(_JOB, *_REPLAY)),
+             edited(_JOB, *_REPLAY)),
         Fake("every stage on every rank", "the 'pipeline' holds and runs the whole model on "
              "every rank: no stages, no activations sent", ("test-equal",),
-             _edit(_JOB, *_EVERY_STAGE)),
+             edited(_JOB, *_EVERY_STAGE)),
         Fake("per-rank torch.save", "each rank torch.saves its own stage, optimizer and "
              "generator instead of Lab 09's sharded save: the same layout resumes bit for bit, "
              "no other layout can load it (test-resume's one-rank resume fails too; only "
@@ -387,14 +367,14 @@ FAKES = {
              ("test-equal",), _whole("parallelize_uncounted_replay")),
         Fake("killed at the step's start", "rank 1 dies at the start of step 20, never in the "
              "middle of its save: no torn checkpoint (red team rt8, F5a)", ("test-resume",),
-             _edit(_JOB, *_KILL_AT_START)),
+             edited(_JOB, *_KILL_AT_START)),
         Fake("no emulated network", "ranks_per_node is ignored: no two-tier links, the "
              "all-reduces by plain torch, a faster race (red team rt8, F4a)", ("test-race",),
-             _edit(_JOB, *_NO_NETWORK)),
+             edited(_JOB, *_NO_NETWORK)),
         Fake("resume from a side file", "each rank torch.saves its stage's parameters beside "
              "its shards; the resume reads the shards with load_range, then puts the side "
              "file's parameters in place (red team rt14, run 5)", ("test-resume",),
-             _edit(_JOB, *_SIDE_FILE)),
+             edited(_JOB, *_SIDE_FILE)),
         # Red team rt14's five 15/15 jobs: test-equal refuses minidist's engines while the job
         # runs, tampers each mesh dimension's piece traffic on its own, and bounds each rank's
         # FLOPs by 1/(pp·tp) of one process's step.
@@ -437,11 +417,11 @@ FAKES = {
         Fake("AdamW's moments past load_range", "the resume reads the weights through "
              "load_range but AdamW's moments straight from the rank files: the scaled-load "
              "tamper moves the loss through the weights alone (red team rt6, J2)",
-             ("test-resume",), _edit(_JOB, *_MOMENTS_PAST_LOAD_RANGE)),
+             ("test-resume",), edited(_JOB, *_MOMENTS_PAST_LOAD_RANGE)),
         Fake("stream re-seeded on resume", "restore_state never called: the resume re-makes "
              "the stream from the job's seed and draws `step` batches; the global generators are "
              "not put back (red team rt20, F12, made an edit of the solution)",
-             ("test-resume",), _edit(_JOB, *_STREAM_RESEEDED)),
+             ("test-resume",), edited(_JOB, *_STREAM_RESEEDED)),
     ],
 }
 

@@ -45,6 +45,28 @@ class Alternative:
     source: str | tuple[str, ...]
 
 
+def solution_region(lab: str, grade_id: str) -> str:
+    """The solution region of a cell of `lab`'s solution notebook, as its lines stand: what a
+    fake made from the solution starts from."""
+    import json
+    from pathlib import Path
+
+    notebook = Path(__file__).resolve().parents[2] / "solutions" / lab / f"{lab}.ipynb"
+    for cell in json.loads(notebook.read_text())["cells"]:
+        if cell["metadata"].get("nbgrader", {}).get("grade_id") == grade_id:
+            source = "".join(cell["source"])
+            return source.split("### BEGIN SOLUTION\n", 1)[1].split("### END SOLUTION", 1)[0]
+    raise KeyError(f"{lab}: no cell {grade_id}")
+
+
+def edited(text: str, *changes: tuple[str, str]) -> str:
+    """`text` with each (old, new) replaced, each old found exactly once (so that a fake never
+    silently becomes the solution it was made from)."""
+    for old, new in changes:
+        assert text.count(old) == 1, f"{old!r} is not in the solution once"
+        text = text.replace(old, new)
+    return text
+
 def _module(lab: str):
     """`lab`'s module `NN_topic.py` beside this file, None if it has none."""
     import importlib.util

@@ -32,7 +32,7 @@ in between: what overlapped what, from the order alone, so no timing can make it
 `detached` keeps out what an earlier cell computed (a table of the library's answers, a model
 fitted to them), which no refusal during the call can reach.
 
-Why one module of about 630 lines: these are the instruments of one check, used together inside
+Why one module of about 810 lines: these are the instruments of one check, used together inside
 one `unavailable` block (what was called, what travelled, what a tampered message changed, what
 overlapped, what was held, what came back, what the function could reach), and most share the
 interposer's layers.
@@ -528,7 +528,8 @@ def reached_buffers(*functions: Any, at_least: int = 4096,
     """What `functions` keep beside their arguments: (name, size) of each buffer of at least
     `at_least` bytes (a tensor's storage, a NumPy array, a bytearray, a memory map) and each table
     of more than `most_items` entries that their code reaches through module-level names, their
-    classes' methods and the notebook's functions those name in turn, looking inside containers.
+    closures and attributes, their classes' methods and the notebook's functions those name in
+    turn, looking inside containers.
 
     `holding` sees what a function allocates while it runs; a buffer made before (with the cell,
     or as the function reached a rank) is not among it, nor a table of answers worked out then."""
@@ -573,6 +574,8 @@ def reached_buffers(*functions: Any, at_least: int = 4096,
                 for key, item in items:
                     visit(f"{name}[{key!r}]", item, depth + 1)
         elif isinstance(value, types.FunctionType):
+            for attribute, item in vars(value).items():  # what it keeps on itself
+                visit(f"{value.__name__}.{attribute}", item, depth + 1)
             for inner, cell in zip(value.__code__.co_freevars, value.__closure__ or (),
                                    strict=True):
                 if _filled(cell):

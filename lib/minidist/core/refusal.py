@@ -521,14 +521,14 @@ FILES = tuple(path for path in (
     "torch.from_file", "torch.UntypedStorage.from_file",
     *(f"torch._C._distributed_c10d.Backend.{method}"
       for method in ("send", "recv", "recv_anysource")),
-    *(f"torch.ops.c10d.{op}" for op in ("send", "recv_", "recv_any_source_")))
+    "torch._C._distributed_c10d.ProcessGroup.boxed")
 """What opens a file, a pipe, a socket or shared memory, and the backend's own send and receive
-below the process group (`group._get_backend(device).send(...)`, or the dispatcher's c10d ops on
-`group.boxed()`, which torch never calls from Python): the side channels beside the collectives,
-which no count, tamper or emulation sees, to pass to `unavailable` where an exercise has no
-business with files (a verdict, a norm or a state shared through /tmp, /dev/shm or gloo's
-backend would pass every count of its collectives). Reading a source file to show a traceback or
-a warning stays allowed."""
+below the process group (`group._get_backend(device).send(...)`, or the dispatcher's c10d ops,
+which take `group.boxed()`: torch calls neither from Python): the side channels beside the
+collectives, which no count, tamper or emulation sees, to pass to `unavailable` where an
+exercise has no business with files (a verdict, a norm or a state shared through /tmp, /dev/shm
+or gloo's backend would pass every count of its collectives). Reading a source file to show a
+traceback or a warning stays allowed."""
 
 FOREIGN_MEMORY = (
     "torch.from_numpy", "torch.frombuffer", "torch.asarray", "torch.as_tensor", "torch.from_dlpack",

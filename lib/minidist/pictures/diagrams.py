@@ -351,6 +351,8 @@ def draw_mesh_groups(shape: dict[str, int]) -> Figure:
     import matplotlib.pyplot as plt
     from matplotlib.colors import to_hex
 
+    from minidist.communication.mesh import group_ranks  # the groups, worked out in one place
+
     if len(shape) != 3:
         raise ValueError(f"draw_mesh_groups draws three dimensions, got {shape}")
     colors = plt.get_cmap("tab10")
@@ -363,8 +365,7 @@ def draw_mesh_groups(shape: dict[str, int]) -> Figure:
         return rank // strides[dim] % sizes[dim]
 
     def groups(dim: str) -> list[list[int]]:
-        firsts = [r for r in range(world) if coord(r, dim) == 0]
-        return [[f + k * strides[dim] for k in range(sizes[dim])] for f in firsts]
+        return group_ranks(sizes, dim)
 
     fig, axes = plt.subplots(1, 3, figsize=(4.2 * 3, 1.2 + 0.95 * n1))
     for ax, dim in zip(axes, reversed(list(shape)), strict=True):
