@@ -5,7 +5,7 @@ all-reduce's waiting, a vote per step), and a mismatch check that lets some mism
 A cell with two functions has two solution regions, and a fake's source replaces both: the
 fakes of those cells tell the functions apart by their arguments (`locals()`)."""
 
-from fakes import Alternative, Fake, stripped_clone_helpers
+from fakes import Alternative, Fake, edited, solution_region, stripped_clone_helpers
 
 # The first function of the cell, `merge`, written as the lab asks: fakes of `overlap_fraction`
 # alone keep it right, so that only the second function is what they fake.
@@ -68,6 +68,12 @@ FAKES = {
     slowest = [max(per_rank, key=lambda rank: per_rank[rank]["compute"][step])
                for step in range(steps)]
     return max(per_rank, key=slowest.count)"""),
+        Fake("the harmonic mean of compute (red team rt8)", "a statistic that shrugs off slow "
+             "hiccups but not fast ones, in place of the median", ("test-straggler",), """\
+    def typical(values):
+        values = [v for v in values if v > 0]
+        return len(values) / sum(1 / v for v in values) if values else 0.0
+    return max(per_rank, key=lambda r: typical(per_rank[r]["compute"]))"""),
     ],
     "impl-checked-collective": [
         Fake("its own call only", "exchanges nothing: checks its own tensor and runs the "
@@ -95,6 +101,17 @@ FAKES = {
                               for r, (o, shape, dtype) in enumerate(calls))
         raise RuntimeError(f"mismatched collectives: {described}")
     return collective(tensor)"""),
+        # Red team rt8: the calls exchanged, then compared in part.
+        Fake("only ranks 0 and 1 compared (red team rt8)", "a mismatch on any other rank runs "
+             "the collective", ("test-checked-collective",), edited(
+                 solution_region("08_profiling", "impl-checked-collective"),
+                 ("if any(call != mine for call in calls):", "if calls[0] != calls[1]:"))),
+        Fake("dtypes compared by kind, not width (red team rt8)", "float32 matches float64 and "
+             "int32 int64", ("test-checked-collective",), edited(
+                 solution_region("08_profiling", "impl-checked-collective"),
+                 ("if any(call != mine for call in calls):",
+                  "if any((o, s, d.rstrip('0123456789')) != (mine[0], mine[1], "
+                  "mine[2].rstrip('0123456789')) for o, s, d in calls):"))),
     ],
 }
 
