@@ -149,6 +149,18 @@ FAKES = {
     mine = torch.empty_like(pieces[0])
     dist.reduce_scatter(mine, pieces)
     return mine""") + SP_METHODS),
+        Fake("g's backward payload masked (red team rt8)", "each rank's gradient plus a constant "
+             "that cancels over the ranks goes into the reduce-scatter: right sums, not each "
+             "rank's own gradient on the wire", ("test-sp-operators",), ("""\
+    pieces = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(pieces, x.contiguous())
+    return torch.cat(pieces, dim=1)""", """\
+    pieces = [piece.contiguous() for piece in x.chunk(dist.get_world_size(), dim=1)]
+    mine = torch.empty_like(pieces[0])
+    dist.reduce_scatter(mine, pieces)
+    return mine""", SP_METHODS[0], " " * 8 + "t, r = dist.get_world_size(), dist.get_rank()\n"
+             + " " * 8 + "return reduce_scatter_sequence(grad + 0.25 * (2 * r - (t - 1)))",
+             *SP_METHODS[2:])),
     ],
 }
 
