@@ -3,7 +3,7 @@ the mechanism the exercise is about. Sources replace the solution region, inside
 body (4-space indent). The H100 prediction (a quiz) is computed with the student's time model,
 so the fakes of that model that change its host-tier answer fail it too."""
 
-from fakes import Alternative, Fake
+from fakes import Alternative, Fake, edited, solution_region
 
 # Red team rt11: every function of a library module saved (code, defaults) when the answer cell
 # runs, before any check swaps the library's code, revived later in a copy of the module's
@@ -217,6 +217,21 @@ _TWINS = {}"""),
         back = offload.to_device(s.to(p.dtype), p.device)
         full = collectives.all_gather(back, p.numel(), impl="ring")
         p.copy_(full.view_as(p))"""),
+        Fake("a shadow AdamW steps, its state copied in (red team rt8)", "the optimizer handed "
+             "in never steps; one of its own over the same shards does",
+             ("test-offload-step",), edited(
+                 solution_region("12_memory_beyond_the_gpu", "impl-offloaded-step"),
+                 ("    optimizer.step()\n", """\
+    shadows = offloaded_step.__dict__.setdefault("shadows", {})
+    if id(optimizer) not in shadows:
+        group = optimizer.param_groups[0]
+        shadows[id(optimizer)] = torch.optim.AdamW(
+            host_shards, lr=group["lr"], betas=group["betas"], eps=group["eps"],
+            weight_decay=group["weight_decay"])
+    shadows[id(optimizer)].step()
+    for shard in host_shards:
+        optimizer.state[shard] = shadows[id(optimizer)].state[shard]
+"""))),
     ],
     "impl-step-time": [
         Fake("no overlap",
@@ -433,6 +448,45 @@ _STEP = zero_offload._NvmeSlices.step.__code__"""),
         store.write(f"{i}.exp_avg", exp_avg)
         store.write(f"{i}.exp_avg_sq", exp_avg_sq)
         del master, exp_avg, exp_avg_sq"""),
+        # Red team rt8: the state read around the store.
+        Fake("every shard's state read at once around the store (red team rt8)", "plain file "
+             "reads hold the whole state; the store's reads only for the counts",
+             ("test-nvme-step",), """\
+    def read_around(name):  # the file read directly: not counted, not tracked as held
+        shape, dtype = store.layout[name]
+        with open(store.path(name), "rb") as file:
+            return torch.frombuffer(bytearray(file.read()), dtype=dtype).view(shape)
+    names = ["master"] + (["exp_avg", "exp_avg_sq"] if step > 1 else [])
+    state = [{n: read_around(f"{i}.{n}") for n in names} for i in range(len(grads))]
+    for i, grad in enumerate(grads):
+        for n in names:
+            store.read(f"{i}.{n}")
+        master = state[i]["master"]
+        exp_avg = state[i].get("exp_avg", torch.zeros_like(master))
+        exp_avg_sq = state[i].get("exp_avg_sq", torch.zeros_like(master))
+        adamw_step_(master, grad, exp_avg, exp_avg_sq, step, lr=lr)
+        store.write(f"{i}.master", master)
+        store.write(f"{i}.exp_avg", exp_avg)
+        store.write(f"{i}.exp_avg_sq", exp_avg_sq)"""),
+        Fake("the master read thrice, the moments around the store (red team rt8)", "the right "
+             "bytes counted, the wrong files: the moments never pass through the tier",
+             ("test-nvme-step",), """\
+    def read_around(name):  # the file read directly: not counted, not tracked as held
+        shape, dtype = store.layout[name]
+        with open(store.path(name), "rb") as file:
+            return torch.frombuffer(bytearray(file.read()), dtype=dtype).view(shape)
+    for i, grad in enumerate(grads):
+        master = store.read(f"{i}.master")
+        if step > 1:
+            store.read(f"{i}.master")
+            store.read(f"{i}.master")
+            exp_avg, exp_avg_sq = read_around(f"{i}.exp_avg"), read_around(f"{i}.exp_avg_sq")
+        else:
+            exp_avg, exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
+        adamw_step_(master, grad, exp_avg, exp_avg_sq, step, lr=lr)
+        store.write(f"{i}.master", master)
+        store.write(f"{i}.exp_avg", exp_avg)
+        store.write(f"{i}.exp_avg_sq", exp_avg_sq)"""),
     ],
     "impl-materialize": [
         Fake("the seed's recipe",
@@ -493,6 +547,46 @@ _STEP = zero_offload._NvmeSlices.step.__code__"""),
                 weight = p if p.dim() == 2 else params[name.replace("bias", "weight")]
                 bound = weight.shape[-1] ** -0.5
                 local.uniform_(-bound, bound)
+    return model"""),
+        # Red team rt8: values inside the constructors' bounds, not their draws.
+        Fake("linear layers at plus or minus their bound (red team rt8)", "random signs times "
+             "1/sqrt(fan_in): the bounds and spread of a uniform draw, not its values",
+             ("test-materialize",), """\
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                bound = module.in_features ** -0.5
+                for p in module.parameters(recurse=False):
+                    local = p.to_local() if hasattr(p, "to_local") else p
+                    local.copy_((torch.randint(0, 2, local.shape) * 2 - 1).to(local.dtype) * bound)
+            elif hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+    return model"""),
+        Fake("linear layers from a truncated normal (red team rt8)", "std bound/2 cut at the "
+             "bound, not the constructor's uniform draw", ("test-materialize",), """\
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                bound = module.in_features ** -0.5
+                for p in module.parameters(recurse=False):
+                    local = p.to_local() if hasattr(p, "to_local") else p
+                    torch.nn.init.trunc_normal_(local, std=bound / 2, a=-bound, b=bound)
+            elif hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+    return model"""),
+        Fake("embeddings uniform with a std of 1 (red team rt8)", "uniform(-sqrt 3, sqrt 3) in "
+             "place of N(0, 1)", ("test-materialize",), """\
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Embedding):
+                weight = module.weight
+                local = weight.to_local() if hasattr(weight, "to_local") else weight
+                local.uniform_(-3 ** 0.5, 3 ** 0.5)
+            elif hasattr(module, "reset_parameters"):
+                module.reset_parameters()
     return model"""),
     ],
     "impl-clip-sharded": [
