@@ -3,7 +3,7 @@ communication pattern."""
 
 import textwrap
 
-from fakes import Alternative, Fake
+from fakes import Alternative, Fake, edited, solution_region
 
 
 def indented(body: str, indent: int) -> str:
@@ -253,6 +253,30 @@ FAKES = {
              "through backward and the step reduce-scatters them", ("test-zero2",),
              (indented("pass  # nothing to do during backward\n", 4),
               indented(STEP_REDUCE_SCATTERS, 4))),
+        # Red team rt8: the whole gradient kept in a pool made before any check, zeros sent first.
+        Fake("zeros reduce-scattered first, the gradient pooled (red team rt8)", "a step's first "
+             "backward keeps its whole gradient in a pool allocated once and sends zeros; a later "
+             "one sends both: ZeRO-1 in disguise", ("test-zero2",), ("""\
+    pool = install_zero2_hooks.__dict__.setdefault("pool", torch.zeros(1 << 18))
+    offset = 0
+    for param, shard in zip(params, shards):
+        def hook(param, shard=shard, offset=offset):
+            with torch.no_grad():
+                stash, grad = pool[offset:offset + param.numel()], param.grad.reshape(-1)
+                if shard.grad is None:
+                    stash.copy_(grad)
+                    shard.grad = collectives.reduce_scatter(torch.zeros_like(grad), impl="ring")
+                else:
+                    stash.add_(grad)
+                    summed = collectives.reduce_scatter(stash, impl="ring")
+                    shard.grad.add_(summed.div_(world_size))
+                    stash.zero_()
+                param.grad = None
+        param.register_post_accumulate_grad_hook(hook)
+        offset += param.numel()""", """\
+    optimizer.step()
+    for p, shard in zip(params, shards):
+        p.copy_(collectives.all_gather(shard, p.numel(), impl="ring").view_as(p))""")),
     ],
     "impl-flat-shard": [
         Fake("a view of the flat vector", "returns a slice of the whole flat vector, which "
@@ -270,6 +294,29 @@ FAKES = {
     pieces = [p.detach().reshape(-1).float()[slice(*collectives.shard_bounds(p.numel()))]
               for p in params]
     return nn.Parameter(torch.cat(pieces).clone())"""),
+        # Red team rt8: flatteners torch ships under other names.
+        Fake("torch's flattener as a dispatcher op (red team rt8)", "aten's "
+             "flatten_dense_tensors does the packing", ("test-flat-shard",), """\
+    from torch._ops import ops
+    flat = ops.aten.flatten_dense_tensors([p.detach().float() for p in params])
+    start, end = collectives.shard_bounds(flat.numel())
+    return nn.Parameter(flat[start:end].clone())"""),
+        Fake("a jagged nested tensor's values (red team rt8)", "the nested tensor keeps its "
+             "pieces in one flat buffer", ("test-flat-shard",), """\
+    nested = torch.nested.as_nested_tensor([p.detach().reshape(-1).float() for p in params],
+                                           layout=torch.jagged)
+    flat = nested.values()
+    start, end = collectives.shard_bounds(flat.numel())
+    return nn.Parameter(flat[start:end].clone())"""),
+        Fake("FSDP2's copy-in op (red team rt8)", "torch's FSDP packs the inputs into one "
+             "buffer", ("test-flat-shard",), """\
+    from torch._ops import ops
+    inputs = [p.detach().reshape(-1).float() for p in params]
+    numel = sum(t.numel() for t in inputs)
+    flat, _ = ops.fsdp.all_gather_copy_in(inputs, inputs[0].new_empty(numel),
+                                          [t.numel() for t in inputs], numel, 0)
+    start, end = collectives.shard_bounds(flat.numel())
+    return nn.Parameter(flat[start:end].clone())"""),
     ],
     "impl-gather-free": [
         Fake("free drops the module's views", "frees nothing: autograd's saved views and "
@@ -281,6 +328,37 @@ FAKES = {
         Fake("the sum, not the average", "backward hands the shard the sum of the ranks' "
              "gradients instead of their average", ("test-gather-free",),
              gather_free(BACKWARD_SUM, FREE)),
+        Fake("free keeps the whole unit in a pool (red team rt8)", "each unit's vector is "
+             "copied into a pool allocated once before it is freed; gather refills from the "
+             "copy unless the all-gather brought something else", ("test-gather-free",), ("""\
+        grad = collectives.reduce_scatter(grad_full.contiguous(), impl="ring")
+        free(unit)
+        unit.full = None
+        return grad.float() / dist.get_world_size(), None, None""", """\
+    return collectives.all_gather(unit.shard.detach().to(unit.compute_dtype), unit.numel,
+                                  impl="ring", async_op=async_op)""", """\
+    if unit.prefetched is not None:
+        full, unit.prefetched = unit.prefetched.wait(), None
+    else:
+        full = all_gather_params(unit)
+    if unit.full is None:
+        unit.full = GatherParams.apply(unit.shard, full, unit)
+        pieces = unit.full.split([shape.numel() for _, _, shape in unit.slots])
+        for (owner, name, shape), piece in zip(unit.slots, pieces):
+            setattr(owner, name, piece.view(shape))
+    else:
+        unit.full.untyped_storage().resize_(unit.numel * unit.full.element_size())
+        kept = free.__dict__.get("kept", {}).get(id(unit))
+        copy = None if kept is None else kept.to(unit.full.dtype)
+        unit.full.data.copy_(copy if copy is not None and torch.equal(copy, full) else full)""",
+             """\
+    pool = free.__dict__.setdefault("pool", torch.zeros(1 << 18))
+    kept = free.__dict__.setdefault("kept", {})
+    if id(unit) not in kept:
+        start = sum(t.numel() for t in kept.values())
+        kept[id(unit)] = pool[start:start + unit.numel]
+    kept[id(unit)].copy_(unit.full.detach().reshape(-1))
+    unit.full.untyped_storage().resize_(0)""")),
     ],
     "impl-fsdp-hooks": [
         Fake("waits for the prefetch at once", "issues the next unit's all-gather "
@@ -299,6 +377,24 @@ FAKES = {
              "unit that runs twice is gathered again for nothing", ("test-fsdp",),
              hooks(PREFETCHES_AGAIN.format(i="i", j="i + 1"), AFTER_FORWARD,
                    PREFETCHES_AGAIN.format(i="i", j="i - 1"))),
+        Fake("the prefetch held back until the unit's forward ends (red team rt8)", "issued in "
+             "order, but a blocker queued ahead of it on the communication thread lets it move "
+             "only once the unit has computed", ("test-fsdp",), ("""\
+        import threading
+        released = before_forward.__dict__.setdefault("released", {})
+        gather(units[i])
+        if prefetch and i + 1 < len(units) and units[i + 1].prefetched is None:
+            done = released[i] = threading.Event()
+            collectives.in_background(lambda: done.wait(60))
+            units[i + 1].prefetched = all_gather_params(units[i + 1], async_op=True)""", """\
+        released = before_forward.__dict__.setdefault("released", {})
+        if i in released:
+            released.pop(i).set()
+        free(units[i])
+        output.register_hook(lambda grad: before_backward(i))""", """\
+        gather(units[i])
+        if prefetch and i > 0 and units[i - 1].prefetched is None:
+            units[i - 1].prefetched = all_gather_params(units[i - 1], async_op=True)""")),
     ],
     "impl-fsdp-schedule": [
         Fake("no prefetch, whatever the flag", "issues each unit's forward gather when the "
@@ -310,6 +406,16 @@ FAKES = {
         Fake("parameters kept for backward", "no second all-gather before backward: 2Ψ on "
              "the link, as if the parameters were never freed", ("test-fsdp-schedule",),
              indented(KEEPS_FOR_BACKWARD, 4)),
+        Fake("reduce-scatters on a lane of their own past 8 units (red team rt8)", "a model that "
+             "is the library's for the unit counts the notebook shows only",
+             ("test-fsdp-schedule",), edited(
+                 solution_region("04_zero_fsdp", "impl-fsdp-schedule"),
+                 ("    n, last = world_size, len(unit_params) - 1\n",
+                  "    n, last = world_size, len(unit_params) - 1\n"
+                  "    free.setdefault('rs', 0.0)\n"),
+                 ('run_on("link", "reduce_scatter", unit, end, moved[unit])',
+                  'run_on("rs" if last >= 8 else "link", "reduce_scatter", unit, end,'
+                  ' moved[unit])'))),
     ],
 }
 
