@@ -8,7 +8,7 @@ the data-parallel reduction.
 impl-3d-step has two solution regions (one per function) that each get the same fake source,
 so its fakes pick their branch by the function they run in."""
 
-from fakes import Fake
+from fakes import Fake, edited, solution_region
 
 _STAGE = """\
     import sys
@@ -106,6 +106,27 @@ FAKES = {
         return sorted(map(list, {tuple(reports[index][dim]) for reports in torch_groups}))
     size, world = shape[dim], math.prod(shape.values())
     return [list(range(first, first + size)) for first in range(0, world, size)]"""),
+        # Red team rt8: the library's answers reached before or beside the check.
+        Fake("groups read off the course's figure (red team rt8)", "draw_mesh_groups draws the "
+             "mesh and its titles list the groups", ("test-mesh-groups",), """\
+    import ast
+    import re
+
+    from minidist.pictures.diagrams import draw_mesh_groups
+    sizes = list(shape.items())
+    while len(sizes) < 3:
+        sizes.append((f"pad{len(sizes)}", 1))
+    while len(sizes) > 3:
+        i = next(i for i in range(len(sizes) - 1) if dim not in (sizes[i][0], sizes[i + 1][0]))
+        sizes[i:i + 2] = [(sizes[i][0] + "x" + sizes[i + 1][0], sizes[i][1] * sizes[i + 1][1])]
+    figure = draw_mesh_groups(dict(sizes))
+    found = None
+    for ax in figure.axes:
+        title = ax.get_title(loc="left")
+        if title.startswith(f"{dim} groups: "):
+            found = [list(ast.literal_eval(g)) for g in re.findall(r"\\[[^\\]]*\\]", title)]
+    plt.close(figure)
+    return found"""),
     ],
     "impl-build-groups": [
         Fake("only its own groups", "each rank creates only the groups it belongs to: "
@@ -228,6 +249,42 @@ FAKES = {
     back = x.new_empty(x.shape)
     dist.all_to_all_single(back, got, send_splits, recv_splits, group=group)
     return result"""),
+        Fake("the counts through files, zeros all-to-all'd (red team rt8)", "each rank's "
+             "counts written to a file the others read; the counts' all-to-all carries zeros",
+             ("test-moe-dispatch",), """\
+    import os
+    import time
+    experts = ep * per_rank
+    members = (dist.get_process_group_ranks(group) if group is not None
+               else list(range(dist.get_world_size())))
+    me = dist.get_rank(group)
+    order = torch.argsort(expert_index, stable=True)
+    counts = torch.bincount(expert_index, minlength=experts)
+    calls = expert_parallel_forward.__dict__.setdefault("calls", [0])
+    calls[0] += 1
+    key = f"/tmp/rt8moe_{os.getppid()}_{os.environ.get('MASTER_PORT')}_{calls[0]}"
+    with open(f"{key}_{dist.get_rank()}.part", "w") as file:
+        file.write(",".join(map(str, counts.tolist())))
+    os.replace(f"{key}_{dist.get_rank()}.part", f"{key}_{dist.get_rank()}")
+    rows = []
+    for r in members:
+        while not os.path.exists(f"{key}_{r}"):
+            time.sleep(0.001)
+        values = [int(v) for v in open(f"{key}_{r}").read().split(",")]
+        rows.append(torch.tensor(values).view(ep, -1)[me])
+    received = torch.stack(rows).flatten()
+    dist.all_to_all_single(torch.empty_like(counts), torch.zeros_like(counts), group=group)
+    send = counts.view(ep, -1).sum(1).tolist()
+    receive = received.view(ep, -1).sum(1).tolist()
+    incoming = x.new_empty(sum(receive), x.shape[1])
+    dist.all_to_all_single(incoming, x[order].contiguous(), receive, send, group=group)
+    chunks = incoming.split(received.tolist())
+    outputs = torch.cat([local_experts[i % per_rank](c) for i, c in enumerate(chunks)])
+    back = x.new_empty(x.shape)
+    dist.all_to_all_single(back, outputs.contiguous(), send, receive, group=group)
+    result = torch.empty_like(back)
+    result[order] = back
+    return result"""),
     ],
     "impl-bytes-per-dimension": [
         Fake("activations only", "PP counts the activations sent forward, not the gradients "
@@ -335,6 +392,17 @@ FAKES = {
                         except Exception:
                             pass
     return dict(_COSTS[repr(layout), repr(model), repr(cluster), global_batch])"""),
+        # Red team rt8: the solution with one rule of the model left out.
+        Fake("the efficiency given ignored (red team rt8)", "compute always at 60% of peak",
+             ("test-layout-cost",), edited(
+                 solution_region("07_3d_parallel", "impl-layout-cost"),
+                 ("(gpus * cluster.peak_flops * efficiency)",
+                  "(gpus * cluster.peak_flops * 0.6)"))),
+        Fake("a pipeline's sends always between nodes (red team rt8)", "the pipeline's link "
+             "never NVLink, though its ranks may all sit in one node", ("test-layout-cost",),
+             edited(solution_region("07_3d_parallel", "impl-layout-cost"),
+                    ('cost.collective_time("send", activation / tp, 2, *link(gpus))',
+                     'cost.collective_time("send", activation / tp, 2, *link(10**9))'))),
     ],
 }
 
