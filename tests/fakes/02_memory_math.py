@@ -238,6 +238,46 @@ _fp2 = _clone_module(_footprint)"""),
                             seen[s.data_ptr()] = s.nbytes()
         stack.extend(next_node for next_node, _ in node.next_functions)
     return sum(seen.values())"""),
+        Fake("the graph's saved attributes from every tensor made (red team rt8)", "a dispatch "
+             "mode collects every op's output, the graph's _saved_ attributes are read from "
+             "them; the hooks block is a decoy", ("test-saved-bytes",), """\
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Outputs(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.made = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.made += [t for t in (out if isinstance(out, (tuple, list)) else (out,))
+                          if isinstance(t, torch.Tensor)]
+            return out
+    mode = Outputs()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), mode:
+        module(x)
+    parameters = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    seen, visited = {}, set()
+    stack = [t.grad_fn for t in mode.made if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or node in visited:
+            continue
+        visited.add(node)
+        for name in dir(node):
+            if name.startswith("_saved_"):
+                try:
+                    value = getattr(node, name)
+                except Exception:
+                    continue
+                for t in value if isinstance(value, (tuple, list)) else (value,):
+                    scalar = isinstance(t, torch.Tensor) and t.dim() == 0 and t.dtype in (
+                        torch.float64, torch.int64)
+                    if isinstance(t, torch.Tensor) and not scalar:
+                        if t.untyped_storage().data_ptr() not in parameters:
+                            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        stack += [fn for fn, _ in node.next_functions]
+    return sum(seen.values())"""),
     ],
     "impl-recompute": [
         Fake("the whole graph, kept from a pre-started thread", "no recompute: forward builds "
@@ -396,6 +436,54 @@ _fp2 = _clone_module(_footprint)"""),
         x = x.detach().requires_grad_(True)
         torch.manual_seed(0)
         with torch.enable_grad():
+            out = ctx.module(x)
+        torch.autograd.backward(out, grad_output)
+        return x.grad, None""")),
+        # Red team rt8: forward's random draws recorded by a dispatch mode, replayed in backward.
+        Fake("random draws recorded and replayed, as Python lists (red team rt8)", "no random "
+             "state: a dispatch mode keeps every random op's output off torch's books and hands "
+             "it back in the rerun", ("test-recompute",), ("""\
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Record(TorchDispatchMode):
+            def __init__(self):
+                super().__init__()
+                self.tape = []
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if func.overloadpacket.__name__ in ("native_dropout", "bernoulli", "bernoulli_",
+                                                    "rand", "randn", "uniform_", "normal_"):
+                    parts = out if isinstance(out, tuple) else (out,)
+                    self.tape.append([(p.tolist(), p.dtype) for p in parts])
+                return out
+        ctx.module = module
+        ctx.save_for_backward(x)
+        recorder = Record()
+        with torch.no_grad(), recorder:
+            out = module(x)
+        ctx.tape = recorder.tape
+        return out""", """\
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Replay(TorchDispatchMode):
+            def __init__(self, tape):
+                super().__init__()
+                self.tape = list(tape)
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = func.overloadpacket.__name__
+                if self.tape and name in ("native_dropout", "bernoulli", "bernoulli_", "rand",
+                                          "randn", "uniform_", "normal_"):
+                    parts = [torch.tensor(v, dtype=dtype) for v, dtype in self.tape.pop(0)]
+                    if name == "native_dropout":
+                        mask = parts[1]
+                        return args[0] * mask * (1.0 / (1.0 - args[1])), mask
+                    return args[0].copy_(parts[0]) if name.endswith("_") else parts[0]
+                return func(*args, **(kwargs or {}))
+        (x,) = ctx.saved_tensors
+        x = x.detach().requires_grad_(True)
+        with torch.enable_grad(), Replay(ctx.tape):
             out = ctx.module(x)
         torch.autograd.backward(out, grad_output)
         return x.grad, None""")),

@@ -50,8 +50,8 @@ from torch._ops import _OpNamespace
 from minidist.core import interposer
 
 __all__ = ["unavailable", "prepare", "Refusals", "LibraryVersionUsed", "PROCESS_STARTERS",
-           "TORCH_COLLECTIVES", "TORCH_STORE", "FILES", "FOREIGN_MEMORY", "PEEKING", "FORGING",
-           "watched_as_here"]
+           "TORCH_COLLECTIVES", "TORCH_STORE", "FILES", "FOREIGN_MEMORY", "MODES", "PEEKING",
+           "FORGING", "watched_as_here"]
 
 
 class LibraryVersionUsed(RuntimeError):
@@ -538,6 +538,13 @@ FOREIGN_MEMORY = (
 holds refuses these while it runs, with FILES (a memory map among them)."""
 
 
+MODES = ("torch._C._push_on_torch_dispatch_stack", "torch._C._push_on_torch_function_stack")
+"""Entering a torch-function or dispatch mode (TorchFunctionMode, TorchDispatchMode): a mode sees,
+and may answer, every torch operation a function runs, so it can record what a computation made
+and hand it back later (a recompute that replays forward's values) or model what autograd keeps
+instead of measuring it; refused where an exercise is to compute that itself."""
+
+
 PROCESS_STARTERS = (
     "os.fork", "os.forkpty", "os.posix_spawn", "os.posix_spawnp", "os.system",
     "_posixsubprocess.fork_exec", "multiprocessing.process.BaseProcess.start",
@@ -594,6 +601,10 @@ def _refusal(path: str, reason: str) -> str:
                 f"what the collectives deliver, not from the check's frames, the live objects "
                 f"the garbage collector lists, or a descriptor opened before the check"
                 f"{': ' + reason if reason else ''}")
+    if path in MODES:
+        return (f"your function entered a torch mode ({path}): a mode sees every operation and "
+                f"can record one computation's results to hand them back later; compute it "
+                f"here{': ' + reason if reason else ''}")
     if path in PROCESS_STARTERS:
         return (f"your function started a process ({path}): a check runs your function in this "
                 f"process, where the library's versions it is compared with are unavailable; "
