@@ -601,6 +601,10 @@ def _refusal(path: str, reason: str) -> str:
                 f"what the collectives deliver, not from the check's frames, the live objects "
                 f"the garbage collector lists, or a descriptor opened before the check"
                 f"{': ' + reason if reason else ''}")
+    if path == "minidist.communication.counting.uncounted":
+        return (f"your function called {path}: it would hide its messages from the count; every "
+                f"byte an exercise sends is sent where it is counted"
+                f"{': ' + reason if reason else ''}")
     if path in MODES:
         return (f"your function entered a torch mode ({path}): a mode sees every operation and "
                 f"can record one computation's results to hand them back later; compute it "
