@@ -19,6 +19,14 @@ RENAMED_STEPS = """\
 """
 RING = ("test-ring-all-reduce",)  # my_ring_all_reduce is made of the two phases
 
+NUMPY_BUFFER = """\
+    import numpy as np
+
+    def outside(numel, dtype):  # a tensor on NumPy's memory, which torch's allocator never sees
+        size = torch.tensor([], dtype=dtype).element_size()
+        return torch.from_numpy(np.zeros(max(numel, 1) * size, dtype=np.uint8)).view(dtype)[:numel]
+"""
+
 FAKES = {
     "impl-chunk-bounds": [
         Fake("the library's chunk_bounds",
@@ -48,6 +56,46 @@ FAKES = {
                           f"print(json.dumps(chunk_bounds({numel}, {world_size})))"],
                          capture_output=True, text=True, check=True).stdout
     return [tuple(pair) for pair in _json.loads(out)]"""),
+        # Red team rt8: bounds that only say they are right, and torch's splitter compiled.
+        Fake("integers that agree with anything (red team rt8)", "every bound (0, 0), of an int "
+             "subclass whose comparisons all say yes", ("test-chunk-bounds",), """\
+    class Agreeing(int):
+        def __eq__(self, other):
+            return True
+
+        def __ne__(self, other):
+            return False
+
+        def __le__(self, other):
+            return True
+
+        def __ge__(self, other):
+            return True
+
+        def __lt__(self, other):
+            return False
+
+        def __gt__(self, other):
+            return False
+
+        def __sub__(self, other):
+            return Agreeing(0)
+
+        def __rsub__(self, other):
+            return Agreeing(0)
+
+        __hash__ = int.__hash__
+    return [(Agreeing(0), Agreeing(0)) for _ in range(world_size)]"""),
+        Fake("torch's tensor_split in TorchScript (red team rt8)", "the split compiled by "
+             "TorchScript, whose calls run in C++", ("test-chunk-bounds",), """\
+    unit = torch.jit.CompilationUnit(
+        "def pieces(numel: int, world_size: int) -> List[int]:\\n"
+        "    return [p.numel() for p in torch.tensor_split(torch.arange(numel), world_size)]\\n")
+    bounds, start = [], 0
+    for size in unit.pieces(numel, world_size):
+        bounds.append((start, start + size))
+        start += size
+    return bounds"""),
     ],
     "impl-reduce-scatter": [
         Fake("the whole tensor every step", "sends all N chunks each step instead of one",
@@ -103,6 +151,31 @@ FAKES = {
              "neighbours) exec'd from their source under new names, run on comm.ring_of()",
              ("test-reduce-scatter", *RING), RENAMED_STEPS + """\
     _ns["my_rs_steps"](flat, comm.ring_of())"""),
+        Fake("each chunk to its owner through the dispatcher's c10d ops (red team rt8)", "the "
+             "chunks travel below the process group; the ring runs on zeros for show",
+             ("test-reduce-scatter",), """\
+    c10d, group = getattr(getattr(torch, "o" + "ps"), "c10d"), dist.group.WORLD.boxed()
+    start, end = bounds[rank]
+    works = [c10d.send([flat[s:e].contiguous()], group, p, 77)
+             for p, (s, e) in enumerate(bounds) if p != rank]
+    total = torch.zeros(end - start)
+    piece = torch.empty(end - start)
+    for p in range(world_size):
+        if p != rank:
+            c10d.recv_([piece], group, p, 77).wait()
+            total += piece
+    for work in works:
+        work.wait()
+    zeros, buffer = torch.zeros_like(flat), torch.empty(bounds[0][1] - bounds[0][0])
+    for step in range(world_size - 1):
+        send_start, send_end = bounds[(rank - step - 1) % world_size]
+        recv_start, recv_end = bounds[(rank - step - 2) % world_size]
+        incoming = buffer[:recv_end - recv_start]
+        requests = [dist.isend(zeros[send_start:send_end], right), dist.irecv(incoming, left)]
+        for request in requests:
+            request.wait()
+        zeros[recv_start:recv_end] += incoming
+    flat[start:end] += total + zeros[start:end]"""),
     ],
     "impl-all-gather": [
         Fake("the whole tensor every step", "forwards all N chunks each step instead of one",
@@ -133,6 +206,20 @@ FAKES = {
     namespace = dict(vars(_comm))
     exec(inspect.getsource(_comm.all_gather_steps), namespace)
     namespace["all_gather_steps"](flat, _comm.ring_of())"""),
+        Fake("the ring on a NumPy scratch copy (red team rt8)", "a whole copy of the tensor and "
+             "a fresh buffer each step, on memory torch's allocator does not count",
+             ("test-all-gather",), NUMPY_BUFFER + """\
+    work = outside(flat.numel(), flat.dtype)
+    work.copy_(flat)
+    for step in range(world_size - 1):
+        send_start, send_end = bounds[(rank - step) % world_size]
+        recv_start, recv_end = bounds[(rank - step - 1) % world_size]
+        incoming = outside(recv_end - recv_start, flat.dtype)
+        requests = [dist.isend(work[send_start:send_end], right), dist.irecv(incoming, left)]
+        for request in requests:
+            request.wait()
+        work[recv_start:recv_end] = incoming
+    flat.copy_(work)"""),
     ],
     "impl-all-reduce": [
         Fake("dist.all_reduce behind ring-sized junk", "the sum comes from dist.all_reduce; the "
@@ -187,6 +274,28 @@ FAKES = {
         rs, re_ = bounds[(rank - step - 1) % n]
         swap(total[s:e], re_ - rs)
     flat.copy_(total)
+    return tensor"""),
+        Fake("the ring on a NumPy scratch copy (red team rt8)", "a whole copy of the tensor and "
+             "a fresh buffer each step, on memory torch's allocator does not count",
+             ("test-ring-all-reduce",), NUMPY_BUFFER + """\
+    flat = tensor.view(-1)
+    bounds = chunk_bounds(flat.numel(), world_size)
+    right, left = (rank + 1) % world_size, (rank - 1) % world_size
+    work = outside(flat.numel(), flat.dtype)
+    work.copy_(flat)
+    for adding in (True, False):
+        for step in range(world_size - 1):
+            send_start, send_end = bounds[(rank - step - adding) % world_size]
+            recv_start, recv_end = bounds[(rank - step - adding - 1) % world_size]
+            incoming = outside(recv_end - recv_start, flat.dtype)
+            requests = [dist.isend(work[send_start:send_end], right), dist.irecv(incoming, left)]
+            for request in requests:
+                request.wait()
+            if adding:
+                work[recv_start:recv_end] += incoming
+            else:
+                work[recv_start:recv_end] = incoming
+    flat.copy_(work)
     return tensor"""),
     ],
     "impl-predict": [
@@ -279,6 +388,20 @@ FAKES = {
              "_fold_in and _fold_out exec'd from their source under new names",
              ("test-recursive-doubling",), RENAMED_STEPS + """\
     _ns["my_rd_steps"](tensor.view(-1), comm.ring_of(), False)
+    return tensor"""),
+        Fake("a fresh NumPy buffer each step (red team rt8)", "a whole-tensor receive buffer "
+             "per step, on memory torch's allocator does not count",
+             ("test-recursive-doubling",), NUMPY_BUFFER + """\
+    flat = tensor.view(-1)
+    distance = 1
+    while distance < world_size:
+        incoming = outside(flat.numel(), flat.dtype)
+        partner = rank ^ distance
+        requests = [dist.isend(flat, partner), dist.irecv(incoming, partner)]
+        for request in requests:
+            request.wait()
+        flat += incoming
+        distance *= 2
     return tensor"""),
     ],
     "impl-crossover": [

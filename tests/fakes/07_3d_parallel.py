@@ -346,6 +346,23 @@ FAKES = {
             for layer in layers))
 """ + _GPIPE.replace("pp_ranks[stage_index - 1]", "dist.get_rank() - DP * TP")
              .replace("pp_ranks[stage_index + 1]", "dist.get_rank() + DP * TP")),
+        Fake("the pipeline's neighbours taken as world/pp apart (red team rt8)", "pp_ranks "
+             "ignored: right only where the pipeline is the slowest dimension of the mesh",
+             ("test-3d-step",), _STAGE + """\
+        out = []
+        for layer in layers:
+            if isinstance(layer, TransformerBlock):
+                block = tensor_parallel.ParallelTransformerBlock(
+                    HIDDEN, HEADS, layer.mlp.fc1.out_features, group=tp_group)
+                out.append(block.load_from(layer))
+            else:
+                out.append(layer)
+        return nn.Sequential(*out)
+    first, last = stage_index == 0, stage_index == len(pp_ranks) - 1
+    activation_shape = (ids.shape[0] // microbatches, ids.shape[1], HIDDEN)
+    me, apart = dist.get_rank(), dist.get_world_size() // len(pp_ranks)
+    pp_ranks = [me + (k - stage_index) * apart for k in range(len(pp_ranks))]
+""" + _GPIPE),
     ],
     "impl-layout-cost": [
         Fake("the library's planner", "returns the planner's own estimate_time and "

@@ -605,6 +605,10 @@ def _refusal(path: str, reason: str) -> str:
         return (f"your function called {path}: it would hide its messages from the count; every "
                 f"byte an exercise sends is sent where it is counted"
                 f"{': ' + reason if reason else ''}")
+    if path in FOREIGN_MEMORY:
+        return (f"your function called {path}: it puts a tensor on memory torch's allocator did "
+                f"not give, which the check's count of memory held cannot see; allocate tensors "
+                f"with torch{': ' + reason if reason else ''}")
     if path in MODES:
         return (f"your function entered a torch mode ({path}): a mode sees every operation and "
                 f"can record one computation's results to hand them back later; compute it "
