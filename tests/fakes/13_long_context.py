@@ -272,6 +272,18 @@ _ZIGZAG = {cp: [context_parallel.chunks_of(r, cp, layout="zigzag") for r in rang
              source="""    import runpy
     copy = runpy.run_path(context_parallel.__file__, run_name="cp_copy")
     return copy["seq_to_heads"](x, group, when)"""),
+        Fake("every row to every rank, uncounted (red team rt8)", "the data travel whole "
+             "inside counting.uncounted(); the counted all-to-all carries zeros",
+             ("test-ulysses",), """\
+    rank = dist.get_rank(group)
+    rows = x.transpose(0, 1).contiguous()
+    with counting.uncounted():
+        got = collectives.all_to_all(rows.repeat(size, 1, 1, 1), [h] * size, [h] * size,
+                                     group=group, impl="pairwise", when=when)
+    collectives.all_to_all(torch.zeros_like(rows), [h // size] * size, [h // size] * size,
+                           group=group, impl="pairwise", when=when)
+    mine = got.view(size, h, b, n, d)[:, rank * h // size:(rank + 1) * h // size]
+    return mine.permute(2, 1, 0, 3, 4).reshape(b, h // size, size * n, d)"""),
     ],
     "impl-heads-to-seq": [
         Fake("all-gathers the heads",
