@@ -2,6 +2,36 @@
 
 from fakes import Fake
 
+# What red team rt8's fakes learn the check's tamper from: its closure, or a mode watching it.
+_WIRE_CLOSURE = """\
+    from minidist.core import interposer
+
+    def wire(target):
+        # the check's scale and delta, read from its tamper's closure
+        for _, _, around in interposer._subscribers.get(target, []):
+            names = around.__code__.co_freevars
+            if around.__closure__ and "scale" in names and "delta" in names:
+                cells = dict(zip(names, around.__closure__))
+                return float(cells["scale"].cell_contents), float(cells["delta"].cell_contents)
+        return 1.0, 0.0
+"""
+
+_SPY_MODE = """\
+    from torch.overrides import TorchFunctionMode
+
+    class Wire(TorchFunctionMode):
+        # notes the check's mul_ and add_ on what arrives
+        scale, delta = 1.0, 0.0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            name = getattr(func, "__name__", "")
+            if name == "mul_" and len(args) > 1:
+                self.scale = float(args[1])
+            if name == "add_" and len(args) > 1:
+                self.delta = float(args[1])
+            return func(*args, **(kwargs or {}))
+"""
+
 FAKES = {
     "impl-pass-token": [
         Fake("the token's value from its formula", "sends and receives nothing",
@@ -115,21 +145,7 @@ FAKES = {
         value = scale * value + delta + (r + 1)
     return scale * value + delta if rank == 0 else value"""),
         Fake("zeros sent, the tamper watched by a torch-function mode", "the token is the "
-             "formula with the scale and delta the mode saw", ("test-pass-token",), """\
-    from torch.overrides import TorchFunctionMode
-
-    class Wire(TorchFunctionMode):
-        # notes the check's mul_ and add_ on what arrives
-        scale, delta = 1.0, 0.0
-
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            name = getattr(func, "__name__", "")
-            if name == "mul_" and len(args) > 1:
-                self.scale = float(args[1])
-            if name == "add_" and len(args) > 1:
-                self.delta = float(args[1])
-            return func(*args, **(kwargs or {}))
-
+             "formula with the scale and delta the mode saw", ("test-pass-token",), _SPY_MODE + """
     left, right = (rank - 1) % world_size, (rank + 1) % world_size
     seen = Wire()
     if rank == 0:
@@ -146,18 +162,7 @@ FAKES = {
         value = seen.scale * value + seen.delta + (r + 1)
     return seen.scale * value + seen.delta if rank == 0 else value"""),
         Fake("the formula, with the tamper's closure read", "sends formula values and ignores "
-             "what arrives", ("test-pass-token",), """\
-    from minidist.core import interposer
-
-    def wire(target):
-        # the check's scale and delta, read from its tamper's closure
-        for _, _, around in interposer._subscribers.get(target, []):
-            names = around.__code__.co_freevars
-            if around.__closure__ and "scale" in names and "delta" in names:
-                cells = dict(zip(names, around.__closure__))
-                return float(cells["scale"].cell_contents), float(cells["delta"].cell_contents)
-        return 1.0, 0.0
-
+             "what arrives", ("test-pass-token",), _WIRE_CLOSURE + """
     scale, delta = wire("ProcessGroup.recv")
     left, right = (rank - 1) % world_size, (rank + 1) % world_size
     value = 1.0
@@ -261,21 +266,7 @@ FAKES = {
         # Red team rt8: the tamper's numbers learnt and the sum computed from them.
         Fake("the formula, the tamper watched by a torch-function mode", "the all-reduce's "
              "result overwritten by the formula with the scale and delta the mode saw",
-             ("test-all-reduce",), """\
-    from torch.overrides import TorchFunctionMode
-
-    class Wire(TorchFunctionMode):
-        # notes the check's mul_ and add_ on what arrives
-        scale, delta = 1.0, 0.0
-
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            name = getattr(func, "__name__", "")
-            if name == "mul_" and len(args) > 1:
-                self.scale = float(args[1])
-            if name == "add_" and len(args) > 1:
-                self.delta = float(args[1])
-            return func(*args, **(kwargs or {}))
-
+             ("test-all-reduce",), _SPY_MODE + """
     i = torch.arange(1, length + 1, dtype=torch.float32)
     values = (rank + 1) * i
     seen = Wire()
@@ -284,18 +275,7 @@ FAKES = {
     values.copy_(seen.scale * (world_size * (world_size + 1) / 2) * i + seen.delta)
     return values"""),
         Fake("the formula, with the tamper's closure read", "the all-reduce's result "
-             "overwritten by the formula", ("test-all-reduce",), """\
-    from minidist.core import interposer
-
-    def wire(target):
-        # the check's scale and delta, read from its tamper's closure
-        for _, _, around in interposer._subscribers.get(target, []):
-            names = around.__code__.co_freevars
-            if around.__closure__ and "scale" in names and "delta" in names:
-                cells = dict(zip(names, around.__closure__))
-                return float(cells["scale"].cell_contents), float(cells["delta"].cell_contents)
-        return 1.0, 0.0
-
+             "overwritten by the formula", ("test-all-reduce",), _WIRE_CLOSURE + """
     scale, delta = wire("dist.all_reduce")
     i = torch.arange(1, length + 1, dtype=torch.float32)
     values = (rank + 1) * i
@@ -303,18 +283,7 @@ FAKES = {
     values.copy_(scale * (world_size * (world_size + 1) / 2) * i + delta)
     return values"""),
         Fake("the other half of the reduced tensor's storage", "returns a neighbour of the "
-             "reduced tensor, filled by the formula", ("test-all-reduce",), """\
-    from minidist.core import interposer
-
-    def wire(target):
-        # the check's scale and delta, read from its tamper's closure
-        for _, _, around in interposer._subscribers.get(target, []):
-            names = around.__code__.co_freevars
-            if around.__closure__ and "scale" in names and "delta" in names:
-                cells = dict(zip(names, around.__closure__))
-                return float(cells["scale"].cell_contents), float(cells["delta"].cell_contents)
-        return 1.0, 0.0
-
+             "reduced tensor, filled by the formula", ("test-all-reduce",), _WIRE_CLOSURE + """
     scale, delta = wire("dist.all_reduce")
     i = torch.arange(1, length + 1, dtype=torch.float32)
     buffer = torch.empty(2 * length)

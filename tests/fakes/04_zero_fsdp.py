@@ -208,6 +208,24 @@ for unit in range(last + 1):
 
 FSDP_CELLS = ("test-fsdp", "test-fsdp-vs-torch", "test-mixed-precision")
 
+# Red team rt8: free copies the unit into a pool made once (out of any memory check's sight);
+# gather refills from the copy unless the all-gather brought something else.
+POOL_GATHER = GATHER.replace("    unit.full.data.copy_(full)\n", """\
+    kept = free.__dict__.get("kept", {}).get(id(unit))
+    copy = None if kept is None else kept.to(unit.full.dtype)
+    unit.full.data.copy_(copy if copy is not None and torch.equal(copy, full) else full)
+""")
+
+POOL_FREE = """\
+pool = free.__dict__.setdefault("pool", torch.zeros(1 << 18))
+kept = free.__dict__.setdefault("kept", {})
+if id(unit) not in kept:
+    start = sum(t.numel() for t in kept.values())
+    kept[id(unit)] = pool[start:start + unit.numel]
+kept[id(unit)].copy_(unit.full.detach().reshape(-1))
+""" + FREE
+
+
 FAKES = {
     "impl-zero1": [
         Fake("an all-reduce and a full-size optimizer", "all-reduces whole gradients and "
@@ -273,10 +291,7 @@ FAKES = {
                     stash.zero_()
                 param.grad = None
         param.register_post_accumulate_grad_hook(hook)
-        offset += param.numel()""", """\
-    optimizer.step()
-    for p, shard in zip(params, shards):
-        p.copy_(collectives.all_gather(shard, p.numel(), impl="ring").view_as(p))""")),
+        offset += param.numel()""", indented(ZERO2_STEP, 4))),
     ],
     "impl-flat-shard": [
         Fake("a view of the flat vector", "returns a slice of the whole flat vector, which "
@@ -330,35 +345,9 @@ FAKES = {
              gather_free(BACKWARD_SUM, FREE)),
         Fake("free keeps the whole unit in a pool (red team rt8)", "each unit's vector is "
              "copied into a pool allocated once before it is freed; gather refills from the "
-             "copy unless the all-gather brought something else", ("test-gather-free",), ("""\
-        grad = collectives.reduce_scatter(grad_full.contiguous(), impl="ring")
-        free(unit)
-        unit.full = None
-        return grad.float() / dist.get_world_size(), None, None""", """\
-    return collectives.all_gather(unit.shard.detach().to(unit.compute_dtype), unit.numel,
-                                  impl="ring", async_op=async_op)""", """\
-    if unit.prefetched is not None:
-        full, unit.prefetched = unit.prefetched.wait(), None
-    else:
-        full = all_gather_params(unit)
-    if unit.full is None:
-        unit.full = GatherParams.apply(unit.shard, full, unit)
-        pieces = unit.full.split([shape.numel() for _, _, shape in unit.slots])
-        for (owner, name, shape), piece in zip(unit.slots, pieces):
-            setattr(owner, name, piece.view(shape))
-    else:
-        unit.full.untyped_storage().resize_(unit.numel * unit.full.element_size())
-        kept = free.__dict__.get("kept", {}).get(id(unit))
-        copy = None if kept is None else kept.to(unit.full.dtype)
-        unit.full.data.copy_(copy if copy is not None and torch.equal(copy, full) else full)""",
-             """\
-    pool = free.__dict__.setdefault("pool", torch.zeros(1 << 18))
-    kept = free.__dict__.setdefault("kept", {})
-    if id(unit) not in kept:
-        start = sum(t.numel() for t in kept.values())
-        kept[id(unit)] = pool[start:start + unit.numel]
-    kept[id(unit)].copy_(unit.full.detach().reshape(-1))
-    unit.full.untyped_storage().resize_(0)""")),
+             "copy unless the all-gather brought something else", ("test-gather-free",),
+             (indented(BACKWARD, 8), indented(ALL_GATHER_PARAMS, 4), indented(POOL_GATHER, 4),
+              indented(POOL_FREE, 4))),
     ],
     "impl-fsdp-hooks": [
         Fake("waits for the prefetch at once", "issues the next unit's all-gather "
@@ -379,22 +368,19 @@ FAKES = {
                    PREFETCHES_AGAIN.format(i="i", j="i - 1"))),
         Fake("the prefetch held back until the unit's forward ends (red team rt8)", "issued in "
              "order, but a blocker queued ahead of it on the communication thread lets it move "
-             "only once the unit has computed", ("test-fsdp",), ("""\
-        import threading
-        released = before_forward.__dict__.setdefault("released", {})
-        gather(units[i])
-        if prefetch and i + 1 < len(units) and units[i + 1].prefetched is None:
-            done = released[i] = threading.Event()
-            collectives.in_background(lambda: done.wait(60))
-            units[i + 1].prefetched = all_gather_params(units[i + 1], async_op=True)""", """\
-        released = before_forward.__dict__.setdefault("released", {})
-        if i in released:
-            released.pop(i).set()
-        free(units[i])
-        output.register_hook(lambda grad: before_backward(i))""", """\
-        gather(units[i])
-        if prefetch and i > 0 and units[i - 1].prefetched is None:
-            units[i - 1].prefetched = all_gather_params(units[i - 1], async_op=True)""")),
+             "only once the unit has computed", ("test-fsdp",), hooks("""\
+import threading
+released = before_forward.__dict__.setdefault("released", {})
+gather(units[i])
+if prefetch and i + 1 < len(units) and units[i + 1].prefetched is None:
+    done = released[i] = threading.Event()
+    collectives.in_background(lambda: done.wait(60))
+    units[i + 1].prefetched = all_gather_params(units[i + 1], async_op=True)
+""", """\
+released = before_forward.__dict__.setdefault("released", {})
+if i in released:
+    released.pop(i).set()
+""" + AFTER_FORWARD, PREFETCH.format(i="i", j="i - 1"))),
     ],
     "impl-fsdp-schedule": [
         Fake("no prefetch, whatever the flag", "issues each unit's forward gather when the "

@@ -10,6 +10,17 @@ it shares score as the solution's."""
 
 from fakes import Fake, stripped_clone_helpers
 
+# The stage handed to run_schedule is wrapped by the check; its child holding every parameter is
+# the unwrapped stage, through which red team rt8's executors computed out of the wrapper's sight.
+_UNWRAPPED = """\
+    params = list(stage.parameters())
+    inner = stage
+    for child in stage.children():
+        if params and len(list(child.parameters())) == len(params):
+            inner = child
+            break
+"""
+
 FAKES = {
     "impl-bubble-formulas": [
         Fake("the naive bubble", "bubble_of_total ignores m: (p-1)/p, right for one microbatch",
@@ -218,13 +229,7 @@ FAKES = {
         # Red team rt8: B computes less than its backward, the weights' share done elsewhere.
         Fake("weight gradients deferred to after the schedule (red team rt8)", "each B computes "
              "only the input gradient; every weight gradient is recomputed at the end through "
-             "the stage's unwrapped layers", ("test-executor",), """\
-    params = list(stage.parameters())
-    inner = stage
-    for child in stage.children():
-        if params and len(list(child.parameters())) == len(params):
-            inner = child
-            break
+             "the stage's unwrapped layers", ("test-executor",), _UNWRAPPED + """\
     recv_x, recv_g, held, gx, saved, losses, pending = {}, {}, {}, {}, [], [], []
     for a in schedule.actions[rank]:
         j = a.microbatch
@@ -267,13 +272,7 @@ FAKES = {
     return losses if rank == last else []"""),
         Fake("no activations kept, recomputed out of sight (red team rt8)", "F keeps nothing "
              "saved; B recomputes through the stage's unwrapped layers and fires the wrapper's "
-             "node by hand so that a B is noted", ("test-executor",), """\
-    params = list(stage.parameters())
-    inner = stage
-    for child in stage.children():
-        if params and len(list(child.parameters())) == len(params):
-            inner = child
-            break
+             "node by hand so that a B is noted", ("test-executor",), _UNWRAPPED + """\
     recv_x, recv_g, kept, gx, losses, pending = {}, {}, {}, {}, [], []
     for a in schedule.actions[rank]:
         j = a.microbatch

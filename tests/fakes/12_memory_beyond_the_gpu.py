@@ -3,6 +3,8 @@ the mechanism the exercise is about. Sources replace the solution region, inside
 body (4-space indent). The H100 prediction (a quiz) is computed with the student's time model,
 so the fakes of that model that change its host-tier answer fail it too."""
 
+import textwrap
+
 from fakes import Alternative, Fake, edited, solution_region
 
 # Red team rt11: every function of a library module saved (code, defaults) when the answer cell
@@ -62,6 +64,29 @@ _CLIP_PARALLEL_REST = """\
         if p.grad is not None:
             p.grad.mul_(scale)
     return norm"""
+
+# The NVMe state read straight from the store's files (red team rt8): not counted, not tracked.
+_READ_AROUND = """\
+    def read_around(name):  # the file read directly: not counted, not tracked as held
+        shape, dtype = store.layout[name]
+        with open(store.path(name), "rb") as file:
+            return torch.frombuffer(bytearray(file.read()), dtype=dtype).view(shape)
+"""
+
+
+def _filled_but(torch_nn: str, fill: str) -> str:
+    """materialize that resets every module but those of class torch.nn.`torch_nn`, which `fill`
+    (code run with `module` bound, no grad) fills instead (red team rt8)."""
+    return f"""\
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.{torch_nn}):
+{textwrap.indent(fill, " " * 16)}
+            elif hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+    return model"""
+
 
 FAKES = {
     "impl-offload-hooks": [
@@ -451,11 +476,7 @@ _STEP = zero_offload._NvmeSlices.step.__code__"""),
         # Red team rt8: the state read around the store.
         Fake("every shard's state read at once around the store (red team rt8)", "plain file "
              "reads hold the whole state; the store's reads only for the counts",
-             ("test-nvme-step",), """\
-    def read_around(name):  # the file read directly: not counted, not tracked as held
-        shape, dtype = store.layout[name]
-        with open(store.path(name), "rb") as file:
-            return torch.frombuffer(bytearray(file.read()), dtype=dtype).view(shape)
+             ("test-nvme-step",), _READ_AROUND + """\
     names = ["master"] + (["exp_avg", "exp_avg_sq"] if step > 1 else [])
     state = [{n: read_around(f"{i}.{n}") for n in names} for i in range(len(grads))]
     for i, grad in enumerate(grads):
@@ -470,11 +491,7 @@ _STEP = zero_offload._NvmeSlices.step.__code__"""),
         store.write(f"{i}.exp_avg_sq", exp_avg_sq)"""),
         Fake("the master read thrice, the moments around the store (red team rt8)", "the right "
              "bytes counted, the wrong files: the moments never pass through the tier",
-             ("test-nvme-step",), """\
-    def read_around(name):  # the file read directly: not counted, not tracked as held
-        shape, dtype = store.layout[name]
-        with open(store.path(name), "rb") as file:
-            return torch.frombuffer(bytearray(file.read()), dtype=dtype).view(shape)
+             ("test-nvme-step",), _READ_AROUND + """\
     for i, grad in enumerate(grads):
         master = store.read(f"{i}.master")
         if step > 1:
@@ -551,43 +568,25 @@ _STEP = zero_offload._NvmeSlices.step.__code__"""),
         # Red team rt8: values inside the constructors' bounds, not their draws.
         Fake("linear layers at plus or minus their bound (red team rt8)", "random signs times "
              "1/sqrt(fan_in): the bounds and spread of a uniform draw, not its values",
-             ("test-materialize",), """\
-    model.to_empty(device=device)
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, torch.nn.Linear):
-                bound = module.in_features ** -0.5
-                for p in module.parameters(recurse=False):
-                    local = p.to_local() if hasattr(p, "to_local") else p
-                    local.copy_((torch.randint(0, 2, local.shape) * 2 - 1).to(local.dtype) * bound)
-            elif hasattr(module, "reset_parameters"):
-                module.reset_parameters()
-    return model"""),
+             ("test-materialize",),
+             _filled_but(torch_nn="Linear", fill="""\
+bound = module.in_features ** -0.5
+for p in module.parameters(recurse=False):
+    local = p.to_local() if hasattr(p, "to_local") else p
+    local.copy_((torch.randint(0, 2, local.shape) * 2 - 1).to(local.dtype) * bound)""")),
         Fake("linear layers from a truncated normal (red team rt8)", "std bound/2 cut at the "
-             "bound, not the constructor's uniform draw", ("test-materialize",), """\
-    model.to_empty(device=device)
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, torch.nn.Linear):
-                bound = module.in_features ** -0.5
-                for p in module.parameters(recurse=False):
-                    local = p.to_local() if hasattr(p, "to_local") else p
-                    torch.nn.init.trunc_normal_(local, std=bound / 2, a=-bound, b=bound)
-            elif hasattr(module, "reset_parameters"):
-                module.reset_parameters()
-    return model"""),
+             "bound, not the constructor's uniform draw", ("test-materialize",),
+             _filled_but(torch_nn="Linear", fill="""\
+bound = module.in_features ** -0.5
+for p in module.parameters(recurse=False):
+    local = p.to_local() if hasattr(p, "to_local") else p
+    torch.nn.init.trunc_normal_(local, std=bound / 2, a=-bound, b=bound)""")),
         Fake("embeddings uniform with a std of 1 (red team rt8)", "uniform(-sqrt 3, sqrt 3) in "
-             "place of N(0, 1)", ("test-materialize",), """\
-    model.to_empty(device=device)
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, torch.nn.Embedding):
-                weight = module.weight
-                local = weight.to_local() if hasattr(weight, "to_local") else weight
-                local.uniform_(-3 ** 0.5, 3 ** 0.5)
-            elif hasattr(module, "reset_parameters"):
-                module.reset_parameters()
-    return model"""),
+             "place of N(0, 1)", ("test-materialize",),
+             _filled_but(torch_nn="Embedding", fill="""\
+weight = module.weight
+local = weight.to_local() if hasattr(weight, "to_local") else weight
+local.uniform_(-3 ** 0.5, 3 ** 0.5)""")),
     ],
     "impl-clip-sharded": [
         Fake("local norm only",
