@@ -12,7 +12,11 @@ N = 2 and N = 4; the last line says PASS or FAIL.
 
 Each point is timed in 3 sweeps over all sizes, each size in fresh ranks, and the median of
 the sweeps is kept. Each sweep fits its own links for "auto", once for all its sizes, as a
-process group fits them once and keeps them; the table shows what "auto" picked in each.
+process group fits them once and keeps them; the table shows what "auto" picked in each. The
+fit takes auto's own sizes (4 KiB to 4 MiB) and, as a job that all-reduces larger tensors
+would, every power of 4 up to --max-size: extrapolated from 1-4 MiB, the fit never sees the
+tree's pipelining (from 4 MiB up) and, at N = 4, picked Rabenseifner at 64 MiB (0.74x gloo,
+the tree alone 0.97x).
 Within a sweep a point is the median of 5 timings of about 40 ms, every implementation
 taking its turn in each round, so that a slow spell of the machine falls on all of them
 alike. The sweeps are there because ranks started afresh do not run alike where they share
@@ -50,6 +54,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
+from minidist.communication import impls
 from minidist.communication.bandwidth import Row, measure, measure_links
 from minidist.costs import algorithms
 
@@ -118,12 +123,14 @@ def main() -> None:
     if args.min_size < 4 or args.max_size < args.min_size:
         parser.error(f"need 4 <= --min-size <= --max-size, got {args.min_size}, {args.max_size}")
     sizes = [2**k for k in range(args.min_size.bit_length() - 1, args.max_size.bit_length())]
+    fit_sizes = (*impls.FIT_SIZES, *(4**k for k in range(12, 20)
+                                     if impls.FIT_SIZES[-1] < 4**k <= args.max_size))
 
     verdicts, missed = [], []
     for world_size in args.world_sizes:
         sweeps, picks = [], {}
         for _ in range(args.sweeps):
-            links = measure_links(world_size, timeout=600)
+            links = measure_links(world_size, timeout=600, sizes=fit_sizes)
             sweeps.append(measure(
                 world_size, sizes, implementations=("torch", *OURS), repeats=args.repeats,
                 target_time=args.target_time, timeout=600, link=links,

@@ -166,6 +166,9 @@ def _check_auto(rank: int, world_size: int) -> list[str]:
         failures.append("fit_links measured again instead of keeping the group's links")
     if fitting.bytes_sent or fitting.collectives:
         failures.append(f"fit_links' own timings were counted: {fitting}")
+    own = impls.fit_links(rounds=1, sizes=(2**12, 2**14))
+    if own.sizes != (2**12, 2**14) or impls.fit_links() is not links:
+        failures.append(f"links fitted at other sizes replaced auto's: {own.sizes}")
     everyone = [None] * world_size
     dist.all_gather_object(everyone, links)
     if any(other != links for other in everyone):

@@ -118,16 +118,18 @@ def measure(
     return rows
 
 
-def measure_links(world_size: int, timeout: float | None = None, *,
-                  rounds: int = 9) -> AlgorithmLinks:
+def measure_links(world_size: int, timeout: float | None = None, *, rounds: int = 9,
+                  sizes: Sequence[int] = impls.FIT_SIZES) -> AlgorithmLinks:
     """`minidist.communication.impls.fit_links` on `world_size` fresh ranks: each all-reduce
     algorithm's own links, the ones `collectives.all_reduce(impl="auto")` decides with (every rank
-    fits the same ones), each point the median of `rounds` rounds (auto's own: 9)."""
-    return run(_fit_links_on_rank, world_size, rounds, timeout=timeout)[0]
+    fits the same ones), each point the median of `rounds` rounds (auto's own: 9), timed at
+    `sizes` (auto's own by default)."""
+    return run(_fit_links_on_rank, world_size, rounds, tuple(sizes), timeout=timeout)[0]
 
 
-def _fit_links_on_rank(rank: int, world_size: int, rounds: int) -> AlgorithmLinks:
-    return impls.fit_links(rounds=rounds)
+def _fit_links_on_rank(rank: int, world_size: int, rounds: int,
+                       sizes: tuple[int, ...]) -> AlgorithmLinks:
+    return impls.fit_links(rounds=rounds, sizes=sizes)
 
 
 def _numel(nbytes: int, collective: str, world_size: int, dtype: torch.dtype) -> int:

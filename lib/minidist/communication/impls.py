@@ -18,7 +18,7 @@ or, given the job's network and a group spanning it, the two-tier model's choice
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +34,8 @@ from minidist.costs import algorithms
 from minidist.costs.algorithms import Algorithm
 from minidist.costs.cost import AlgorithmLinks, AlphaBeta
 
-__all__ = ["Implementation", "TABLE", "choices", "check_impl", "implementation", "fit_links",
+__all__ = ["Implementation", "TABLE", "choices", "check_impl", "implementation", "FIT_SIZES",
+           "fit_links",
            "best_algorithm", "choose"]
 
 
@@ -109,39 +110,46 @@ def implementation(name: str) -> Implementation:
 
 # --- Choosing one: "auto" ---------------------------------------------------------------------
 
-# Sizes each algorithm is timed at; its links are fitted on each range between two of them.
-_FIT_SIZES = (2**12, 2**16, 2**18, 2**20, 2**22)
-_links: dict[dist.ProcessGroup, AlgorithmLinks] = per_group_cache()
+# Sizes each algorithm is timed at by default; its links are fitted on each range between two.
+FIT_SIZES = (2**12, 2**16, 2**18, 2**20, 2**22)
+_links: dict[dist.ProcessGroup, dict[tuple[int, ...], AlgorithmLinks]] = per_group_cache()
 
 
-def fit_links(group: dist.ProcessGroup | None = None, rounds: int = 9) -> AlgorithmLinks:
+def fit_links(group: dist.ProcessGroup | None = None, *, rounds: int = 9,
+              sizes: Sequence[int] = FIT_SIZES) -> AlgorithmLinks:
     """Each flat all-reduce algorithm's own link on `group`, as "auto" sees it: measured on
-    the first call and kept per group.
+    the first call and kept per group (and per `sizes`).
 
-    Every algorithm is timed (its `streamed` code) at five sizes from 4 KiB to 4 MiB, its
-    additions included, in `rounds` rounds of `timing.time_in_turns`, and fitted to its own
-    a * alpha + b * S * beta on each range between two sizes (`cost.AlgorithmLinks`). Each
-    point is the median of its rounds, on the slowest rank, so every rank fits the same links
-    and "auto" makes the same choice everywhere. About 1.5 s on 2 ranks of a 2-core laptop,
-    4 s on 4; every member of the group must call it (as "auto" does), at the same time.
-    Nothing it sends is counted.
+    Every algorithm is timed (its `streamed` code) at each of `sizes` (bytes; by default five
+    from 4 KiB to 4 MiB), its additions included, in `rounds` rounds of
+    `timing.time_in_turns`, and fitted to its own a * alpha + b * S * beta on each range
+    between two sizes (`cost.AlgorithmLinks`); above the last size the last range's link
+    holds, so a job that all-reduces much larger tensors fits up to its sizes. Each point is
+    the median of its rounds, on the slowest rank, so every rank fits the same links and
+    "auto" makes the same choice everywhere. About 1.5 s on 2 ranks of a 2-core laptop, 4 s
+    on 4 with the default sizes; every member of the group must call it (as "auto" does), at
+    the same time. Nothing it sends is counted.
     """
-    return _links_of(comm.ring_of(group, "fit_links"), rounds)
+    sizes = tuple(sizes)
+    if len(sizes) < 2 or list(sizes) != sorted(set(sizes)) or sizes[0] < 4:
+        raise ValueError(f"sizes={sizes}: give at least two increasing sizes in bytes, "
+                         f"from 4 up (for example {FIT_SIZES})")
+    return _links_of(comm.ring_of(group, "fit_links"), rounds, sizes)
 
 
-def _links_of(ring: Ring, rounds: int = 9) -> AlgorithmLinks:
-    key = ring.group or dist.group.WORLD
-    if key not in _links:
-        _links[key] = _fit_links(ring, rounds)
-    return _links[key]
+def _links_of(ring: Ring, rounds: int = 9, sizes: tuple[int, ...] = FIT_SIZES) -> AlgorithmLinks:
+    fitted = _links.setdefault(ring.group or dist.group.WORLD, {})
+    if sizes not in fitted:
+        fitted[sizes] = _fit_links(ring, rounds, sizes)
+    return fitted[sizes]
 
 
-def _fit_links(ring: Ring, rounds: int) -> AlgorithmLinks:
+def _fit_links(ring: Ring, rounds: int, sizes: tuple[int, ...]) -> AlgorithmLinks:
     flat = [row for row in TABLE if row.algorithm in algorithms.running("all_reduce", nodes=False)]
     if ring.size == 1:  # nothing is ever sent
-        free = (AlphaBeta(0.0, 0.0),) * (len(_FIT_SIZES) - 1)
-        return AlgorithmLinks(1, _FIT_SIZES, tuple((row.name, free) for row in flat))
-    tensors = [torch.zeros(nbytes // 4) for nbytes in _FIT_SIZES]  # zeros never overflow
+        free = (AlphaBeta(0.0, 0.0),) * (len(sizes) - 1)
+        return AlgorithmLinks(1, sizes, tuple((row.name, free) for row in flat))
+    tensors = [torch.zeros(nbytes // 4) for nbytes in sizes]  # zeros never overflow
     calls, repeat = {}, {}
     for row in flat:
         for tensor in tensors:
@@ -153,7 +161,7 @@ def _fit_links(ring: Ring, rounds: int) -> AlgorithmLinks:
         times = time_in_turns(calls, rounds, repeat, group=ring.group)
     medians = {row.name: [torch.tensor(times[f"{row.name} {t.numel()}"]).median().item()
                           for t in tensors] for row in flat}
-    return AlgorithmLinks.fit(ring.size, _FIT_SIZES, medians)
+    return AlgorithmLinks.fit(ring.size, sizes, medians)
 
 
 @functools.lru_cache(maxsize=4096)
